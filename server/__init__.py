@@ -1,0 +1,1 @@
+"""VeloxQuant-MLX inference server (OpenAI-compatible, FastAPI)."""
