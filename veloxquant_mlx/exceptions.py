@@ -55,3 +55,11 @@ class OwnerAlreadyActiveError(VeloxQuantError):
 
 class ForeignBlockError(VeloxQuantError, ValueError):
     """A block handed to free() does not belong to this pool (or was retired)."""
+
+
+class PoolArgumentError(VeloxQuantError, ValueError):
+    """An argument to the block pool has a wrong value (e.g. ``n_tokens <= 0``)."""
+
+
+class PoolArgumentTypeError(VeloxQuantError, TypeError):
+    """An argument to the block pool has a wrong type (e.g. a bool token count)."""
