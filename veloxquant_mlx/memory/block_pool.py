@@ -27,7 +27,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Optional
 
 from veloxquant_mlx.exceptions import (
     BlockPoolExhaustedError,
@@ -69,7 +68,7 @@ class PoolConfig:
     n_blocks: int = 1024
     separate_kv: bool = True
     grow_on_exhaustion: bool = False
-    max_blocks: Optional[int] = None
+    max_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _check_count("block_size", self.block_size, 1)
@@ -107,7 +106,7 @@ class Block:
         stream: str = _SHARED_STREAM,
         format: str = "fp16",
         n_used: int = 0,
-        owner: Optional[int] = None,
+        owner: int | None = None,
         ever_allocated: bool = False,
     ) -> None:
         self.block_id = block_id
@@ -116,7 +115,7 @@ class Block:
         self._n_used = n_used
         self.owner = owner
         self.ever_allocated = ever_allocated
-        self._pool: Optional[BlockPoolAllocator] = None
+        self._pool: BlockPoolAllocator | None = None
 
     @property
     def n_used(self) -> int:
@@ -208,8 +207,8 @@ class AllocationStats:
         )
         lines = []
         for name, kind, help_text, value in rows:
-            # Counter samples carry the _total suffix; their family name drops it.
-            family = f"{prefix}_{name.removesuffix('_total') if kind == 'counter' else name}"
+            # Text format 0.0.4: a counter's HELP/TYPE lines name the _total sample.
+            family = f"{prefix}_{name}"
             lines.append(f"# HELP {family} {help_text}")
             lines.append(f"# TYPE {family} {kind}")
             lines.append(f"{prefix}_{name} {value}")
@@ -236,7 +235,7 @@ class BlockPoolAllocator:
     kept, never recounted, and owners index their blocks by id.
     """
 
-    def __init__(self, config: Optional[PoolConfig] = None) -> None:
+    def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config if config is not None else PoolConfig()
         self._lock = threading.Lock()
         self._block_size = self.config.block_size
