@@ -1,0 +1,171 @@
+"""ensure_optimized_blas / describe_backend: the re-exec, its no-op paths, the report line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from veloxquant_mlx import cpu_backend as cb
+
+LIB = cb.find_optimized_blas()
+LIB_OK = LIB is not None and cb.probe_blas(LIB)
+requires_blas = pytest.mark.skipif(
+    not LIB_OK,
+    reason="no working optimized BLAS installed (run scripts/install_blas.sh as root)",
+)
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD is Linux-only")
+
+# A `python -m` entry point like the server's: it prints a line before the re-exec (seen
+# twice when exactly one re-exec happens), then which BLAS serves MLX afterwards.
+ENTRY = textwrap.dedent(
+    """
+    import os, sys
+    print("start", flush=True)
+    from veloxquant_mlx.cpu_backend import describe_backend, ensure_optimized_blas
+    ensure_optimized_blas(sys.argv[1] == "on")
+    import mlx.core as mx
+    mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
+    maps = open("/proc/self/maps").read()
+    print("argv", sys.argv[1:])
+    print("marker", os.environ.get("VELOXQUANT_BLAS_PRELOADED", ""))
+    print("mapped", os.environ.get("LIB_UNDER_TEST", "?") in maps)
+    print("describe", describe_backend("float32"))
+    """
+)
+
+
+def _run_entry(tmp_path: Path, mode: str, env: dict[str, str]) -> list[str]:
+    (tmp_path / "blas_entry").mkdir(exist_ok=True)
+    (tmp_path / "blas_entry" / "__main__.py").write_text(ENTRY)
+    env = dict(env, LIB_UNDER_TEST=str(LIB))
+    done = subprocess.run(
+        [sys.executable, "-m", "blas_entry", mode, "--flag"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )
+    return done.stdout.splitlines()
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment of a user who set nothing: no preload, no marker, no opt-out."""
+    env = cb.child_env(preload=False)
+    env.pop(cb.OPT_OUT_ENV, None)
+    return env
+
+
+@requires_blas
+def test_reexec_once_with_preload_keeps_dash_m_and_args(tmp_path: Path) -> None:
+    out = _run_entry(tmp_path, "on", _clean_env())
+    assert out.count("start") == 2, out  # exactly one re-exec
+    assert "argv ['on', '--flag']" in out
+    assert f"marker {LIB}" in out
+    assert "mapped True" in out
+    describe = next(line for line in out if line.startswith("describe"))
+    assert f"preloaded {LIB}" in describe and "dtype float32" in describe
+
+
+@requires_blas
+def test_disabled_does_not_preload(tmp_path: Path) -> None:
+    out = _run_entry(tmp_path, "off", _clean_env())
+    assert out.count("start") == 1
+    assert "mapped False" in out
+    describe = next(line for line in out if line.startswith("describe"))
+    assert "bundled reference BLAS" in describe and "mlx_cpu.libs" in describe
+
+
+@requires_blas
+def test_env_opt_out_does_not_preload(tmp_path: Path) -> None:
+    out = _run_entry(tmp_path, "on", dict(_clean_env(), VELOXQUANT_NO_BLAS_PRELOAD="1"))
+    assert out.count("start") == 1
+    assert "mapped False" in out
+
+
+@linux_only
+def test_probe_rejects_what_is_not_a_working_blas(tmp_path: Path) -> None:
+    assert not cb.probe_blas(tmp_path / "missing.so")
+    libm = next(p for p in (Path("/lib/x86_64-linux-gnu/libm.so.6"), Path("/lib64/libm.so.6"),
+                            Path("/usr/lib/libm.so.6"), Path("/lib/aarch64-linux-gnu/libm.so.6"))
+                if p.exists())
+    assert not cb.probe_blas(libm)  # loads fine, but has no cblas_sgemm
+
+
+class _ExecCalled(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_execve(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record os.execve calls instead of replacing the test process."""
+    calls: list[tuple] = []
+
+    def record(path: str, argv: list[str], env: dict[str, str]) -> None:
+        calls.append((path, argv, env))
+        raise _ExecCalled
+
+    monkeypatch.setattr(cb.os, "execve", record)
+    monkeypatch.delenv(cb.OPT_OUT_ENV, raising=False)
+    monkeypatch.delenv(cb.MARKER_ENV, raising=False)
+    return calls
+
+
+@requires_blas
+def test_execve_gets_orig_argv_preload_and_marker(fake_execve: list[tuple],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    if cb.active_blas().preloaded:
+        pytest.skip("this test process already runs with a preloaded BLAS")
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "server", "--port", "9"])
+    with pytest.raises(_ExecCalled):
+        cb.ensure_optimized_blas(True)
+    (path, argv, env), = fake_execve
+    assert path == sys.executable
+    assert argv == [sys.executable, "-m", "server", "--port", "9"]
+    assert env["LD_PRELOAD"].split(":")[0] == str(LIB)
+    assert env[cb.MARKER_ENV] == str(LIB)
+
+
+def test_no_library_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cb, "find_optimized_blas", lambda: None)
+    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
+    cb.ensure_optimized_blas(True)
+    assert fake_execve == []
+
+
+def test_marker_prevents_a_second_reexec(fake_execve: list[tuple],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The preload may not take (e.g. ld.so rejects it): the marker alone stops a loop.
+    monkeypatch.setenv(cb.MARKER_ENV, "/some/lib.so")
+    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
+    cb.ensure_optimized_blas(True)
+    assert fake_execve == []
+
+
+def test_non_linux_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cb.sys, "platform", "darwin")
+    cb.ensure_optimized_blas(True)
+    assert fake_execve == []
+    assert cb.find_optimized_blas() is None
+
+
+def test_failing_probe_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A BLAS built for another CPU (SIGILL) must never become the server's process image.
+    monkeypatch.setattr(cb, "find_optimized_blas", lambda: Path("/opt/bad/libblas.so.3"))
+    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
+    monkeypatch.setattr(cb, "probe_blas", lambda path: False)
+    cb.ensure_optimized_blas(True)
+    assert fake_execve == []
+
+
+def test_child_env_adds_and_strips_the_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = Path("/usr/lib/x/openblas-pthread/libblas.so.3")
+    monkeypatch.setattr(cb, "find_optimized_blas", lambda: lib)
+    base = {"LD_PRELOAD": f"/other.so:{lib}", cb.OPT_OUT_ENV: "1", "KEEP": "k"}
+    on = cb.child_env(preload=True, base=base)
+    assert on["LD_PRELOAD"] == f"{lib}:/other.so"
+    assert on[cb.MARKER_ENV] == str(lib) and cb.OPT_OUT_ENV not in on and on["KEEP"] == "k"
+    off = cb.child_env(preload=False, base={**base, cb.MARKER_ENV: str(lib)})
+    assert off["LD_PRELOAD"] == "/other.so"
+    assert off[cb.OPT_OUT_ENV] == "1" and cb.MARKER_ENV not in off
+    assert "LD_PRELOAD" not in cb.child_env(preload=False, base={"LD_PRELOAD": str(lib)})
