@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass, fields
 
 from veloxquant_mlx.exceptions import (
     BlockPoolExhaustedError,
@@ -35,196 +34,16 @@ from veloxquant_mlx.exceptions import (
     PoolArgumentError,
     PoolArgumentTypeError,
 )
+from veloxquant_mlx.memory.records import (
+    HISTORY_LEN,
+    SHARED_STREAM,
+    AllocationStats,
+    Block,
+    PoolConfig,
+    check_count,
+)
 
-HISTORY_LEN = 256
-_SPLIT_STREAMS = ("k", "v")
-_SHARED_STREAM = "kv"
-
-
-def _check_count(name: str, value: object, minimum: int) -> int:
-    """Validate an integer argument (bools are rejected: True is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PoolArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise PoolArgumentError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """Sizing and behaviour of a pool.
-
-    Attributes:
-        block_size: Token slots per block.
-        n_blocks: Total blocks created up front (split between "k" and "v"
-            when ``separate_kv``; "k" takes the odd one).
-        separate_kv: Keys and values draw from independent free stacks.
-        grow_on_exhaustion: Grow a stream just enough instead of raising.
-        max_blocks: Cap on the total once grown (None: unbounded). Only used
-            with ``grow_on_exhaustion``.
-    """
-
-    block_size: int = 16
-    n_blocks: int = 1024
-    separate_kv: bool = True
-    grow_on_exhaustion: bool = False
-    max_blocks: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_count("block_size", self.block_size, 1)
-        _check_count("n_blocks", self.n_blocks, 1)
-        if self.max_blocks is not None:
-            _check_count("max_blocks", self.max_blocks, 1)
-            if self.max_blocks < self.n_blocks:
-                raise PoolArgumentError(
-                    f"max_blocks ({self.max_blocks}) must be >= n_blocks ({self.n_blocks})"
-                )
-        for flag in ("separate_kv", "grow_on_exhaustion"):
-            if not isinstance(getattr(self, flag), bool):
-                raise PoolArgumentTypeError(f"{flag} must be a bool")
-
-    @property
-    def streams(self) -> tuple[str, ...]:
-        """The stream names this configuration allocates from."""
-        return _SPLIT_STREAMS if self.separate_kv else (_SHARED_STREAM,)
-
-
-class Block:
-    """One fixed-size block of KV-cache storage.
-
-    ``block_id`` is stable for the life of the pool; blocks are reused in
-    place. ``owner`` is None while the block is free. ``n_used`` (token slots
-    filled) is set by ``allocate()`` and kept current by whoever writes into
-    the block; assigning it keeps the pool's fragmentation count in step.
-    """
-
-    __slots__ = ("block_id", "stream", "format", "_n_used", "owner", "ever_allocated", "_pool")
-
-    def __init__(
-        self,
-        block_id: int,
-        stream: str = _SHARED_STREAM,
-        format: str = "fp16",
-        n_used: int = 0,
-        owner: int | None = None,
-        ever_allocated: bool = False,
-    ) -> None:
-        self.block_id = block_id
-        self.stream = stream
-        self.format = format
-        self._n_used = n_used
-        self.owner = owner
-        self.ever_allocated = ever_allocated
-        self._pool: BlockPoolAllocator | None = None
-
-    @property
-    def n_used(self) -> int:
-        """Token slots currently occupied (0..block_size)."""
-        return self._n_used
-
-    @n_used.setter
-    def n_used(self, value: int) -> None:
-        pool = self._pool
-        if pool is None:
-            self._n_used = value
-            return
-        pool._set_used(self, value)
-
-    def __repr__(self) -> str:
-        return (
-            f"Block(block_id={self.block_id}, stream={self.stream!r}, format={self.format!r}, "
-            f"n_used={self._n_used}, owner={self.owner!r}, "
-            f"ever_allocated={self.ever_allocated})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Block):
-            return NotImplemented
-        return (
-            self.block_id, self.stream, self.format, self._n_used, self.owner,
-            self.ever_allocated,
-        ) == (
-            other.block_id, other.stream, other.format, other._n_used, other.owner,
-            other.ever_allocated,
-        )
-
-    __hash__ = None  # mutable; compare by value like the dataclass it stands for
-
-
-@dataclass(slots=True)
-class AllocationStats:
-    """Running counters of a pool. Every counter counts blocks, not calls.
-
-    ``n_partial`` (blocks allocated but not full) is kept alongside the
-    documented counters so that ``fragmentation()`` never has to scan.
-    """
-
-    n_blocks: int
-    n_allocations: int = 0
-    n_frees: int = 0
-    n_reused: int = 0
-    n_exhausted: int = 0
-    n_grown: int = 0
-    n_retired: int = 0
-    peak_blocks_in_use: int = 0
-    n_partial: int = 0
-
-    def blocks_in_use(self) -> int:
-        """Blocks currently checked out (``n_allocations - n_frees``)."""
-        return self.n_allocations - self.n_frees
-
-    def fragmentation(self) -> float:
-        """Fraction of managed blocks that are allocated but not full."""
-        return self.n_partial / self.n_blocks if self.n_blocks else 0.0
-
-    def snapshot(self) -> AllocationStats:
-        """An independent copy, unaffected by later pool activity."""
-        return AllocationStats(*(getattr(self, f.name) for f in fields(self)))
-
-    def as_dict(self) -> dict[str, float]:
-        """Counters plus derived values, for JSON endpoints and logs."""
-        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["blocks_in_use"] = self.blocks_in_use()
-        out["fragmentation"] = self.fragmentation()
-        return out
-
-    def to_prometheus(self, prefix: str = "veloxquant_block_pool") -> str:
-        """Render the stats as Prometheus text exposition (newline-terminated)."""
-        rows = (
-            ("blocks_in_use", "gauge", "Blocks currently checked out", self.blocks_in_use()),
-            ("blocks_total", "gauge", "Blocks the pool manages", self.n_blocks),
-            ("fragmentation", "gauge", "Share of blocks allocated but not full",
-             self.fragmentation()),
-            ("peak_blocks_in_use", "gauge", "High-water mark of blocks in use",
-             self.peak_blocks_in_use),
-            ("allocations_total", "counter", "Blocks handed out", self.n_allocations),
-            ("frees_total", "counter", "Blocks returned", self.n_frees),
-            ("reused_total", "counter", "Blocks handed out again after a free", self.n_reused),
-            ("exhausted_total", "counter", "Blocks requested by failed allocations",
-             self.n_exhausted),
-            ("grown_total", "counter", "Blocks added by growth", self.n_grown),
-            ("retired_total", "counter", "Blocks removed by shrink", self.n_retired),
-        )
-        lines = []
-        for name, kind, help_text, value in rows:
-            # Text format 0.0.4: a counter's HELP/TYPE lines name the _total sample.
-            family = f"{prefix}_{name}"
-            lines.append(f"# HELP {family} {help_text}")
-            lines.append(f"# TYPE {family} {kind}")
-            lines.append(f"{prefix}_{name} {value}")
-        return "\n".join(lines) + "\n"
-
-    def __repr__(self) -> str:
-        return (
-            f"AllocationStats(in_use={self.blocks_in_use()}/{self.n_blocks}, "
-            f"allocations={self.n_allocations}, frees={self.n_frees}, "
-            f"reused={self.n_reused}, exhausted={self.n_exhausted}, grown={self.n_grown}, "
-            f"retired={self.n_retired}, peak={self.peak_blocks_in_use}, "
-            f"fragmentation={self.fragmentation():.3f})"
-        )
-
-
-_STAT_FIELDS = tuple(f.name for f in fields(AllocationStats))
+__all__ = ["AllocationStats", "Block", "BlockPoolAllocator", "PoolConfig"]
 
 
 class BlockPoolAllocator:
@@ -256,7 +75,7 @@ class BlockPoolAllocator:
         # Stream-name aliasing: with one shared stream "k", "v" and "kv" all mean it.
         self._stream_of = {s: s for s in streams}
         if not self.config.separate_kv:
-            self._stream_of.update({"k": _SHARED_STREAM, "v": _SHARED_STREAM})
+            self._stream_of.update({"k": SHARED_STREAM, "v": SHARED_STREAM})
 
     # -- internal helpers (call with the lock held) -------------------------
 
@@ -347,9 +166,9 @@ class BlockPoolAllocator:
                 ``format`` not a str.
         """
         if type(n_tokens) is not int or n_tokens <= 0:
-            _check_count("n_tokens", n_tokens, 1)
+            check_count("n_tokens", n_tokens, 1)
         if type(owner) is not int:
-            _check_count("owner", owner, -(2**63))
+            check_count("owner", owner, -(2**63))
         if type(format) is not str:
             raise PoolArgumentTypeError(f"format must be a str, got {type(format).__name__}")
         bs = self._block_size
@@ -434,8 +253,8 @@ class BlockPoolAllocator:
                 owner = block.owner
                 if owner is None:
                     continue
-                owned = self._owned[owner]
-                if owned.pop(block.block_id, None) is None:
+                owned = self._owned.get(owner)
+                if owned is None or owned.pop(block.block_id, None) is None:
                     continue  # listed twice in this call
                 to_free.append(block)
                 if not owned:
@@ -469,7 +288,7 @@ class BlockPoolAllocator:
                 and not yet released.
         """
         if type(owner) is not int:
-            _check_count("owner", owner, -(2**63))
+            check_count("owner", owner, -(2**63))
         self._lock.acquire()
         try:
             if owner in self._active:
@@ -526,7 +345,7 @@ class BlockPoolAllocator:
         """Free blocks on ``stream`` ("kv" on a split pool: both streams)."""
         self._lock.acquire()
         try:
-            if stream == _SHARED_STREAM and self.config.separate_kv:
+            if stream == SHARED_STREAM and self.config.separate_kv:
                 return sum(len(s) for s in self._free.values())
             return len(self._free[self._resolve(stream)])
         finally:
@@ -546,10 +365,10 @@ class BlockPoolAllocator:
         Raises:
             PoolArgumentError: ``target_free < 0`` or an unknown stream.
         """
-        _check_count("target_free", target_free, 0)
+        check_count("target_free", target_free, 0)
         self._lock.acquire()
         try:
-            if stream == _SHARED_STREAM and self.config.separate_kv:
+            if stream == SHARED_STREAM and self.config.separate_kv:
                 half, extra = divmod(target_free, 2)
                 targets = {"k": half + extra, "v": half}
             else:
