@@ -14,6 +14,13 @@ from veloxquant_mlx.memory.block_pool import (
     BlockPoolAllocator,
     PoolConfig,
 )
+from veloxquant_mlx.memory.pool_backed import (
+    PoolBackedKVCache,
+    build_pooled_caches,
+    load_pooled_prompt_cache,
+)
+from veloxquant_mlx.memory.pooled import PooledKVCache
+from veloxquant_mlx.memory.storage import MLXBlockStorage
 
 __all__ = [
     "AllocationStats",
@@ -21,9 +28,14 @@ __all__ = [
     "BlockPoolAllocator",
     "BlockPoolExhaustedError",
     "ForeignBlockError",
+    "MLXBlockStorage",
     "OwnerAlreadyActiveError",
     "PoolArgumentError",
     "PoolArgumentTypeError",
+    "PoolBackedKVCache",
     "PoolConfig",
+    "PooledKVCache",
     "VeloxQuantError",
+    "build_pooled_caches",
+    "load_pooled_prompt_cache",
 ]

@@ -1,0 +1,27 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """Folder of the offline ``tiny`` model, built on first use (a few seconds).
+
+    It lives in the git-ignored ``models/`` folder at the repository root, so
+    later runs (and a server started meanwhile) reuse it.
+    """
+    from veloxquant_mlx.offline_model import ensure_model
+
+    return ensure_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path: Path):
+    """``(model, tokenizer)`` of the tiny model, loaded once with ``mlx_lm.load``."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model_path))

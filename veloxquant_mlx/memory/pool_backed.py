@@ -1,0 +1,491 @@
+"""A drop-in ``mlx_lm`` ``KVCache`` whose growth is checked out from a block pool.
+
+:class:`PoolBackedKVCache` speaks mlx-lm's cache protocol (``update_and_fetch``,
+``offset``, ``state``, ``trim``, ``make_mask``, ...) so it can be passed as
+``prompt_cache`` to ``mlx_lm.generate`` / ``stream_generate``. Attention needs
+one contiguous ``(B, n_kv_heads, seq, head_dim)`` tensor per layer, so the
+keys and values stay in one contiguous buffer, exactly like the stock cache;
+the pool does the accounting of that memory::
+
+    tokens   0 ........ 15 | 16 ....... 31 | 32 .. 37 |          offset = 38
+    blocks   [ k0 | v0 ]   | [ k1 | v1 ]   | [k2|v2]  |          n_used 16, 16, 6
+    buffer   [======================================........................]
+             ^ grows in ``buffer_step`` tokens (256, like stock KVCache)  ^
+
+* Blocks: every time ``offset`` passes the tokens the cache holds blocks for,
+  it allocates ``step`` more tokens' worth (default ``pool.config.block_size``)
+  on both the ``"k"`` and ``"v"`` streams under its owner, and keeps each
+  block's ``n_used`` equal to the tokens really in it. ``trim`` gives surplus
+  blocks back. So the pool's numbers follow real token use.
+* Buffer: grows in ``buffer_step`` chunks (256 by default, as stock). Growing
+  the buffer by only ``step`` tokens would copy the whole cache every 16
+  tokens; the larger chunk keeps decode speed equal to stock while the peak
+  buffer bytes are never above stock's.
+
+All the caches of one request share an *owner lease*: ``release()`` on any of
+them frees every block of the owner once, and later calls are no-ops even if
+the owner id has since been reused by a new request (the new request's caches
+get a new lease).
+
+Saving and loading: mlx-lm's ``save_prompt_cache`` works as is. Its
+``load_prompt_cache`` finds cache classes by name in ``mlx_lm.models.cache``,
+so importing this module registers :class:`PoolBackedKVCache` there. Loaded
+caches are *detached* (no pool); account them with
+:meth:`PoolBackedKVCache.attach`, or load with :func:`load_pooled_prompt_cache`,
+which does both.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlx_cache
+
+from veloxquant_mlx.exceptions import VeloxQuantError
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+DEFAULT_BUFFER_STEP = 256
+"""Buffer growth chunk in tokens; mlx-lm's stock ``KVCache.step``."""
+
+_FORMAT_OF_DTYPE = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+
+
+class _OwnerLease:
+    """One request's claim on a pool, shared by all of its layers' caches."""
+
+    __slots__ = ("pool", "owner", "released")
+
+    def __init__(self, pool: BlockPoolAllocator, owner: int) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.released = False
+
+
+# pool -> {owner: live lease}. Caches made for the same (pool, owner) while a
+# lease is live share it; a released lease leaves the table, so a reused
+# owner id starts a fresh lease that old caches cannot touch.
+_LEASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LEASES_LOCK = threading.Lock()
+
+
+def _lease_for(pool: BlockPoolAllocator, owner: int) -> _OwnerLease:
+    with _LEASES_LOCK:
+        table = _LEASES.setdefault(pool, {})
+        lease = table.get(owner)
+        if lease is None:
+            lease = table[owner] = _OwnerLease(pool, owner)
+        return lease
+
+
+def _release_lease(lease: _OwnerLease) -> bool:
+    """Free the lease's blocks once. Returns False when it was already released."""
+    with _LEASES_LOCK:
+        if lease.released:
+            return False
+        lease.released = True
+        table = _LEASES.get(lease.pool)
+        if table is not None and table.get(lease.owner) is lease:
+            del table[lease.owner]
+    lease.pool.free_all(lease.owner)
+    return True
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class PoolBackedKVCache(_mlx_cache._BaseCache):
+    """mlx-lm ``KVCache`` replacement that accounts its memory in a block pool.
+
+    Returns bit-for-bit what the stock ``KVCache`` returns for the same calls.
+
+    Invariants (while attached and not released):
+        * ``len(k_blocks) == len(v_blocks)`` and they cover at least
+          ``offset`` tokens: ``ceil(offset / block_size) <= len(k_blocks)``;
+        * block ``i`` has ``n_used == clamp(offset - i * block_size, 0, block_size)``;
+        * ``keys.shape[2] >= offset`` (the buffer holds every live token).
+
+    Args:
+        pool: Shared pool to account growth in.
+        owner: Request id the blocks are checked out to; unique per
+            concurrent request. Every layer of one request uses the same id.
+        step: Tokens of block accounting added per growth step; defaults to
+            ``pool.config.block_size``.
+        buffer_step: Tokens the contiguous buffer grows by (default 256, as
+            stock). Only affects speed and peak bytes, never the output.
+
+    Raises:
+        ValueError: If ``step`` or ``buffer_step`` is not a positive int.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPoolAllocator,
+        owner: int,
+        step: int | None = None,
+        *,
+        buffer_step: int = DEFAULT_BUFFER_STEP,
+    ) -> None:
+        self._detach()
+        self.buffer_step = _check_positive("buffer_step", buffer_step)
+        self.attach(pool, owner, step=step)
+
+    def _detach(self) -> None:
+        """Set the fields of an empty cache with no pool."""
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.pool: BlockPoolAllocator | None = None
+        self.owner: int | None = None
+        self.step: int | None = None
+        self.buffer_step = DEFAULT_BUFFER_STEP
+        self._lease: _OwnerLease | None = None
+        self._k_blocks: list[Block] = []
+        self._v_blocks: list[Block] = []
+        self._block_size = 0
+
+    # -- pool side ------------------------------------------------------------
+
+    def attach(self, pool: BlockPoolAllocator, owner: int, step: int | None = None) -> None:
+        """Bind a detached cache (e.g. one from ``load_prompt_cache``) to a pool.
+
+        Blocks for the tokens already in the cache are allocated at once.
+
+        Args:
+            pool: Pool to account in.
+            owner: Request id; caches sharing it share one lease.
+            step: Accounting growth chunk; defaults to ``pool.config.block_size``.
+
+        Raises:
+            VeloxQuantError: If the cache is already attached.
+            BlockPoolExhaustedError: If the pool cannot cover the cache's tokens.
+        """
+        if self.pool is not None:
+            raise VeloxQuantError(
+                "this PoolBackedKVCache is already attached to a pool; "
+                "build a new cache for another request"
+            )
+        self.step = _check_positive("step", step if step is not None else pool.config.block_size)
+        self.pool = pool
+        self.owner = owner
+        self._block_size = pool.config.block_size
+        self._lease = _lease_for(pool, owner)
+        self._account(self.offset)
+
+    def _require_live(self) -> None:
+        if self._lease is None:
+            raise VeloxQuantError(
+                "PoolBackedKVCache is not attached to a pool (it was loaded from a file?); "
+                "call cache.attach(pool, owner) or use load_pooled_prompt_cache()"
+            )
+        if self._lease.released:
+            raise VeloxQuantError(
+                f"the caches of owner {self.owner} were released; build new caches with "
+                "build_pooled_caches() for a new request"
+            )
+
+    def _account(self, end: int) -> None:
+        """Hold blocks for exactly the tokens ``[0, end)`` plus growth slack.
+
+        Allocates in ``step`` chunks when ``end`` passes the held tokens and
+        frees whole blocks past ``end`` (after a trim). Raises before changing
+        anything if the pool is exhausted.
+        """
+        bs = self._block_size
+        if end > len(self._k_blocks) * bs:
+            self._grow_to(end, self.keys.dtype if self.keys is not None else mx.float16)
+        else:
+            keep = -(-end // bs)
+            if keep < len(self._k_blocks):
+                surplus = self._k_blocks[keep:] + self._v_blocks[keep:]
+                del self._k_blocks[keep:], self._v_blocks[keep:]
+                self.pool.free(surplus)
+        self._mark_used(0, end)
+
+    def _grow_to(self, end: int, dtype: mx.Dtype) -> None:
+        """Allocate whole ``step`` chunks until the held blocks cover ``end`` tokens."""
+        held = len(self._k_blocks) * self._block_size
+        n_tokens = -(-(end - held) // self.step) * self.step
+        self._grow_blocks(n_tokens, _FORMAT_OF_DTYPE.get(dtype, str(dtype)))
+
+    def _grow_blocks(self, n_tokens: int, fmt: str) -> None:
+        pool, owner = self.pool, self.owner
+        k_new = pool.allocate("k", n_tokens, owner, format=fmt)
+        try:
+            v_new = pool.allocate("v", n_tokens, owner, format=fmt)
+        except BaseException:
+            pool.free(k_new)  # all-or-nothing across the two streams
+            raise
+        self._k_blocks.extend(k_new)
+        self._v_blocks.extend(v_new)
+
+    def _mark_used(self, start: int, end: int) -> None:
+        """Set ``n_used`` of every held block from the one holding ``start`` on."""
+        bs = self._block_size
+        for i in range(start // bs, len(self._k_blocks)):
+            used = min(max(end - i * bs, 0), bs)
+            kb, vb = self._k_blocks[i], self._v_blocks[i]
+            # Only write on change: the setter takes the pool's lock.
+            if kb.n_used != used:
+                kb.n_used = used
+            if vb.n_used != used:
+                vb.n_used = used
+
+    def release(self) -> None:
+        """Return every block of this cache's owner to the pool.
+
+        Frees the blocks of all layers sharing the owner, once; later calls
+        (on this or any sibling layer) are no-ops. A detached cache has
+        nothing to release.
+        """
+        if self._lease is not None:
+            _release_lease(self._lease)
+
+    @property
+    def released(self) -> bool:
+        """Whether this cache's owner lease has been released."""
+        return self._lease is not None and self._lease.released
+
+    def n_blocks_held(self) -> int:
+        """K plus V blocks this layer holds (0 once released)."""
+        if self.released:
+            return 0
+        return len(self._k_blocks) + len(self._v_blocks)
+
+    # -- mlx-lm cache protocol -------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` (``B, H, n, D``) and return all live ones.
+
+        Raises:
+            BlockPoolExhaustedError: The pool cannot cover the new tokens; the
+                cache is left unchanged.
+            VeloxQuantError: The cache is detached or was released.
+        """
+        self._require_live()
+        prev = self.offset
+        end = prev + keys.shape[2]
+        if end > len(self._k_blocks) * self._block_size:
+            self._grow_to(end, keys.dtype)
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow_buffer(prev, keys, values)
+        self.offset = end
+        self.keys[..., prev:end, :] = keys
+        self.values[..., prev:end, :] = values
+        self._mark_used(prev, end)
+        return self.keys_and_values()
+
+    def _grow_buffer(self, prev: int, keys: mx.array, values: mx.array) -> None:
+        """Extend the buffers by whole ``buffer_step`` chunks covering the new tokens."""
+        batch, heads, n, k_dim = keys.shape
+        extra = -(-n // self.buffer_step) * self.buffer_step
+        new_k = mx.zeros((batch, heads, extra, k_dim), keys.dtype)
+        new_v = mx.zeros((batch, heads, extra, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+            return
+        if prev < self.keys.shape[2]:
+            # Drop stale rows past offset first (after a trim): never carry them.
+            self.keys = self.keys[..., :prev, :]
+            self.values = self.values[..., :prev, :]
+        self.keys = mx.concatenate([self.keys, new_k], axis=2)
+        self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The live keys and values, ``[..., :offset, :]`` of the buffers."""
+        if self.offset == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @property
+    def state(self):
+        """``(keys, values, offset)`` with only the live rows (stale rows never leak)."""
+        if self.keys is None:
+            return None, None, 0
+        keys, values = self.keys_and_values()
+        return keys, values, self.offset
+
+    @state.setter
+    def state(self, v) -> None:
+        keys, values, offset = v
+        if self._lease is not None:
+            self._require_live()
+        self.keys, self.values = keys, values
+        self.offset = int(offset) if keys is not None else 0
+        if self._lease is not None:
+            self._account(self.offset)
+
+    @property
+    def meta_state(self) -> tuple[str, str]:
+        """``(step, buffer_step)`` as strings (mlx-lm's meta-state convention)."""
+        return str(self.step or 0), str(self.buffer_step)
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        step, buffer_step = (int(x) for x in v)
+        self.step = step or None
+        self.buffer_step = _check_positive("buffer_step", buffer_step)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> PoolBackedKVCache:
+        """Rebuild a *detached* cache from ``state`` (used by ``load_prompt_cache``).
+
+        Call :meth:`attach` before generating with it.
+        """
+        obj = cls.__new__(cls)
+        obj._detach()
+        if meta_state is not None:
+            obj.meta_state = meta_state
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        """Always True: trimming only moves ``offset`` back."""
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (at most ``offset``); frees surplus blocks.
+
+        Returns:
+            The number of tokens trimmed.
+        """
+        n = min(self.offset, n)
+        if n and self._lease is not None:
+            self._require_live()
+        self.offset -= n
+        if n and self._lease is not None:
+            self._account(self.offset)
+        return n
+
+    def size(self) -> int:
+        """Tokens in the cache."""
+        return self.offset
+
+    def empty(self) -> bool:
+        """True until the first ``update_and_fetch`` (or a state with arrays)."""
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (live rows plus growth room)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def make_mask(self, *args, **kwargs):
+        """The attention mask for the next ``N`` tokens, as the stock cache makes it."""
+        return _mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """Not supported: a quantized cache would leave the pool's accounting.
+
+        Raises:
+            VeloxQuantError: Always.
+        """
+        raise VeloxQuantError(
+            "PoolBackedKVCache cannot be converted to mlx-lm's QuantizedKVCache "
+            f"(group_size={group_size}, bits={bits}); generate without kv_bits, or use "
+            "a VeloxQuant compression method for a compressed cache"
+        )
+
+    @classmethod
+    def merge(cls, caches):
+        """Not supported: batched caches would leave the pool's accounting.
+
+        Raises:
+            VeloxQuantError: Always.
+        """
+        raise VeloxQuantError(
+            "PoolBackedKVCache does not support mlx-lm batch generation (merge); "
+            "run requests one at a time with build_pooled_caches()"
+        )
+
+
+# load_prompt_cache() resolves saved class names in mlx_lm.models.cache's
+# namespace only; registering there makes files with our caches loadable.
+setattr(_mlx_cache, PoolBackedKVCache.__name__, PoolBackedKVCache)
+
+
+def build_pooled_caches(
+    model, pool: BlockPoolAllocator, owner: int, step: int | None = None
+) -> list[PoolBackedKVCache]:
+    """One :class:`PoolBackedKVCache` per layer of ``model``, sharing one owner.
+
+    The drop-in replacement for ``mlx_lm.models.cache.make_prompt_cache(model)``.
+    Calling ``release()`` on any returned cache frees the blocks of all of them.
+
+    Args:
+        model: An mlx-lm model (anything with ``layers``).
+        pool: Shared pool.
+        owner: The request's id.
+        step: Accounting growth chunk; defaults to ``pool.config.block_size``.
+
+    Returns:
+        ``len(model.layers)`` caches.
+
+    Raises:
+        ValueError: If the model's own ``make_cache()`` asks for a cache other
+            than a plain ``KVCache`` for some layer (sliding-window, SSM, ...);
+            the message names the first such layer and its cache type.
+    """
+    if hasattr(model, "make_cache"):
+        for index, stock in enumerate(model.make_cache()):
+            if type(stock) is not _mlx_cache.KVCache:
+                raise ValueError(
+                    f"layer {index} of this model needs a {type(stock).__name__}, which "
+                    "PoolBackedKVCache cannot replace; use mlx_lm's make_prompt_cache(model) "
+                    "for this model"
+                )
+    return [PoolBackedKVCache(pool, owner, step) for _ in range(len(model.layers))]
+
+
+def load_pooled_prompt_cache(
+    file_name: str,
+    pool: BlockPoolAllocator,
+    owner: int,
+    step: int | None = None,
+    return_metadata: bool = False,
+):
+    """Load a saved prompt cache and account its tokens in ``pool`` under ``owner``.
+
+    Accepts files saved from :class:`PoolBackedKVCache` lists and from stock
+    ``KVCache`` lists alike; either way the result is attached pool-backed caches.
+
+    Args:
+        file_name: A ``.safetensors`` file written by ``save_prompt_cache``.
+        pool: Pool to account the loaded tokens in.
+        owner: The request id the blocks are checked out to.
+        step: Accounting growth chunk; defaults to ``pool.config.block_size``.
+        return_metadata: Also return the file's metadata dict.
+
+    Returns:
+        The caches, or ``(caches, metadata)`` when ``return_metadata``.
+
+    Raises:
+        ValueError: If a layer's saved cache is neither kind (the layer is named).
+        BlockPoolExhaustedError: If the pool cannot hold the loaded tokens;
+            nothing stays allocated in that case.
+    """
+    loaded, metadata = _mlx_cache.load_prompt_cache(file_name, return_metadata=True)
+    caches = []
+    for index, cache in enumerate(loaded):
+        if type(cache) is _mlx_cache.KVCache:
+            cache = PoolBackedKVCache.from_state(cache.state)
+        elif not isinstance(cache, PoolBackedKVCache):
+            raise ValueError(
+                f"layer {index} of {file_name} holds a {type(cache).__name__}, not a KVCache; "
+                "load it with mlx_lm's load_prompt_cache instead"
+            )
+        caches.append(cache)
+    try:
+        for cache in caches:
+            cache.attach(pool, owner, step)
+    except BaseException:
+        if caches and caches[0]._lease is not None:
+            caches[0].release()
+        raise
+    return (caches, metadata) if return_metadata else caches
