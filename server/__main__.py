@@ -1,0 +1,97 @@
+"""``python -m server`` / ``veloxquant-serve``: parse flags, load settings, serve.
+
+Order matters: settings first (cheap, no MLX), then the optimized-BLAS
+re-exec (must happen before anything imports MLX), then the app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
+
+log = logging.getLogger("veloxquant.server")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command-line flags (each overrides the config file and the env)."""
+    parser = argparse.ArgumentParser(
+        prog="veloxquant-serve",
+        description="OpenAI-compatible MLX inference server on one shared KV block pool.",
+    )
+    parser.add_argument("--config", help="TOML config file (default: config/default.toml)")
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port (default 8000)")
+    parser.add_argument("--model", help="local mlx-lm model folder (Hugging Face ids are not "
+                        "downloaded: only local paths load offline)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, help="log level")
+    return parser.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Merge file, env and flags into the settings (raises ConfigError)."""
+    server = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                ("log_level", args.log_level)) if v is not None}
+    overrides = {"server": server}
+    if args.model is not None:
+        overrides["model"] = {"path": args.model}
+    return load_settings(args.config, overrides=overrides)
+
+
+def _optimize_blas(enabled: bool) -> None:
+    try:
+        from veloxquant_mlx.cpu_backend import ensure_optimized_blas
+    except ImportError:  # older checkouts without the CPU backend helper
+        return
+    ensure_optimized_blas(enabled)
+
+
+def _describe_backend() -> str:
+    try:
+        from veloxquant_mlx.cpu_backend import describe_backend
+    except ImportError:
+        import mlx.core as mx
+
+        return f"MLX {mx.__version__} on {mx.default_device()}"
+    return describe_backend()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until interrupted; returns the process exit code."""
+    args = parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"veloxquant-serve: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    # Re-execs this process with OpenBLAS preloaded (once); must precede any MLX import.
+    _optimize_blas(settings.cpu.optimized_blas)
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.model_loader import ModelNotFoundError, resolve_model_path
+
+    if settings.model.path:
+        try:
+            resolve_model_path(settings.model)
+        except ModelNotFoundError as exc:
+            print(f"veloxquant-serve: {exc}", file=sys.stderr)
+            return 2
+    import uvicorn
+
+    from server.app import create_app
+
+    log.info("backend: %s", _describe_backend())
+    log.info("settings: %r", settings)
+    app = create_app(settings)
+    if settings.server.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("binding %s without VELOXQUANT_API_KEY: anyone who can reach it can use it",
+                    settings.server.host)
+    uvicorn.run(app, host=settings.server.host, port=settings.server.port,
+                log_level=settings.server.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

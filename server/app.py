@@ -1,0 +1,99 @@
+"""``create_app(settings, engine=None)``: the FastAPI application.
+
+The engine (real, or a fake in route tests) lives on ``app.state.engine``;
+the app starts it on start-up and stops it on shutdown. Nothing here touches
+MLX: that is the engine thread's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import install_error_handlers
+from server.metrics import EngineCollector, ServerMetrics
+from server.routes import admin, chat, completions, system
+from server.settings import Settings
+
+
+class RequestCounter:
+    """Pure ASGI middleware counting requests by route template and status.
+
+    (A ``BaseHTTPMiddleware`` would wrap streaming bodies and get in the way
+    of disconnect detection, so this stays at the ASGI level.)
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 499  # nothing sent: the client left first
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.metrics.request_done(endpoint, status)
+
+
+def create_app(settings: Settings, engine: Any = None) -> FastAPI:
+    """Build the app around an engine.
+
+    Args:
+        settings: The validated settings.
+        engine: An engine; ``None`` builds the real one (the model loads on
+            its thread when the app starts).
+
+    Returns:
+        The FastAPI app, with ``state.settings``, ``state.engine`` and
+        ``state.metrics`` set.
+    """
+    if engine is None:
+        from server.engine import Engine
+
+        engine = Engine(settings, ServerMetrics())
+    metrics: ServerMetrics = getattr(engine, "metrics", None) or ServerMetrics()
+    metrics.registry.register(EngineCollector(engine, metrics))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        # Accept traffic only once the model is loaded; a load failure stops start-up.
+        if not await asyncio.to_thread(engine.wait_ready):
+            engine.stop()
+            raise RuntimeError(f"model failed to load: {getattr(engine, 'load_error', '?')}")
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="VeloxQuant-MLX", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible MLX inference on one shared KV block pool.")
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    for module in (completions, chat, system, admin):
+        app.include_router(module.router)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    return app

@@ -1,0 +1,195 @@
+"""What routes hand to the engine and what comes back, as named records.
+
+A route builds a :class:`GenerationRequest` and submits it; the engine
+thread answers through the request's :class:`EventChannel` with, in order,
+one :class:`Admitted` (or one :class:`Rejected`), then :class:`TokenEvent`
+records, then exactly one :class:`Finished` (or :class:`Failed`). The channel
+hops threads with ``loop.call_soon_threadsafe`` so the engine never touches
+the event loop's data structures directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped generating."""
+
+    STOP = "stop"  # EOS token or a stop sequence
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # the client went away or gave up (never sent to a client)
+    ERROR = "error"  # the model raised
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Resolved sampling settings of one request (server defaults applied)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages still to be rendered with the tokenizer's template."""
+
+    messages: tuple[dict[str, str], ...]
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One request as the engine sees it.
+
+    Attributes:
+        request_id: The id returned to the client (``cmpl-...``).
+        prompt: Text, token ids, or a :class:`ChatPrompt` (tokenized by the engine).
+        params: Sampling and stopping settings.
+        channel: Where events for this request go.
+    """
+
+    request_id: str
+    prompt: str | list[int] | ChatPrompt
+    params: SamplingParams
+    channel: EventChannel
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; safe from any thread, idempotent."""
+        self.cancelled.set()
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One alternative token and its log-probability."""
+
+    token: str
+    logprob: float
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of a generated token, with the top alternatives."""
+
+    token: str
+    logprob: float
+    token_id: int
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request got its reservation and is running."""
+
+    owner: int
+    prompt_tokens: int
+    reserved_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The request was refused before running (size, queue full, wait timeout)."""
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+    retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New output text (possibly empty while a stop string is being matched)."""
+
+    text: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token and block accounting of a finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    kv_blocks: int
+
+    def as_dict(self) -> dict[str, int]:
+        """OpenAI ``usage`` object plus our ``kv_blocks``."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "kv_blocks": self.kv_blocks,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The request ended; ``text`` is output held back until the end (stop matching)."""
+
+    reason: FinishReason
+    usage: Usage
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The model raised while generating this request; other requests go on."""
+
+    message: str
+    usage: Usage | None = None
+    status: int = 500
+
+
+Event = Admitted | Rejected | TokenEvent | Finished | Failed
+
+
+class EventChannel:
+    """Thread-to-asyncio channel of one request's events.
+
+    ``put`` is called by the engine thread; ``get`` is awaited on the loop
+    that created the channel.
+    """
+
+    __slots__ = ("_loop", "_queue", "_closed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._closed = False
+
+    def put(self, event: Event) -> None:
+        """Deliver an event from any thread (no-op once the loop is closed)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:
+            # The event loop shut down under us (server stopping): nobody listens.
+            self._closed = True
+
+    async def get(self) -> Event:
+        """Wait for the next event."""
+        return await self._queue.get()
+
+    def get_nowait(self) -> Any:
+        """Return the next event if one is ready, else ``None``."""
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None

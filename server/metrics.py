@@ -1,0 +1,152 @@
+"""Server metrics on a private prometheus-client registry, plus the pool's own text.
+
+``/metrics`` serves ``pool.stats.to_prometheus()`` (names
+``veloxquant_block_pool_*``) followed by this registry (names
+``veloxquant_*`` outside that prefix), so the page has no duplicate names.
+The registry is private to each app, so tests can build many apps.
+Engine-derived gauges (running/waiting, orphaned blocks, MLX memory) are read
+at scrape time by :class:`EngineCollector` instead of being pushed per token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServerMetrics:
+    """Counters and histograms the routes and the engine record into.
+
+    Every method is thread-safe (prometheus-client locks its values); the
+    engine calls :meth:`token` once per generated token, so it stays tiny.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("veloxquant_requests", "HTTP requests by route and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("veloxquant_prompt_tokens", "Prompt tokens admitted.",
+                                     registry=r)
+        self.generation_tokens = Counter("veloxquant_generation_tokens",
+                                         "Tokens generated.", registry=r)
+        self.finished_requests = Counter("veloxquant_request_finished",
+                                         "Generation requests ended, by reason.", ["reason"],
+                                         registry=r)
+        self.rejections = Counter("veloxquant_request_rejected",
+                                  "Requests turned away before running, by reason.", ["reason"],
+                                  registry=r)
+        self.ttft = Histogram("veloxquant_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("veloxquant_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.latency = Histogram("veloxquant_request_latency_seconds",
+                                 "End-to-end time of generation requests (arrival to end).",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("veloxquant_queue_wait_seconds",
+                                    "Time a request waited for KV capacity.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.blocks_per_request = Histogram("veloxquant_request_kv_blocks",
+                                            "Peak KV blocks held by a request.",
+                                            buckets=BLOCK_BUCKETS, registry=r)
+        self._memory: dict[str, int] = {}
+
+    # -- recorded by the engine thread ---------------------------------------
+
+    def admitted(self, waited_s: float, prompt_tokens: int) -> None:
+        """A request got its reservation after waiting ``waited_s``."""
+        self.queue_wait.observe(waited_s)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def token(self, state: Any) -> None:
+        """One token generated for ``state`` (a RequestState)."""
+        self.generation_tokens.inc()
+        if state.generated == 1:
+            self.ttft.observe(state.first_token_at - state.submitted_at)
+        else:
+            self.itl.observe(state.last_token_at - state.prev_token_at)
+
+    def finished(self, state: Any, reason: Any, kv_blocks: int) -> None:
+        """A running request ended (any reason) holding at most ``kv_blocks``."""
+        self.finished_requests.labels(reason=reason.value).inc()
+        self.latency.observe(time.monotonic() - state.submitted_at)
+        self.blocks_per_request.observe(kv_blocks)
+
+    def rejected(self, reason: str) -> None:
+        """A request was refused or dropped before running."""
+        self.rejections.labels(reason=reason).inc()
+
+    def set_memory(self, snapshot: dict[str, int]) -> None:
+        """Latest MLX allocator counters (sampled by the engine thread)."""
+        self._memory = snapshot
+
+    # -- recorded by the HTTP layer ------------------------------------------
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        """Count one HTTP request."""
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def memory(self) -> dict[str, int]:
+        """The latest MLX memory sample (empty before the first)."""
+        return dict(self._memory)
+
+
+class EngineCollector:
+    """Scrape-time gauges read from the engine and the pool.
+
+    Args:
+        engine: The engine (real or fake) exposing ``pool``, ``live_requests()``
+            and ``queue_depths()``.
+        metrics: Where the MLX memory sample lives.
+    """
+
+    def __init__(self, engine: Any, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def collect(self):
+        running, waiting = self.engine.queue_depths()
+        yield _gauge("veloxquant_requests_running", "Requests generating now.", running)
+        yield _gauge("veloxquant_requests_waiting", "Requests waiting for KV capacity.", waiting)
+        yield _gauge("veloxquant_orphaned_blocks",
+                     "Blocks held by pool owners with no live request (should be 0).",
+                     orphaned_blocks(self.engine.pool, self.engine.live_requests))
+        mem = GaugeMetricFamily("veloxquant_mlx_memory_bytes",
+                                "MLX allocator memory by kind (active, cache, peak).",
+                                labels=["kind"])
+        for kind, value in sorted(self.metrics.memory().items()):
+            mem.add_metric([kind], value)
+        yield mem
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def orphaned_blocks(pool: Any, live_requests: Callable[[], dict[int, str]]) -> int:
+    """Blocks held by owners that no live request accounts for.
+
+    Reads the pool's owners before the live set: an owner that ends in between
+    has already freed its blocks, so it adds 0 and never counts as an orphan.
+    """
+    owners = pool.active_owners()
+    live = live_requests()
+    return sum(pool.n_blocks_held(o) for o in owners if o not in live)
+
+
+def render(pool: Any, metrics: ServerMetrics) -> bytes:
+    """The whole /metrics page: pool text, then the registry."""
+    pool_text = pool.stats.to_prometheus().encode()
+    if not pool_text.endswith(b"\n"):
+        pool_text += b"\n"
+    return pool_text + generate_latest(metrics.registry)
