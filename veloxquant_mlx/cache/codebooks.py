@@ -54,27 +54,33 @@ def lloyd_max(grid: np.ndarray, density: np.ndarray, bits: int) -> Codebook:
         The converged :class:`Codebook`.
     """
     w = density / density.sum()
+    # Cumulative moments at the cell edges around each grid point; linear
+    # interpolation between edges is exact for a piecewise-constant density,
+    # so thresholds need not fall on grid points (keeps symmetric books symmetric).
+    h = grid[1] - grid[0]
+    edges = np.concatenate([[grid[0] - h / 2], grid + h / 2])
     m0 = np.concatenate([[0.0], np.cumsum(w)])
     m1 = np.concatenate([[0.0], np.cumsum(w * grid)])
     m2 = np.concatenate([[0.0], np.cumsum(w * grid * grid)])
+
+    def cells(moment: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+        at = np.interp(np.concatenate([[edges[0]], cuts, [edges[-1]]]), edges, moment)
+        return np.diff(at)
+
     levels = 2**bits
     # Start at the cell-midpoint quantiles, which is already near optimal.
-    centroids = np.interp((np.arange(levels) + 0.5) / levels, m0[1:], grid)
+    centroids = np.interp((np.arange(levels) + 0.5) / levels, m0, edges)
     for _ in range(_MAX_ITERS):
         boundaries = 0.5 * (centroids[1:] + centroids[:-1])
-        cut = np.concatenate([[0], np.searchsorted(grid, boundaries), [grid.size]])
-        mass = m0[cut[1:]] - m0[cut[:-1]]
-        new = np.where(mass > 0, (m1[cut[1:]] - m1[cut[:-1]]) / np.maximum(mass, 1e-300), centroids)
+        mass = cells(m0, boundaries)
+        new = np.where(mass > 0, cells(m1, boundaries) / np.maximum(mass, 1e-300), centroids)
         done = np.max(np.abs(new - centroids)) < _TOL
         centroids = new
         if done:
             break
     boundaries = 0.5 * (centroids[1:] + centroids[:-1])
-    cut = np.concatenate([[0], np.searchsorted(grid, boundaries), [grid.size]])
     # E[(t-c)^2] per cell = M2 - 2c M1 + c^2 M0 over that cell.
-    d2 = m2[cut[1:]] - m2[cut[:-1]]
-    d1 = m1[cut[1:]] - m1[cut[:-1]]
-    d0 = m0[cut[1:]] - m0[cut[:-1]]
+    d0, d1, d2 = (cells(m, boundaries) for m in (m0, m1, m2))
     distortion = float(np.sum(d2 - 2 * centroids * d1 + centroids**2 * d0))
     return Codebook(centroids.astype(np.float64), boundaries.astype(np.float64), distortion)
 

@@ -14,7 +14,6 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-
 _ORTHOGONAL_SALT = 0x0A7A
 _GAUSSIAN_SALT = 0x6A55
 
