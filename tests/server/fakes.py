@@ -1,0 +1,90 @@
+"""A fake engine for route tests: same interface as server.engine.Engine, no model.
+
+It answers each submitted request from a script chosen by the prompt text,
+on a real (tiny) block pool so pool-facing routes see real numbers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from server.generation import (
+    Admitted,
+    ChatPrompt,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Rejected,
+    TokenEvent,
+    Usage,
+)
+from server.metrics import ServerMetrics
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+
+
+class FakeEngine:
+    """Scripted engine: tokens "Hello", " world" unless the prompt asks otherwise.
+
+    Prompt keywords: ``REJECT429``, ``REJECT400``, ``FAIL`` (model error after
+    one token), ``SILENT`` (admitted, then never answers: for disconnect tests).
+    """
+
+    def __init__(self, ready: bool = True) -> None:
+        self.pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=32))
+        self.metrics = ServerMetrics()
+        self.is_ready = ready
+        self.model_name = "fake-model"
+        self.load_error = None if ready else "boom"
+        self.submitted: list[GenerationRequest] = []
+        self.live: dict[int, str] = {}
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> None:
+        self.started = False
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return True
+
+    def queue_depths(self) -> tuple[int, int]:
+        return 0, 0
+
+    def live_requests(self) -> dict[int, str]:
+        return dict(self.live)
+
+    def shrink(self, stream: str, target_free: int) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        streams = self.pool.config.streams if stream == "kv" else (stream,)
+        future.set_result((sum(self.pool.shrink(s, target_free) for s in streams),
+                           dict.fromkeys(streams, target_free)))
+        return future
+
+    def submit(self, request: GenerationRequest) -> None:
+        self.submitted.append(request)
+        prompt = request.prompt
+        text = prompt if isinstance(prompt, str) else (
+            " ".join(m["content"] for m in prompt.messages)
+            if isinstance(prompt, ChatPrompt) else "")
+        put = request.channel.put
+        if "REJECT429" in text:
+            put(Rejected(429, "busy", "queue_full", retry_after=3))
+            return
+        if "REJECT400" in text:
+            put(Rejected(400, "too large for the pool", "context_length_exceeded", "max_tokens"))
+            return
+        put(Admitted(owner=1, prompt_tokens=3, reserved_blocks=2))
+        if "SILENT" in text:
+            return
+        put(TokenEvent("Hello", 1))
+        if "FAIL" in text:
+            put(Failed("RuntimeError: injected", Usage(3, 1, 2)))
+            return
+        put(TokenEvent(" world", 2))
+        put(Finished(FinishReason.LENGTH, Usage(3, 2, 2)))
+
+    def last_params(self) -> Any:
+        return self.submitted[-1].params

@@ -1,0 +1,149 @@
+"""End to end: a real uvicorn server, the real engine and the tiny model.
+
+Driven by the official ``openai`` client and by httpx.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import LiveServer
+
+PROMPT = "The history of the old city begins"
+
+
+@pytest.fixture(scope="module")
+def client(live_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_and_health(live_server, model_id):
+    assert model_id == "tiny"
+    health = httpx.get(live_server.base_url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+
+
+def test_completion_non_streaming(client, model_id):
+    out = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("length", "stop") and choice.text
+    assert out.usage.prompt_tokens > 0 and out.usage.completion_tokens <= 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    # Peak blocks: 4 layers x (k, v) x ceil(tokens in the cache / 16)
+    n = out.usage.prompt_tokens + out.usage.completion_tokens
+    assert out.usage.model_extra["kv_blocks"] in {8 * math.ceil(t / 16) for t in (n - 1, n)}
+
+
+def test_streaming_equals_non_streaming_when_greedy(client, model_id):
+    full = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0)
+    stream = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        full.choices[0].finish_reason
+
+
+def test_chat_non_streaming_and_streaming(client, model_id):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Tell me about rivers."}]
+    out = client.chat.completions.create(model=model_id, messages=messages, max_tokens=10,
+                                         temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason in ("length", "stop")
+    stream = client.chat.completions.create(model=model_id, messages=messages, max_tokens=10,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == out.choices[0].message.content
+    # max_completion_tokens is honoured too
+    out = client.chat.completions.create(model=model_id, messages=messages,
+                                         max_completion_tokens=3, temperature=0)
+    assert out.usage.completion_tokens <= 3
+
+
+def test_stop_sequence_across_token_boundary_is_excluded(client, model_id):
+    free = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=40, temperature=0,
+                                     logprobs=0)
+    text = free.choices[0].text
+    tokens = free.choices[0].logprobs.tokens
+    # A stop string that straddles tokens 3|4 (end of one, start of the next).
+    offset = len("".join(tokens[:4]))
+    stop = text[offset - 2: offset + 2]
+    assert len(stop) == 4
+    expected = text[: text.find(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=40,
+                                        temperature=0, stop=[stop, "\u2603never"], stream=stream)
+        if stream:
+            chunks = list(out)
+            got = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            got, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert got == expected
+        assert reason == "stop"
+        assert stop not in got
+
+
+def test_seed_makes_sampling_repeatable(client, model_id):
+    def once(seed):
+        return client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12,
+                                         temperature=1.0, top_p=0.9, seed=seed,
+                                         extra_body={"top_k": 50, "min_p": 0.01}
+                                         ).choices[0].text
+    assert once(1234) == once(1234)
+
+
+def test_logprobs(client, model_id):
+    out = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and math.isclose(chosen, max(top.values()), rel_tol=1e-4)
+    chat = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_token_id_prompt(client, model_id):
+    out = client.completions.create(model=model_id, prompt=[5, 6, 7, 8], max_tokens=3,
+                                    temperature=0)
+    assert out.usage.prompt_tokens == 4
+
+
+def test_bad_requests_reach_openai_client_as_4xx(client, model_id):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_id, prompt=PROMPT, n=2)
+    assert "n=2" in str(info.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=100_000)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-nope", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_id, prompt=[10**9], max_tokens=2)
+
+
+def test_server_is_idle_afterwards(live_server):
+    m = live_server.wait_idle()
+    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_orphaned_blocks"] == 0

@@ -1,0 +1,128 @@
+"""Configuration: file -> env -> CLI, validation naming the key, frozen result."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.__main__ import parse_args, settings_from_args
+from server.settings import DEFAULT_CONFIG_PATH, ConfigError, Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_default_file_has_every_knob_and_loads_to_defaults():
+    settings = load_settings(env={})
+    assert settings == Settings()  # the file documents exactly the dataclass defaults
+    text = DEFAULT_CONFIG_PATH.read_text()
+    for section in ("server", "model", "pool", "limits", "sampling", "cpu"):
+        fields = dataclasses.fields(getattr(settings, section))
+        for f in fields:
+            assert f"\n{f.name} =" in text, f"{section}.{f.name} missing from default.toml"
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[pool]\nn_blokcs = 3\n", "pool.n_blokcs"),
+        ("[poool]\nn_blocks = 3\n", "poool"),
+        ("[pool]\nn_blocks = \"many\"\n", "pool.n_blocks"),
+        ("[pool]\nseparate_kv = 1\n", "pool.separate_kv"),
+        ("[pool]\nn_blocks = 0\n", "pool.n_blocks"),
+        ("[pool]\nn_blocks = 100\nmax_blocks = 50\n", "pool.max_blocks"),
+        ("[limits]\ndefault_max_tokens = 5000\nmax_tokens_cap = 10\n", "limits.default_max_tokens"),
+        ("[server]\nport = 70000\n", "server.port"),
+        ("[server]\nlog_level = \"loud\"\n", "server.log_level"),
+        ("[sampling]\ntop_p = 0\n", "sampling.top_p"),
+        ("[model]\ndtype = \"int3\"\n", "model.dtype"),
+        ("[limits]\nqueue_timeout_s = 0\n", "limits.queue_timeout_s"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, toml, key):
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml), env={})
+    assert repr(key) in str(info.value)
+
+
+def test_env_overrides_file_and_cli_overrides_env(tmp_path):
+    path = write(tmp_path, "[server]\nport = 9001\n[pool]\nblock_size = 8\n")
+    env = {"VELOXQUANT_SERVER_PORT": "9002", "VELOXQUANT_POOL_SEPARATE_KV": "false",
+           "VELOXQUANT_LIMITS_QUEUE_TIMEOUT_S": "2.5"}
+    settings = load_settings(path, env=env)
+    assert settings.server.port == 9002
+    assert settings.pool.block_size == 8
+    assert settings.pool.separate_kv is False
+    assert settings.limits.queue_timeout_s == 2.5
+    settings = load_settings(path, env=env, overrides={"server": {"port": 9003}})
+    assert settings.server.port == 9003
+
+
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [({"VELOXQUANT_POOL_N_BLOCKS": "lots"}, "pool.n_blocks"),
+     ({"VELOXQUANT_POOL_BLOCKSIZE": "8"}, "pool.blocksize"),
+     ({"VELOXQUANT_CPU_OPTIMIZED_BLAS": "maybe"}, "cpu.optimized_blas")],
+)
+def test_bad_env_names_the_key(env, key):
+    with pytest.raises(ConfigError) as info:
+        load_settings(env=env)
+    assert key in str(info.value)
+
+
+def test_unrelated_env_vars_are_ignored():
+    settings = load_settings(env={"VELOXQUANT_BLAS_PRELOADED": "/x", "VELOXQUANT_NO_BLAS": "1"})
+    assert settings == Settings()
+
+
+def test_secrets_come_from_env_and_stay_out_of_repr():
+    settings = load_settings(env={"VELOXQUANT_ADMIN_TOKEN": "s3cret", "VELOXQUANT_API_KEY": "k"})
+    assert settings.admin_token == "s3cret" and settings.api_key == "k"
+    assert "s3cret" not in repr(settings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.admin_token = "other"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.pool.n_blocks = 1  # type: ignore[misc]
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml", env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(write(tmp_path, "[pool\n"), env={})
+
+
+def test_cli_flags(monkeypatch):
+    monkeypatch.delenv("VELOXQUANT_SERVER_PORT", raising=False)
+    args = parse_args(["--host", "0.0.0.0", "--port", "1234", "--model", "/m", "--log-level",
+                       "debug"])
+    settings = settings_from_args(args)
+    assert (settings.server.host, settings.server.port, settings.model.path,
+            settings.server.log_level) == ("0.0.0.0", 1234, "/m", "debug")
+
+
+def _serve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "VELOXQUANT_NO_BLAS_PRELOAD": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_start_up_stops_on_bad_config(tmp_path):
+    proc = _serve("--config", str(write(tmp_path, "[pool]\nn_blocks = -1\n")))
+    assert proc.returncode == 2
+    assert "'pool.n_blocks'" in proc.stderr
+
+
+def test_hub_ids_are_refused_offline():
+    proc = _serve("--model", "mlx-community/Llama-3.2-1B-Instruct-4bit")
+    assert proc.returncode == 2
+    assert "only local paths load offline" in proc.stderr.lower()
