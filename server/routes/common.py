@@ -160,20 +160,34 @@ class GenerationCall:
         self.request = GenerationRequest(request_id, prompt, params, EventChannel())
         self.created = int(time.time())
         self.admitted: Admitted | None = None
+        self._checked_at = time.monotonic()
 
     async def _next(self) -> Any:
+        """The next event; checks the client and the engine at least every poll period.
+
+        The check runs on elapsed time, not only when the channel is quiet:
+        a request streaming tokens back-to-back must notice its client left too.
+        """
         channel = self.request.channel
+        now = time.monotonic()
+        if now - self._checked_at >= DISCONNECT_POLL_S:
+            self._checked_at = now
+            await self._check_alive()
         event = channel.get_nowait()
         while event is None:
             try:
                 event = await asyncio.wait_for(channel.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await self.http_request.is_disconnected():
-                    raise ClientGone() from None
-                if not self.engine.is_ready:
-                    raise UnavailableError("the generation engine stopped",
-                                           headers=_retry_after(self.settings)) from None
+                self._checked_at = time.monotonic()
+                await self._check_alive()
         return event
+
+    async def _check_alive(self) -> None:
+        if await self.http_request.is_disconnected():
+            raise ClientGone()
+        if not self.engine.is_ready:
+            raise UnavailableError("the generation engine stopped",
+                                   headers=_retry_after(self.settings))
 
     async def start(self) -> Admitted:
         """Submit and wait for admission; cancel the request on any early exit.
