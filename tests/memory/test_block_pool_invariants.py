@@ -21,7 +21,7 @@ def check_invariants(pool: BlockPoolAllocator) -> None:
         assert len(blocks) == held
         assert all(b.owner == owner for b in blocks)
         owned_ids.extend(b.block_id for b in blocks)
-    free_ids = [b.block_id for stack in pool._free.values() for b in stack]
+    free_ids = [b.block_id for stream in pool._streams.values() for b in stream.stack]
     assert all(pool._blocks[i].owner is None for i in free_ids)
     # free xor owned by exactly one owner
     assert len(set(owned_ids)) == len(owned_ids)
@@ -35,7 +35,9 @@ def check_invariants(pool: BlockPoolAllocator) -> None:
     partial = sum(1 for i in owned_ids if pool._blocks[i].n_used < bs)
     assert stats.n_partial == partial
     fresh = sum(1 for i in free_ids if not pool._blocks[i].ever_allocated)
-    assert fresh == sum(pool._n_fresh.values())
+    assert fresh == sum(stream.n_fresh for stream in pool._streams.values())
+    for stream in pool._streams.values():  # the never-allocated run sits at the bottom
+        assert not any(b.ever_allocated for b in stream.stack[: stream.n_fresh])
     assert stats.peak_blocks_in_use >= stats.blocks_in_use()
 
 

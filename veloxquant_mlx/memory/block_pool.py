@@ -36,6 +36,15 @@ from veloxquant_mlx.exceptions import (
 )
 from veloxquant_mlx.memory.records import (
     HISTORY_LEN,
+    N_ALLOC,
+    N_BLOCKS,
+    N_EXHAUSTED,
+    N_FREES,
+    N_GROWN,
+    N_PARTIAL,
+    N_RETIRED,
+    N_REUSED,
+    PEAK,
     SHARED_STREAM,
     AllocationStats,
     Block,
@@ -46,12 +55,26 @@ from veloxquant_mlx.memory.records import (
 __all__ = ["AllocationStats", "Block", "BlockPoolAllocator", "PoolConfig"]
 
 
+class _Stream:
+    """Free stack of one stream plus the length of its never-allocated bottom run."""
+
+    __slots__ = ("name", "stack", "n_fresh")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stack: list[Block] = []  # top (next handed out) at the end
+        self.n_fresh = 0
+
+
 class BlockPoolAllocator:
     """Thread-safe allocator of fixed-size blocks, tracked per owner.
 
     One plain (non-reentrant) lock guards every method; nothing here calls
     out while holding it. Each call costs O(blocks it touches): counters are
-    kept, never recounted, and owners index their blocks by id.
+    kept, never recounted, and owners index their blocks by id. The hot path
+    (``allocate``/``free_all``) is written for CPython's per-operation costs:
+    explicit acquire/release, counters in one list, no per-call objects
+    beyond the returned list and one history tuple.
     """
 
     def __init__(self, config: PoolConfig | None = None) -> None:
@@ -59,72 +82,66 @@ class BlockPoolAllocator:
         self._lock = threading.Lock()
         self._block_size = self.config.block_size
         self._blocks: dict[int, Block] = {}  # every live (not retired) block by id
-        self._free: dict[str, list[Block]] = {}  # stream -> LIFO stack, top at the end
-        self._n_fresh: dict[str, int] = {}  # stream -> never-allocated run at the bottom
-        self._owned: dict[int, dict[int, Block]] = {}  # owner -> {block_id: block}, in order
-        self._active: set[int] = set()
+        self._streams: dict[str, _Stream] = {}
+        # owner -> {block_id: block} in allocation order; an entry per active owner
+        self._owned: dict[int, dict[int, Block]] = {}
+        self._released: set[int] = set()  # release_owner()'d owners still holding blocks
         self._next_id = 0
         self.stats = AllocationStats(n_blocks=self.config.n_blocks)
+        self._c = self.stats._c  # the live counters, indexed by records.N_*
         self._history: deque[tuple[int, ...]] = deque(maxlen=HISTORY_LEN)
-        streams = self.config.streams
-        share, extra = divmod(self.config.n_blocks, len(streams))
-        for i, stream in enumerate(streams):
-            self._free[stream] = []
-            self._n_fresh[stream] = 0
-            self._add_fresh(stream, share + (1 if i < extra else 0))
-        # Stream-name aliasing: with one shared stream "k", "v" and "kv" all mean it.
-        self._stream_of = {s: s for s in streams}
+        self._record = self._history.append  # one counter tuple per mutating call
+        names = self.config.streams
+        share, extra = divmod(self.config.n_blocks, len(names))
+        for i, name in enumerate(names):
+            self._streams[name] = _Stream(name)
+            self._add_fresh(self._streams[name], share + (1 if i < extra else 0))
+        # With one shared stream, "k", "v" and "kv" all name it.
+        self._stream_of = dict(self._streams)
         if not self.config.separate_kv:
-            self._stream_of.update({"k": SHARED_STREAM, "v": SHARED_STREAM})
+            shared = self._streams[SHARED_STREAM]
+            self._stream_of.update({"k": shared, "v": shared})
 
     # -- internal helpers (call with the lock held) -------------------------
 
-    def _add_fresh(self, stream: str, count: int) -> None:
+    def _add_fresh(self, stream: _Stream, count: int) -> None:
         """Create ``count`` new blocks at the bottom of ``stream``'s stack."""
         new = []
-        for block_id in range(self._next_id, self._next_id + count):
-            block = Block(block_id, stream)
+        for block_id in range(self._next_id + count - 1, self._next_id - 1, -1):
+            block = Block(block_id, stream.name)
             block._pool = self
             self._blocks[block_id] = block
-            new.append(block)
+            new.append(block)  # highest id first: the lowest ends nearest the top
         self._next_id += count
-        new.reverse()  # lowest id nearest the top of the fresh run
-        stack = self._free[stream]
-        stack[:0] = new
-        self._n_fresh[stream] += count
+        stream.stack[:0] = new
+        stream.n_fresh += count
 
-    def _record(self) -> None:
-        s = self.stats
-        self._history.append(
-            (s.n_blocks, s.n_allocations, s.n_frees, s.n_reused, s.n_exhausted, s.n_grown,
-             s.n_retired, s.peak_blocks_in_use, s.n_partial)
-        )
-
-    def _resolve(self, stream: str) -> str:
+    def _stream(self, name: str) -> _Stream:
         try:
-            return self._stream_of[stream]
+            return self._stream_of[name]
         except (KeyError, TypeError):
             raise PoolArgumentError(
-                f"unknown stream {stream!r}; this pool (separate_kv="
+                f"unknown stream {name!r}; this pool (separate_kv="
                 f"{self.config.separate_kv}) accepts {sorted(self._stream_of)}"
             ) from None
 
-    def _grow_or_raise(self, stream: str, needed: int) -> None:
+    def _grow_or_raise(self, stream: _Stream, needed: int) -> None:
         """Make ``needed`` blocks free on ``stream`` or raise (counting the miss)."""
-        free = len(self._free[stream])
+        c = self._c
+        free = len(stream.stack)
         gap = needed - free
         cap = self.config.max_blocks
-        if self.config.grow_on_exhaustion and (cap is None or self.stats.n_blocks + gap <= cap):
+        if self.config.grow_on_exhaustion and (cap is None or c[N_BLOCKS] + gap <= cap):
             self._add_fresh(stream, gap)
-            self.stats.n_blocks += gap
-            self.stats.n_grown += gap
+            c[N_BLOCKS] += gap
+            c[N_GROWN] += gap
             return
-        self.stats.n_exhausted += needed
-        self._record()
+        c[N_EXHAUSTED] += needed
+        self._record(tuple(c))
         detail = ""
         if self.config.grow_on_exhaustion:
             detail = f"growing by {gap} would pass max_blocks={cap}"
-        raise BlockPoolExhaustedError(stream, needed, free, detail)
+        raise BlockPoolExhaustedError(stream.name, needed, free, detail)
 
     def _set_used(self, block: Block, value: int) -> None:
         """Back end of ``Block.n_used = value``: keep the partial count exact."""
@@ -136,7 +153,7 @@ class BlockPoolAllocator:
         try:
             if block.owner is not None:
                 bs = self._block_size
-                self.stats.n_partial += (value < bs) - (block._n_used < bs)
+                self._c[N_PARTIAL] += (value < bs) - (block._n_used < bs)
             block._n_used = value
         finally:
             self._lock.release()
@@ -157,7 +174,7 @@ class BlockPoolAllocator:
             format: Compression-format tag recorded on each block.
 
         Returns:
-            The new blocks, lowest-cost (most recently freed) first.
+            The new blocks, most recently freed first.
 
         Raises:
             BlockPoolExhaustedError: Not enough free blocks and no room to grow.
@@ -165,56 +182,82 @@ class BlockPoolAllocator:
             PoolArgumentTypeError: ``n_tokens``/``owner`` not an int,
                 ``format`` not a str.
         """
-        if type(n_tokens) is not int or n_tokens <= 0:
+        if type(n_tokens) is not int or n_tokens <= 0 or type(owner) is not int:
             check_count("n_tokens", n_tokens, 1)
-        if type(owner) is not int:
             check_count("owner", owner, -(2**63))
         if type(format) is not str:
             raise PoolArgumentTypeError(f"format must be a str, got {type(format).__name__}")
         bs = self._block_size
-        n = -(-n_tokens // bs)
-        self._lock.acquire()
+        lock = self._lock
+        lock.acquire()
         try:
-            stream = self._stream_of.get(stream) or self._resolve(stream)
-            stack = self._free[stream]
-            if n > len(stack):
-                self._grow_or_raise(stream, n)
-            split = len(stack) - n
-            taken = stack[split:]
-            del stack[split:]
-            taken.reverse()  # top of the stack first
-            stats = self.stats
-            recycled = split + n - self._n_fresh[stream]  # recycled blocks on the stack
-            if recycled >= n:
-                stats.n_reused += n
+            st = self._stream_of.get(stream) or self._stream(stream)
+            c = self._c
+            if n_tokens > bs:
+                n = -(-n_tokens // bs)
+                taken = self._take(st, n, owner, format, n_tokens - (n - 1) * bs)
             else:
-                fresh = n - max(recycled, 0)
-                self._n_fresh[stream] -= fresh
-                stats.n_reused += n - fresh
-                for block in taken[n - fresh:]:
+                # One block, the usual growth step: no slicing, no loops.
+                stack = st.stack
+                if not stack:
+                    self._grow_or_raise(st, 1)
+                block = stack.pop()
+                if block.ever_allocated:
+                    c[N_REUSED] += 1
+                else:
                     block.ever_allocated = True
-            for block in taken:
+                    st.n_fresh -= 1
                 block.owner = owner
                 block.format = format
-                block._n_used = bs
-            rem = n_tokens - (n - 1) * bs
-            if rem != bs:
-                taken[-1]._n_used = rem
-                stats.n_partial += 1
+                block._n_used = n_tokens
+                if n_tokens != bs:
+                    c[N_PARTIAL] += 1
+                taken = [block]
+                n = 1
             owned = self._owned.get(owner)
             if owned is None:
                 owned = self._owned[owner] = {}
             for block in taken:
                 owned[block.block_id] = block
-            self._active.add(owner)
-            stats.n_allocations += n
-            in_use = stats.n_allocations - stats.n_frees
-            if in_use > stats.peak_blocks_in_use:
-                stats.peak_blocks_in_use = in_use
-            self._record()
+            if self._released:
+                self._released.discard(owner)  # growing again re-activates it
+            in_use = c[N_ALLOC] + n - c[N_FREES]
+            c[N_ALLOC] += n
+            if in_use > c[PEAK]:
+                c[PEAK] = in_use
+            self._record(tuple(c))
             return taken
         finally:
-            self._lock.release()
+            lock.release()
+
+    def _take(self, st: _Stream, n: int, owner: int, format: str, last_used: int) -> list[Block]:
+        """Pop ``n`` blocks (n >= 2) off ``st`` for ``owner``; the last holds ``last_used``."""
+        stack = st.stack
+        if n > len(stack):
+            self._grow_or_raise(st, n)
+        split = len(stack) - n
+        taken = stack[split:]
+        del stack[split:]
+        taken.reverse()  # top of the stack first
+        c = self._c
+        recycled = split + n - st.n_fresh  # recycled blocks that were on the stack
+        if recycled >= n:
+            c[N_REUSED] += n
+        else:
+            fresh = n - max(recycled, 0)
+            st.n_fresh -= fresh
+            c[N_REUSED] += n - fresh
+            for block in taken[n - fresh:]:
+                block.ever_allocated = True
+        bs = self._block_size
+        for block in taken:
+            block.owner = owner
+            block.format = format
+            block._n_used = bs
+        if last_used != bs:
+            taken[-1]._n_used = last_used
+            c[N_PARTIAL] += 1
+        return taken
 
     # -- release ------------------------------------------------------------
 
@@ -222,15 +265,16 @@ class BlockPoolAllocator:
         """Return owned blocks to their stacks; the caller fixes the owner index."""
         bs = self._block_size
         partial = 0
-        free = self._free
+        streams = self._streams
         for block in reversed(blocks):  # so the next allocation gets them in order
             partial += block._n_used < bs
             block.owner = None
             block._n_used = 0
-            free[block.stream].append(block)
-        stats = self.stats
-        stats.n_partial -= partial
-        stats.n_frees += len(blocks)
+            streams[block.stream].stack.append(block)
+        c = self._c
+        c[N_PARTIAL] -= partial
+        c[N_FREES] += len(blocks)
+        self._record(tuple(c))
 
     def free(self, blocks: list[Block]) -> None:
         """Return ``blocks`` to the pool. Freeing an already-free block is a no-op.
@@ -251,32 +295,30 @@ class BlockPoolAllocator:
             to_free = []
             for block in blocks:
                 owner = block.owner
-                if owner is None:
-                    continue
-                owned = self._owned.get(owner)
+                owned = self._owned.get(owner) if owner is not None else None
                 if owned is None or owned.pop(block.block_id, None) is None:
-                    continue  # listed twice in this call
+                    continue  # already free, or listed twice in this call
                 to_free.append(block)
-                if not owned:
+                if not owned:  # its last block: the owner is done
                     del self._owned[owner]
-                    self._active.discard(owner)
+                    self._released.discard(owner)
             if to_free:
                 self._push_back(to_free)
-                self._record()
         finally:
             self._lock.release()
 
     def free_all(self, owner: int) -> None:
         """Return every block checked out to ``owner`` and retire the owner id."""
-        self._lock.acquire()
+        lock = self._lock
+        lock.acquire()
         try:
             owned = self._owned.pop(owner, None)
-            self._active.discard(owner)
+            if self._released:
+                self._released.discard(owner)
             if owned:
                 self._push_back(list(owned.values()))
-                self._record()
         finally:
-            self._lock.release()
+            lock.release()
 
     # -- owners -------------------------------------------------------------
 
@@ -291,9 +333,10 @@ class BlockPoolAllocator:
             check_count("owner", owner, -(2**63))
         self._lock.acquire()
         try:
-            if owner in self._active:
+            if owner in self._owned and owner not in self._released:
                 raise OwnerAlreadyActiveError(owner)
-            self._active.add(owner)
+            self._released.discard(owner)
+            self._owned.setdefault(owner, {})
         finally:
             self._lock.release()
 
@@ -301,15 +344,19 @@ class BlockPoolAllocator:
         """Drop ``owner`` from the active set without freeing its blocks."""
         self._lock.acquire()
         try:
-            self._active.discard(owner)
+            owned = self._owned.get(owner)
+            if owned:
+                self._released.add(owner)  # blocks stay reachable for free_all
+            elif owned is not None:
+                del self._owned[owner]
         finally:
             self._lock.release()
 
     def active_owners(self) -> list[int]:
-        """Owners that are registered or hold blocks, sorted."""
+        """Owners that are registered or hold blocks (and were not released), sorted."""
         self._lock.acquire()
         try:
-            return sorted(self._active.union(self._owned))
+            return sorted(set(self._owned) - self._released)
         finally:
             self._lock.release()
 
@@ -332,10 +379,10 @@ class BlockPoolAllocator:
             self._lock.release()
 
     def blocks_held_by_owner(self) -> dict[int, int]:
-        """Blocks held per owner, for operators' views."""
+        """Blocks held per owner (owners holding none are left out)."""
         self._lock.acquire()
         try:
-            return {owner: len(owned) for owner, owned in self._owned.items()}
+            return {owner: len(owned) for owner, owned in self._owned.items() if owned}
         finally:
             self._lock.release()
 
@@ -346,8 +393,8 @@ class BlockPoolAllocator:
         self._lock.acquire()
         try:
             if stream == SHARED_STREAM and self.config.separate_kv:
-                return sum(len(s) for s in self._free.values())
-            return len(self._free[self._resolve(stream)])
+                return sum(len(s.stack) for s in self._streams.values())
+            return len(self._stream(stream).stack)
         finally:
             self._lock.release()
 
@@ -370,26 +417,26 @@ class BlockPoolAllocator:
         try:
             if stream == SHARED_STREAM and self.config.separate_kv:
                 half, extra = divmod(target_free, 2)
-                targets = {"k": half + extra, "v": half}
+                targets = {self._streams["k"]: half + extra, self._streams["v"]: half}
             else:
-                targets = {self._resolve(stream): target_free}
-            retired = sum(self._retire(s, t) for s, t in targets.items())
-            if retired:
-                self.stats.n_blocks -= retired
-                self.stats.n_retired += retired
-            self._record()
+                targets = {self._stream(stream): target_free}
+            retired = sum(self._retire(st, t) for st, t in targets.items())
+            c = self._c
+            c[N_BLOCKS] -= retired
+            c[N_RETIRED] += retired
+            self._record(tuple(c))
             return retired
         finally:
             self._lock.release()
 
-    def _retire(self, stream: str, target_free: int) -> int:
-        stack = self._free[stream]
+    def _retire(self, st: _Stream, target_free: int) -> int:
+        stack = st.stack
         count = max(0, len(stack) - target_free)
         for block in stack[:count]:
             del self._blocks[block.block_id]
             block._pool = None
         del stack[:count]
-        self._n_fresh[stream] -= min(count, self._n_fresh[stream])
+        st.n_fresh -= min(count, st.n_fresh)
         return count
 
     # -- observability ------------------------------------------------------

@@ -6,7 +6,7 @@ mutation rules. Kept apart so the allocator module stays about allocation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
@@ -129,23 +129,50 @@ class Block:
     __hash__ = None  # mutable; compare by value like the dataclass it stands for
 
 
-@dataclass(slots=True)
+# Counter layout of AllocationStats._c. The allocator's hot path indexes the
+# list directly (a list slot is cheaper than an attribute, and a whole
+# history snapshot is one ``tuple(list)`` call).
+STAT_FIELDS = (
+    "n_blocks", "n_allocations", "n_frees", "n_reused", "n_exhausted", "n_grown",
+    "n_retired", "peak_blocks_in_use", "n_partial",
+)
+N_BLOCKS, N_ALLOC, N_FREES, N_REUSED, N_EXHAUSTED, N_GROWN, N_RETIRED, PEAK, N_PARTIAL = range(9)
+
+
 class AllocationStats:
     """Running counters of a pool. Every counter counts blocks, not calls.
 
-    ``n_partial`` (blocks allocated but not full) is kept alongside the
-    documented counters so that ``fragmentation()`` never has to scan.
+    Fields (readable and writable attributes, constructor arguments in this
+    order): n_blocks, n_allocations, n_frees, n_reused, n_exhausted, n_grown,
+    n_retired, peak_blocks_in_use, and n_partial (blocks allocated but not
+    full, kept so that ``fragmentation()`` never has to scan).
     """
 
-    n_blocks: int
-    n_allocations: int = 0
-    n_frees: int = 0
-    n_reused: int = 0
-    n_exhausted: int = 0
-    n_grown: int = 0
-    n_retired: int = 0
-    peak_blocks_in_use: int = 0
-    n_partial: int = 0
+    __slots__ = ("_c",)
+
+    def __init__(
+        self,
+        n_blocks: int,
+        n_allocations: int = 0,
+        n_frees: int = 0,
+        n_reused: int = 0,
+        n_exhausted: int = 0,
+        n_grown: int = 0,
+        n_retired: int = 0,
+        peak_blocks_in_use: int = 0,
+        n_partial: int = 0,
+    ) -> None:
+        self._c = [
+            n_blocks, n_allocations, n_frees, n_reused, n_exhausted, n_grown, n_retired,
+            peak_blocks_in_use, n_partial,
+        ]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AllocationStats):
+            return NotImplemented
+        return self._c == other._c
+
+    __hash__ = None  # mutable
 
     def blocks_in_use(self) -> int:
         """Blocks currently checked out (``n_allocations - n_frees``)."""
@@ -157,11 +184,11 @@ class AllocationStats:
 
     def snapshot(self) -> AllocationStats:
         """An independent copy, unaffected by later pool activity."""
-        return AllocationStats(*(getattr(self, f.name) for f in fields(self)))
+        return AllocationStats(*self._c)
 
     def as_dict(self) -> dict[str, float]:
         """Counters plus derived values, for JSON endpoints and logs."""
-        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out: dict[str, float] = dict(zip(STAT_FIELDS, self._c, strict=True))
         out["blocks_in_use"] = self.blocks_in_use()
         out["fragmentation"] = self.fragmentation()
         return out
@@ -200,3 +227,17 @@ class AllocationStats:
             f"retired={self.n_retired}, peak={self.peak_blocks_in_use}, "
             f"fragmentation={self.fragmentation():.3f})"
         )
+
+
+def _counter(index: int) -> property:
+    def get(self: AllocationStats) -> int:
+        return self._c[index]
+
+    def set(self: AllocationStats, value: int) -> None:
+        self._c[index] = value
+
+    return property(get, set, doc=f"Counter {STAT_FIELDS[index]} (in blocks).")
+
+
+for _i, _name in enumerate(STAT_FIELDS):
+    setattr(AllocationStats, _name, _counter(_i))
