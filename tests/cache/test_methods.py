@@ -110,8 +110,10 @@ def test_memory_bytes_equals_the_packed_size_formula(method: str, n_tokens: int,
         ("turboquant_mse", 3, {}, 10, 10 * 2 * (48 + 2)),
         # keys: 2-bit MSE (32 B) + 1-bit signs (16 B) + 2 norms; values 3-bit (48 B) + norm.
         ("turboquant_prod", 3, {}, 10, 10 * (32 + 16 + 4) + 10 * (48 + 2)),
-        # keys: 128 sign bits + norm; values: 16 B codes + 4 groups * (scale, min) float16.
-        ("qjl", 1, {}, 10, 10 * (16 + 2) + 10 * (16 + 16)),
+        # keys: 128 sign bits + norm; values at 2 bits (the floor for values):
+        # 32 B codes + 4 groups * (scale, min) float16.
+        ("qjl", 1, {}, 10, 10 * (16 + 2) + 10 * (32 + 16)),
+        ("qjl", 3, {}, 10, 10 * (48 + 2) + 10 * (48 + 16)),
         # 8 radii (16 B) + angles 64*4 + 32*2 + 16*2 + 8*2 bits (46 B) = 62 B per row.
         ("polar", 4, {}, 10, 2 * 10 * 62),
         # 64 keys quantized: 2 groups of 32 tokens, (scale, min) per channel; 32 values

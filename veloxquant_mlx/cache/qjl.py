@@ -9,7 +9,8 @@ is unbiased: for a Gaussian row ``s``, ``E[<s,q> sign(<s,k>)] =
 sqrt(2/pi) <q,k> / ||k||``. The query is projected once per attend, never
 quantized. ``m = bits * head_dim`` so keys cost ``bits`` bits per coordinate
 (plus 16 bits per token for the norm). Values are quantized per token in
-groups of ``group_size`` channels at ``bits`` bits, as in the paper.
+groups of ``group_size`` channels at ``max(bits, 2)`` bits, as in the paper;
+a 1-bit min/max value code would keep only the two extremes of each group.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class QJLCache(KVCache):
         self.sketch_dim = self.bits * self.head_dim
         self.sketch = random_gaussian(self.sketch_dim, self.head_dim, config.seed)
         self.group = config.group_size
+        self.value_bits = max(self.bits, 2)
         self._signs, self._norms = ChunkList(), ChunkList()
         self._v_codes, self._v_scale, self._v_min = ChunkList(), ChunkList(), ChunkList()
 
@@ -68,7 +70,8 @@ class QJLCache(KVCache):
         """Closed form: m sign bits + float16 norm per key; codes + scales per value."""
         d = self.head_dim
         keys = self.n_keys * (packed_row_bytes(self.sketch_dim, 1) + 2)
-        values = self.n_values * (packed_row_bytes(d, self.bits) + (d // self.group) * 4)
+        per_value = packed_row_bytes(d, self.value_bits) + (d // self.group) * 4
+        values = self.n_values * per_value
         return keys + values
 
     def _append_keys(self, keys: mx.array) -> None:
@@ -77,7 +80,7 @@ class QJLCache(KVCache):
         mx.eval(self._signs.value(), self._norms.value())
 
     def _append_values(self, values: mx.array) -> None:
-        q = quantize_groups(values, self.bits, self.group)
+        q = quantize_groups(values, self.value_bits, self.group)
         self._v_codes.append(q.packed)
         self._v_scale.append(q.scale)
         self._v_min.append(q.minimum)
@@ -97,4 +100,4 @@ class QJLCache(KVCache):
 
     def decode_values(self) -> mx.array:
         codes = GroupCodes(self._v_codes.value(), self._v_scale.value(), self._v_min.value())
-        return dequantize_groups(codes, self.bits, self.group, self.head_dim)
+        return dequantize_groups(codes, self.value_bits, self.group, self.head_dim)
