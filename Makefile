@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test lint bench smoke blas model clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py veloxquant_mlx/memory/records.py veloxquant_mlx/memory/block_pool.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -6,9 +6,49 @@ MLX-backed pieces load on first use, so ``import veloxquant_mlx.memory``
 works in a process (or on a machine) that has no MLX.
 """
 
+import importlib.util
+import os
+import sys
+import warnings
 from importlib import import_module
+from pathlib import Path
 
-from veloxquant_mlx.exceptions import (
+
+def _load_allocator_source_if_needed() -> None:
+    """Use the pure-Python allocator when the compiled one is unwanted or stale.
+
+    ``pip install`` may compile records.py and block_pool.py with mypyc (see
+    setup.py); an extension module shadows its .py. If the source was edited
+    after the build, the extension would run old code, so the source is
+    loaded instead (with a warning). VELOXQUANT_PURE_PYTHON=1 forces it.
+    """
+    here = Path(__file__).parent
+    names = ("records", "block_pool")  # records first: block_pool imports it
+    stale = []
+    for name in names:
+        source = here / f"{name}.py"
+        for ext in here.glob(f"{name}.*.so"):
+            if ext.stat().st_mtime < source.stat().st_mtime:
+                stale.append(ext.name)
+    if stale:
+        warnings.warn(
+            f"compiled allocator {stale} is older than its source; using the source "
+            "(re-run `make install` or `pip install -e .` to rebuild)",
+            stacklevel=2,
+        )
+    elif not os.environ.get("VELOXQUANT_PURE_PYTHON"):
+        return
+    for name in names:
+        full = f"{__name__}.{name}"
+        spec = importlib.util.spec_from_file_location(full, here / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+
+
+_load_allocator_source_if_needed()
+
+from veloxquant_mlx.exceptions import (  # noqa: E402 (after the loader above)
     BlockPoolExhaustedError,
     ForeignBlockError,
     OwnerAlreadyActiveError,
@@ -16,12 +56,14 @@ from veloxquant_mlx.exceptions import (
     PoolArgumentTypeError,
     VeloxQuantError,
 )
-from veloxquant_mlx.memory.block_pool import (
+from veloxquant_mlx.memory.block_pool import (  # noqa: E402
     AllocationStats,
     Block,
     BlockPoolAllocator,
     PoolConfig,
 )
+
+NATIVE_ALLOCATOR = not sys.modules[f"{__name__}.block_pool"].__file__.endswith(".py")
 
 # name -> module that defines it; imported lazily because they need MLX.
 _MLX_EXPORTS = {
@@ -49,6 +91,7 @@ __all__ = [
     "BlockPoolExhaustedError",
     "ForeignBlockError",
     "MLXBlockStorage",
+    "NATIVE_ALLOCATOR",
     "OwnerAlreadyActiveError",
     "PoolArgumentError",
     "PoolArgumentTypeError",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 
 from veloxquant_mlx.exceptions import (
     BlockPoolExhaustedError,
@@ -34,8 +35,8 @@ from veloxquant_mlx.exceptions import (
     PoolArgumentError,
     PoolArgumentTypeError,
 )
+from veloxquant_mlx.memory.pool_config import HISTORY_LEN, SHARED_STREAM, PoolConfig, check_count
 from veloxquant_mlx.memory.records import (
-    HISTORY_LEN,
     N_ALLOC,
     N_BLOCKS,
     N_EXHAUSTED,
@@ -45,14 +46,21 @@ from veloxquant_mlx.memory.records import (
     N_RETIRED,
     N_REUSED,
     PEAK,
-    SHARED_STREAM,
     AllocationStats,
     Block,
-    PoolConfig,
-    check_count,
 )
 
 __all__ = ["AllocationStats", "Block", "BlockPoolAllocator", "PoolConfig"]
+
+
+def _bad_argument(n_tokens: object, owner: object) -> Exception:
+    """The typed error for a bad ``n_tokens`` or ``owner`` (kept off the hot path)."""
+    try:
+        check_count("n_tokens", n_tokens, 1)
+        check_count("owner", owner, -(2**63))
+    except (PoolArgumentError, PoolArgumentTypeError) as err:
+        return err
+    raise AssertionError("_bad_argument called with valid arguments")
 
 
 class _Stream:
@@ -116,14 +124,14 @@ class BlockPoolAllocator:
         stream.stack[:0] = new
         stream.n_fresh += count
 
-    def _stream(self, name: str) -> _Stream:
-        try:
-            return self._stream_of[name]
-        except (KeyError, TypeError):
+    def _stream(self, name: object) -> _Stream:
+        st = self._stream_of.get(name) if isinstance(name, str) else None
+        if st is None:
             raise PoolArgumentError(
                 f"unknown stream {name!r}; this pool (separate_kv="
                 f"{self.config.separate_kv}) accepts {sorted(self._stream_of)}"
-            ) from None
+            )
+        return st
 
     def _grow_or_raise(self, stream: _Stream, needed: int) -> None:
         """Make ``needed`` blocks free on ``stream`` or raise (counting the miss)."""
@@ -143,7 +151,7 @@ class BlockPoolAllocator:
             detail = f"growing by {gap} would pass max_blocks={cap}"
         raise BlockPoolExhaustedError(stream.name, needed, free, detail)
 
-    def _set_used(self, block: Block, value: int) -> None:
+    def _set_used(self, block: Block, value: object) -> None:
         """Back end of ``Block.n_used = value``: keep the partial count exact."""
         if isinstance(value, bool) or not isinstance(value, int):
             raise PoolArgumentTypeError(f"n_used must be an int, got {type(value).__name__}")
@@ -160,7 +168,9 @@ class BlockPoolAllocator:
 
     # -- allocation ---------------------------------------------------------
 
-    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+    def allocate(
+        self, stream: object, n_tokens: object, owner: object, format: object = "fp16"
+    ) -> list[Block]:
         """Check out enough blocks for ``n_tokens`` slots to ``owner``.
 
         All-or-nothing: on failure no block changes hands.
@@ -182,16 +192,19 @@ class BlockPoolAllocator:
             PoolArgumentTypeError: ``n_tokens``/``owner`` not an int,
                 ``format`` not a str.
         """
-        if type(n_tokens) is not int or n_tokens <= 0 or type(owner) is not int:
-            check_count("n_tokens", n_tokens, 1)
-            check_count("owner", owner, -(2**63))
+        # Arguments are typed ``object`` and narrowed here, so that a compiled
+        # build reports bad input with our typed errors, not a generic one.
+        if type(n_tokens) is not int or type(owner) is not int or n_tokens <= 0:
+            raise _bad_argument(n_tokens, owner)
         if type(format) is not str:
             raise PoolArgumentTypeError(f"format must be a str, got {type(format).__name__}")
         bs = self._block_size
         lock = self._lock
         lock.acquire()
         try:
-            st = self._stream_of.get(stream) or self._stream(stream)
+            st = self._stream_of.get(stream) if type(stream) is str else None
+            if st is None:
+                st = self._stream(stream)
             c = self._c
             if n_tokens > bs:
                 n = -(-n_tokens // bs)
@@ -276,7 +289,7 @@ class BlockPoolAllocator:
         c[N_FREES] += len(blocks)
         self._record(tuple(c))
 
-    def free(self, blocks: list[Block]) -> None:
+    def free(self, blocks: Iterable[object]) -> None:
         """Return ``blocks`` to the pool. Freeing an already-free block is a no-op.
 
         Raises:
@@ -286,16 +299,20 @@ class BlockPoolAllocator:
         self._lock.acquire()
         try:
             live = self._blocks
+            checked: list[Block] = []
             for block in blocks:
-                if live.get(getattr(block, "block_id", None)) is not block:
+                if not isinstance(block, Block) or live.get(block.block_id) is not block:
                     raise ForeignBlockError(
                         f"{block!r} does not belong to this pool (or was retired by shrink); "
                         "free blocks only on the pool that allocated them"
                     )
+                checked.append(block)
             to_free = []
-            for block in blocks:
+            for block in checked:
                 owner = block.owner
-                owned = self._owned.get(owner) if owner is not None else None
+                if owner is None:
+                    continue
+                owned = self._owned.get(owner)
                 if owned is None or owned.pop(block.block_id, None) is None:
                     continue  # already free, or listed twice in this call
                 to_free.append(block)
@@ -322,7 +339,7 @@ class BlockPoolAllocator:
 
     # -- owners -------------------------------------------------------------
 
-    def register_owner(self, owner: int) -> None:
+    def register_owner(self, owner: object) -> None:
         """Claim ``owner`` explicitly, so that a colliding second claim raises.
 
         Raises:
@@ -330,7 +347,7 @@ class BlockPoolAllocator:
                 and not yet released.
         """
         if type(owner) is not int:
-            check_count("owner", owner, -(2**63))
+            raise _bad_argument(1, owner)
         self._lock.acquire()
         try:
             if owner in self._owned and owner not in self._released:
@@ -388,7 +405,7 @@ class BlockPoolAllocator:
 
     # -- capacity -----------------------------------------------------------
 
-    def n_free(self, stream: str = "k") -> int:
+    def n_free(self, stream: object = "k") -> int:
         """Free blocks on ``stream`` ("kv" on a split pool: both streams)."""
         self._lock.acquire()
         try:
@@ -398,7 +415,7 @@ class BlockPoolAllocator:
         finally:
             self._lock.release()
 
-    def shrink(self, stream: str, target_free: int) -> int:
+    def shrink(self, stream: object, target_free: object) -> int:
         """Retire free blocks of ``stream`` until ``target_free`` stay free.
 
         Blocks in use are never touched. The coldest free blocks go first:
@@ -412,14 +429,14 @@ class BlockPoolAllocator:
         Raises:
             PoolArgumentError: ``target_free < 0`` or an unknown stream.
         """
-        check_count("target_free", target_free, 0)
+        target = check_count("target_free", target_free, 0)
         self._lock.acquire()
         try:
             if stream == SHARED_STREAM and self.config.separate_kv:
-                half, extra = divmod(target_free, 2)
+                half, extra = divmod(target, 2)
                 targets = {self._streams["k"]: half + extra, self._streams["v"]: half}
             else:
-                targets = {self._stream(stream): target_free}
+                targets = {self._stream(stream): target}
             retired = sum(self._retire(st, t) for st, t in targets.items())
             c = self._c
             c[N_BLOCKS] -= retired

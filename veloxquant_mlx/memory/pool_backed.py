@@ -38,7 +38,6 @@ which does both.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
@@ -63,16 +62,19 @@ class _OwnerLease:
         self.released = False
 
 
-# pool -> {owner: live lease}. Caches made for the same (pool, owner) while a
-# lease is live share it; a released lease leaves the table, so a reused
-# owner id starts a fresh lease that old caches cannot touch.
-_LEASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(pool) -> {owner: live lease}. Caches made for the same (pool, owner)
+# while a lease is live share it; a released lease leaves the table (and an
+# emptied table goes too), so a reused owner id starts a fresh lease that old
+# caches cannot touch. Keyed by id, not weakly by the pool: the compiled
+# allocator (setup.py) cannot be weakly referenced. A live lease holds its
+# pool, so an id in the table always belongs to a live pool.
+_LEASES: dict[int, dict[int, _OwnerLease]] = {}
 _LEASES_LOCK = threading.Lock()
 
 
 def _lease_for(pool: BlockPoolAllocator, owner: int) -> _OwnerLease:
     with _LEASES_LOCK:
-        table = _LEASES.setdefault(pool, {})
+        table = _LEASES.setdefault(id(pool), {})
         lease = table.get(owner)
         if lease is None:
             lease = table[owner] = _OwnerLease(pool, owner)
@@ -85,9 +87,11 @@ def _release_lease(lease: _OwnerLease) -> bool:
         if lease.released:
             return False
         lease.released = True
-        table = _LEASES.get(lease.pool)
+        table = _LEASES.get(id(lease.pool))
         if table is not None and table.get(lease.owner) is lease:
             del table[lease.owner]
+            if not table:
+                del _LEASES[id(lease.pool)]
     lease.pool.free_all(lease.owner)
     return True
 

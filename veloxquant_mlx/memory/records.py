@@ -6,66 +6,12 @@ mutation rules. Kept apart so the allocator module stays about allocation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
+from veloxquant_mlx.memory.pool_config import SHARED_STREAM
 
 if TYPE_CHECKING:
     from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
-
-HISTORY_LEN = 256
-SPLIT_STREAMS = ("k", "v")
-SHARED_STREAM = "kv"
-
-
-def check_count(name: str, value: object, minimum: int) -> int:
-    """Validate an integer argument (bools are rejected: True is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PoolArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise PoolArgumentError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """Sizing and behaviour of a pool.
-
-    Attributes:
-        block_size: Token slots per block.
-        n_blocks: Total blocks created up front (split between "k" and "v"
-            when ``separate_kv``; "k" takes the odd one).
-        separate_kv: Keys and values draw from independent free stacks.
-        grow_on_exhaustion: Grow a stream just enough instead of raising.
-        max_blocks: Cap on the total once grown (None: unbounded). Only used
-            with ``grow_on_exhaustion``.
-    """
-
-    block_size: int = 16
-    n_blocks: int = 1024
-    separate_kv: bool = True
-    grow_on_exhaustion: bool = False
-    max_blocks: int | None = None
-
-    def __post_init__(self) -> None:
-        check_count("block_size", self.block_size, 1)
-        check_count("n_blocks", self.n_blocks, 1)
-        if self.max_blocks is not None:
-            check_count("max_blocks", self.max_blocks, 1)
-            if self.max_blocks < self.n_blocks:
-                raise PoolArgumentError(
-                    f"max_blocks ({self.max_blocks}) must be >= n_blocks ({self.n_blocks})"
-                )
-        for flag in ("separate_kv", "grow_on_exhaustion"):
-            if not isinstance(getattr(self, flag), bool):
-                raise PoolArgumentTypeError(f"{flag} must be a bool")
-
-    @property
-    def streams(self) -> tuple[str, ...]:
-        """The stream names this configuration allocates from."""
-        return SPLIT_STREAMS if self.separate_kv else (SHARED_STREAM,)
-
 
 class Block:
     """One fixed-size block of KV-cache storage.
@@ -126,7 +72,8 @@ class Block:
             other.ever_allocated,
         )
 
-    __hash__ = None  # mutable; compare by value like the dataclass it stands for
+    # Mutable; compares by value like the dataclass it stands for.
+    __hash__ = None  # type: ignore[assignment]
 
 
 # Counter layout of AllocationStats._c. The allocator's hot path indexes the
@@ -172,7 +119,82 @@ class AllocationStats:
             return NotImplemented
         return self._c == other._c
 
-    __hash__ = None  # mutable
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    # Plain properties over the counter list (explicit, so type checkers and
+    # mypyc see every field).
+
+    @property
+    def n_blocks(self) -> int:
+        return self._c[N_BLOCKS]
+
+    @n_blocks.setter
+    def n_blocks(self, value: int) -> None:
+        self._c[N_BLOCKS] = value
+
+    @property
+    def n_allocations(self) -> int:
+        return self._c[N_ALLOC]
+
+    @n_allocations.setter
+    def n_allocations(self, value: int) -> None:
+        self._c[N_ALLOC] = value
+
+    @property
+    def n_frees(self) -> int:
+        return self._c[N_FREES]
+
+    @n_frees.setter
+    def n_frees(self, value: int) -> None:
+        self._c[N_FREES] = value
+
+    @property
+    def n_reused(self) -> int:
+        return self._c[N_REUSED]
+
+    @n_reused.setter
+    def n_reused(self, value: int) -> None:
+        self._c[N_REUSED] = value
+
+    @property
+    def n_exhausted(self) -> int:
+        return self._c[N_EXHAUSTED]
+
+    @n_exhausted.setter
+    def n_exhausted(self, value: int) -> None:
+        self._c[N_EXHAUSTED] = value
+
+    @property
+    def n_grown(self) -> int:
+        return self._c[N_GROWN]
+
+    @n_grown.setter
+    def n_grown(self, value: int) -> None:
+        self._c[N_GROWN] = value
+
+    @property
+    def n_retired(self) -> int:
+        return self._c[N_RETIRED]
+
+    @n_retired.setter
+    def n_retired(self, value: int) -> None:
+        self._c[N_RETIRED] = value
+
+    @property
+    def peak_blocks_in_use(self) -> int:
+        return self._c[PEAK]
+
+    @peak_blocks_in_use.setter
+    def peak_blocks_in_use(self, value: int) -> None:
+        self._c[PEAK] = value
+
+    @property
+    def n_partial(self) -> int:
+        return self._c[N_PARTIAL]
+
+    @n_partial.setter
+    def n_partial(self, value: int) -> None:
+        self._c[N_PARTIAL] = value
 
     def blocks_in_use(self) -> int:
         """Blocks currently checked out (``n_allocations - n_frees``)."""
@@ -227,17 +249,3 @@ class AllocationStats:
             f"retired={self.n_retired}, peak={self.peak_blocks_in_use}, "
             f"fragmentation={self.fragmentation():.3f})"
         )
-
-
-def _counter(index: int) -> property:
-    def get(self: AllocationStats) -> int:
-        return self._c[index]
-
-    def set(self: AllocationStats, value: int) -> None:
-        self._c[index] = value
-
-    return property(get, set, doc=f"Counter {STAT_FIELDS[index]} (in blocks).")
-
-
-for _i, _name in enumerate(STAT_FIELDS):
-    setattr(AllocationStats, _name, _counter(_i))
