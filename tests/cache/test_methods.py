@@ -50,6 +50,19 @@ def test_attend_keeps_the_query_shape(method: str, data) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_attend_matches_attention_over_the_decoded_cache(method: str, data) -> None:
+    # Methods that attend in a rotated or coefficient domain must agree with
+    # plain attention over what decode_keys/decode_values reconstruct.
+    keys, values, queries = data
+    cache = build(method)
+    cache.append(keys[:100], values[:100])
+    reference = exact_attention(
+        queries, np.array(cache.decode_keys()), np.array(cache.decode_values())
+    )
+    np.testing.assert_allclose(np.array(cache.attend(queries)), reference, rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_misuse_raises_value_errors_that_say_what_to_do(method: str, data) -> None:
     keys, values, queries = data
     cache = build(method)

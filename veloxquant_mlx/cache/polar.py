@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from veloxquant_mlx.cache.base import ChunkList, KVCache
 from veloxquant_mlx.cache.codebooks import polar_angle_codebook
@@ -40,10 +41,24 @@ class PolarStream:
         self.rotation = rotation
         self.dim = rotation.shape[0]
         self.level_bits = level_bits
-        self.books = [None] + [polar_angle_codebook(lv + 1, b) for lv, b in enumerate(level_bits)
-                               if lv > 0]
+        self.edges = [None] + [
+            mx.array(polar_angle_codebook(lv + 1, b).boundaries.astype("float32"))
+            for lv, b in enumerate(level_bits) if lv > 0
+        ]
+        # Decoding needs only cos/sin of each reconstruction angle: one table
+        # per level turns the per-attend trigonometry into a gather.
+        self.trig = [self._trig_table(lv, b) for lv, b in enumerate(level_bits)]
         self.angles = [ChunkList() for _ in range(LEVELS)]
         self.radii = ChunkList()
+
+    @staticmethod
+    def _trig_table(level: int, bits: int) -> tuple[mx.array, mx.array]:
+        if level == 0:
+            angles = (np.arange(2**bits) + 0.5) * (2 * math.pi / 2**bits)
+        else:
+            angles = polar_angle_codebook(level + 1, bits).centroids
+        cos, sin = np.cos(angles).astype("float32"), np.sin(angles).astype("float32")
+        return mx.array(cos), mx.array(sin)
 
     @property
     def rows(self) -> int:
@@ -65,28 +80,23 @@ class PolarStream:
                 turns = mx.remainder(angle, 2 * math.pi) / (2 * math.pi)
                 codes = mx.clip(mx.floor(turns * 2**bits), 0, 2**bits - 1)
             else:
-                edges = mx.array(self.books[level].boundaries.astype("float32"))
-                codes = (angle[..., None] > edges).sum(axis=-1)
+                codes = (angle[..., None] > self.edges[level]).sum(axis=-1)
             self.angles[level].append(pack_bits(codes.reshape(n, -1), bits))
             r = mx.sqrt(a * a + b * b)
         self.radii.append(r.reshape(n, -1).astype(mx.float16))
 
-    def decode(self) -> mx.array:
-        """Reconstructed vectors in the original (un-rotated) basis, float32."""
+    def decode_rotated(self) -> mx.array:
+        """Reconstructed vectors in the rotated basis, float32 ``(rows, dim)``."""
         n, blocks = self.rows, self.dim // BLOCK
         r = self.radii.value().astype(mx.float32).reshape(n, blocks, 1)
         for level in reversed(range(LEVELS)):
             bits = self.level_bits[level]
             width = BLOCK >> (level + 1)
             codes = unpack_bits(self.angles[level].value(), bits, blocks * width)
-            codes = codes.reshape(n, blocks, width)
-            if level == 0:
-                angle = (codes.astype(mx.float32) + 0.5) * (2 * math.pi / 2**bits)
-            else:
-                centroids = mx.array(self.books[level].centroids.astype("float32"))
-                angle = centroids[codes.astype(mx.uint32)]
-            r = mx.stack([r * mx.cos(angle), r * mx.sin(angle)], axis=-1).reshape(n, blocks, -1)
-        return r.reshape(n, self.dim) @ self.rotation
+            codes = codes.reshape(n, blocks, width).astype(mx.uint32)
+            cos, sin = self.trig[level]
+            r = mx.stack([r * cos[codes], r * sin[codes]], axis=-1).reshape(n, blocks, -1)
+        return r.reshape(n, self.dim)
 
 
 class PolarQuantCache(KVCache):
@@ -146,8 +156,16 @@ class PolarQuantCache(KVCache):
         self._values.encode(values)
         mx.eval(self._values.radii.value(), *(a.value() for a in self._values.angles))
 
+    # Attention runs in the rotated basis (R is orthogonal, so q.k = (qR^T).(kR^T)):
+    # one rotation per query instead of one per cached token.
+    def key_scores(self, queries: mx.array) -> mx.array:
+        return (queries @ self.rotation.T) @ self._keys.decode_rotated().T
+
+    def combine_values(self, probs: mx.array) -> mx.array:
+        return (probs @ self._values.decode_rotated()) @ self.rotation
+
     def decode_keys(self) -> mx.array:
-        return self._keys.decode()
+        return self._keys.decode_rotated() @ self.rotation
 
     def decode_values(self) -> mx.array:
-        return self._values.decode()
+        return self._values.decode_rotated() @ self.rotation

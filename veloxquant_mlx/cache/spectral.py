@@ -86,13 +86,16 @@ class SpectralStream:
         self.scale.append(q.scale)
         self.minimum.append(q.minimum)
 
+    def coefficients(self) -> mx.array:
+        """Decoded (un-whitened) coefficients ``(rows, rank)``; needs a fitted basis."""
+        codes = GroupCodes(self.codes.value(), self.scale.value(), self.minimum.value())
+        coefs = dequantize_groups(codes, self.bits, self.rank, self.rank)
+        return coefs * self.coef_scale.astype(mx.float32)
+
     def decode(self) -> mx.array:
         if self.basis is None:
             return self.buffer.value().astype(mx.float32)
-        codes = GroupCodes(self.codes.value(), self.scale.value(), self.minimum.value())
-        coefs = dequantize_groups(codes, self.bits, self.rank, self.rank)
-        coefs = coefs * self.coef_scale.astype(mx.float32)
-        return self.mean.astype(mx.float32) + coefs @ self.basis.astype(mx.float32).T
+        return self.mean.astype(mx.float32) + self.coefficients() @ self.basis.astype(mx.float32).T
 
     def expected_nbytes(self) -> int:
         if self.basis is None:
@@ -147,6 +150,22 @@ class SpectralCache(KVCache):
 
     def _append_values(self, values: mx.array) -> None:
         self._values.append(values)
+
+    # In the coefficient domain attention costs O(n * rank) instead of O(n * d):
+    # q.k = q.mu + (q B).c  and  p @ V = rowsum(p) mu + (p @ C) B^T.
+    def key_scores(self, queries: mx.array) -> mx.array:
+        keys = self._keys
+        if keys.basis is None:
+            return super().key_scores(queries)
+        mean, basis = keys.mean.astype(mx.float32), keys.basis.astype(mx.float32)
+        return (queries @ mean)[:, None] + (queries @ basis) @ keys.coefficients().T
+
+    def combine_values(self, probs: mx.array) -> mx.array:
+        values = self._values
+        if values.basis is None:
+            return super().combine_values(probs)
+        mean, basis = values.mean.astype(mx.float32), values.basis.astype(mx.float32)
+        return probs.sum(axis=-1, keepdims=True) * mean + (probs @ values.coefficients()) @ basis.T
 
     def decode_keys(self) -> mx.array:
         return self._keys.decode()
