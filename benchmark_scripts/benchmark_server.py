@@ -1,0 +1,235 @@
+"""This server vs ``mlx_lm.server`` on the same model, machine, BLAS and load.
+
+Starts our server, drives it with a bounded streaming load at each
+concurrency level, stops it, then does the same for ``mlx_lm.server`` (one
+after the other in one run), and measures the single-stream ceiling with
+``mlx_lm.stream_generate`` in a child process. Every child gets the same
+environment (the optimized BLAS preloaded when installed, built by
+``veloxquant_mlx.cpu_backend.child_env``), and the model is the offline
+``small`` preset in float32 on both sides.
+
+Usage::
+
+    flock /tmp/velox-bench.lock .venv/bin/python benchmark_scripts/benchmark_server.py \
+        [--concurrency 1 4 16 32] [--requests-per-level N] [--time-limit S]
+
+Writes ``figures/server/results.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_load import LevelResult, run_level  # noqa: E402
+
+from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
+from veloxquant_mlx.offline_model import ensure_model, iter_corpus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "figures" / "server" / "results.json"
+OURS, PEER = "veloxquant", "mlx_lm.server"
+TARGETS_C1 = {"tok_per_s_ratio_min": 0.95, "ttft_p50_ratio_max": 1.1}
+
+_CEILING = """
+import json, statistics, sys, mlx.core as mx, mlx_lm
+from mlx_lm.sample_utils import make_sampler
+model, tok = mlx_lm.load(sys.argv[1])
+prompt, n = sys.argv[2], int(sys.argv[3])
+runs = []
+for _ in range(4):
+    last = None
+    for last in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n,
+                                       sampler=make_sampler(0.0)):
+        pass
+    runs.append((last.generation_tps, last.prompt_tps, last.generation_tokens))
+runs = runs[1:]  # the first run warms up
+print(json.dumps({"generation_tps_median": statistics.median(r[0] for r in runs),
+                  "prompt_tps_median": statistics.median(r[1] for r in runs),
+                  "generation_tokens": runs[-1][2], "runs": len(runs),
+                  "model_dtype": str(model.layers[0].self_attn.q_proj.weight.dtype)}))
+"""
+
+_BACKEND = ("from veloxquant_mlx.cpu_backend import describe_backend; import mlx.core; "
+            "print(describe_backend('float32'))")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompts(model_path: Path, n: int, n_tokens: int) -> list[str]:
+    """``n`` distinct prompts of about ``n_tokens`` tokens, cut from the offline corpus."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    ids = tok.encode(" ".join(iter_corpus(200_000)), add_special_tokens=False)
+    stride = max((len(ids) - n_tokens) // max(n, 1), 1)
+    return [tok.decode(ids[i * stride: i * stride + n_tokens]) for i in range(n)]
+
+
+def server_command(name: str, model: Path, port: int) -> list[str]:
+    py = sys.executable
+    if name == OURS:
+        return [py, "-m", "server", "--model", str(model), "--port", str(port),
+                "--log-level", "warning"]
+    return [py, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port),
+            "--log-level", "WARNING"]
+
+
+def wait_up(base_url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was up")
+        try:
+            if httpx.get(base_url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server at {base_url} not up after {timeout}s")
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """VmHWM (peak resident set) of a live process, in MiB (Linux)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def bench_server(name: str, model: Path, env: dict[str, str], prompts: list[str],
+                 args: argparse.Namespace) -> dict:
+    """Start one server, warm it up, run every level, stop it."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    # A file, not a pipe: an unread pipe could fill up and stall the server.
+    log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
+    log_file = log_path.open("w")
+    proc = subprocess.Popen(server_command(name, model, port), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+    levels: list[LevelResult] = []
+    try:
+        wait_up(base, proc)
+        # mlx_lm.server treats an unknown model id as a hub id; its own path selects the loaded one.
+        model_id = str(model) if name == PEER else \
+            httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_level(base, model_id, prompts, 1, 2, args.max_tokens, 120))  # warm-up
+        for c in args.concurrency:
+            n = args.requests_per_level or max(8, 2 * c)
+            level = asyncio.run(run_level(base, model_id, prompts, c, n, args.max_tokens,
+                                          args.time_limit))
+            print(f"  {name:14s} c={c:<3d} {level.tok_per_s:8.1f} tok/s "
+                  f"ttft p50 {level.ttft_p50_s}s p99 {level.ttft_p99_s}s "
+                  f"errors {level.errors} {level.error_samples[:1]}", flush=True)
+            levels.append(level)
+        rss = peak_rss_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+    err = log_path.read_text(errors="replace")
+    log_path.unlink()
+    return {"levels": [lv.as_dict() for lv in levels], "peak_rss_mib": rss,
+            "stderr_tail": err[-1500:]}
+
+
+def ratios(ours: dict, peer: dict) -> dict:
+    out = {}
+    for a, b in zip(ours["levels"], peer["levels"], strict=True):
+        def ratio(key, a=a, b=b):
+            return round(a[key] / b[key], 3) if a[key] and b[key] else None
+        out[f"c{a['concurrency']}"] = {
+            "tok_per_s": ratio("tok_per_s"), "req_per_s": ratio("req_per_s"),
+            "ttft_p50": ratio("ttft_p50_s"), "ttft_p99": ratio("ttft_p99_s"),
+            "latency_p50": ratio("latency_p50_s"), "latency_p99": ratio("latency_p99_s"),
+        }
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small", help="offline model preset")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests-per-level", type=int, default=0,
+                   help="requests per level (default max(8, 2 x concurrency))")
+    p.add_argument("--time-limit", type=float, default=240.0,
+                   help="stop launching requests in a level after this many seconds")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    model = ensure_model(args.preset)
+    env = child_env(preload=True)
+    env["PYTHONPATH"] = str(ROOT)
+    backend = subprocess.run([sys.executable, "-c", _BACKEND], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    print(f"backend: {backend}", flush=True)
+    prompts = make_prompts(model, 64, args.prompt_tokens)
+    ceiling = json.loads(subprocess.run(
+        [sys.executable, "-c", _CEILING, str(model), prompts[0], str(args.max_tokens)],
+        env=env, capture_output=True, text=True, check=True).stdout)
+    print(f"  mlx_lm.generate single stream: {ceiling['generation_tps_median']:.1f} tok/s",
+          flush=True)
+    servers = {name: bench_server(name, model, env, prompts, args) for name in (OURS, PEER)}
+    result = {
+        "benchmark": "benchmark_scripts/benchmark_server.py",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "backend": backend,
+        "ld_preload": env.get("LD_PRELOAD", ""),
+        "model": {"preset": args.preset, "path": str(model.relative_to(ROOT))
+                  if model.is_relative_to(ROOT) else str(model),
+                  "dtype": ceiling["model_dtype"]},
+        "load": {"prompt_tokens_target": args.prompt_tokens, "max_tokens": args.max_tokens,
+                 "temperature": 0.0, "streaming": True, "concurrency": args.concurrency,
+                 "requests_per_level": args.requests_per_level or "max(8, 2 x concurrency)",
+                 "time_limit_s": args.time_limit},
+        "single_stream_mlx_lm_generate": ceiling,
+        "servers": servers,
+        "ratios_ours_over_peer": ratios(servers[OURS], servers[PEER]),
+        "targets_issue_4_c1": TARGETS_C1,
+    }
+    c1 = result["ratios_ours_over_peer"].get("c1")
+    if c1 and c1["tok_per_s"] and c1["ttft_p50"]:
+        result["targets_issue_4_c1"]["met"] = (
+            c1["tok_per_s"] >= TARGETS_C1["tok_per_s_ratio_min"]
+            and c1["ttft_p50"] <= TARGETS_C1["ttft_p50_ratio_max"]
+            and all(lv["errors"] == 0 for s in servers.values() for lv in s["levels"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["ratios_ours_over_peer"], indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
