@@ -12,7 +12,7 @@ import contextlib
 import time
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import install_error_handlers
@@ -93,7 +93,12 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    for module in (completions, chat, system, admin):
-        app.include_router(module.router)
+    # /health and /metrics stay open; the inference routes need the API key when one is set.
+    guarded = [Depends(admin.require_api_key)]
+    app.include_router(completions.router, dependencies=guarded)
+    app.include_router(chat.router, dependencies=guarded)
+    app.include_router(system.models_router, dependencies=guarded)
+    app.include_router(system.router)
+    app.include_router(admin.router)
     app.add_middleware(RequestCounter, metrics=metrics)
     return app

@@ -32,7 +32,6 @@ from typing import Any
 from server.decode import decode_one, memory_snapshot, start_decoder
 from server.generation import (
     Admitted,
-    ChatPrompt,
     Failed,
     Finished,
     FinishReason,
@@ -40,6 +39,7 @@ from server.generation import (
     Rejected,
     Usage,
 )
+from server.intake import RequestRejected, tokenize_prompt
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
 from server.request_state import PendingRequest, RequestState
@@ -62,14 +62,6 @@ class _Command:
 
     fn: Callable[[], Any]
     future: concurrent.futures.Future
-
-
-class RequestRejected(Exception):
-    """Raised inside intake to turn a request away before it queues."""
-
-    def __init__(self, event: Rejected) -> None:
-        super().__init__(event.message)
-        self.event = event
 
 
 def make_pool(settings: Settings) -> BlockPoolAllocator:
@@ -250,7 +242,7 @@ class Engine:
     def _enqueue(self, request: GenerationRequest) -> None:
         limits = self.settings.limits
         try:
-            prompt_ids = self._tokenize(request)
+            prompt_ids = tokenize_prompt(self.loaded, request.prompt)
             need = self._check_size(request, prompt_ids)
             if len(self._waiting) >= limits.max_queue and not self._fits_now(need):
                 raise RequestRejected(Rejected(
@@ -264,27 +256,6 @@ class Engine:
         now = time.monotonic()
         self._waiting.append(PendingRequest(request, prompt_ids, need, now,
                                             now + limits.queue_timeout_s))
-
-    def _tokenize(self, request: GenerationRequest) -> list[int]:
-        tokenizer = self.loaded.tokenizer
-        prompt = request.prompt
-        try:
-            if isinstance(prompt, ChatPrompt):
-                ids = tokenizer.apply_chat_template(
-                    [dict(m) for m in prompt.messages], add_generation_prompt=True,
-                    tokenize=True)
-                return list(ids)
-            if isinstance(prompt, str):
-                return list(tokenizer.encode(prompt))
-            vocab = self.loaded.model.args.vocab_size if hasattr(
-                self.loaded.model, "args") else None
-            if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-            return list(prompt)
-        except Exception as exc:
-            param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
-            raise RequestRejected(Rejected(400, f"cannot tokenize the {param}: {exc}",
-                                           "invalid_prompt", param)) from None
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
         limits = self.settings.limits

@@ -1,7 +1,8 @@
 """Operator routes behind ``Authorization: Bearer $VELOXQUANT_ADMIN_TOKEN``.
 
 No token configured -> 403 (the routes are off, never open); a missing or
-wrong token -> 401. Tokens are compared in constant time.
+wrong token -> 401. Tokens are compared in constant time. The optional API
+key of the inference routes (``VELOXQUANT_API_KEY``) is checked here too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,20 @@ from server.errors import AuthenticationError, InvalidRequestError, PermissionDe
 HISTORY_SHOWN = 16
 
 
+def _bearer_matches(request: Request, token: str) -> bool:
+    """Constant-time check of ``Authorization: Bearer <token>``."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                              token.encode())
+
+
+def require_api_key(request: Request) -> None:
+    """Dependency of the inference routes: with ``VELOXQUANT_API_KEY`` set, demand it."""
+    key = request.app.state.settings.api_key
+    if key and not _bearer_matches(request, key):
+        raise AuthenticationError("missing or wrong API key (Authorization: Bearer ...)")
+
+
 def require_admin(request: Request) -> None:
     """Dependency: let the request through only with the configured admin token."""
     token = request.app.state.settings.admin_token
@@ -25,11 +40,7 @@ def require_admin(request: Request) -> None:
         raise PermissionDeniedError(
             "admin routes are disabled: set VELOXQUANT_ADMIN_TOKEN in the server's "
             "environment to enable them")
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
+    if not _bearer_matches(request, token):
         raise AuthenticationError("missing or wrong admin token (Authorization: Bearer ...)")
 
 

@@ -9,6 +9,7 @@ from server.errors import error_body
 from server.metrics import render
 
 router = APIRouter()
+models_router = APIRouter()
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,7 +29,7 @@ async def health(request: Request) -> JSONResponse:
                         status_code=503, headers={"Retry-After": retry})
 
 
-@router.get("/v1/models")
+@models_router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     """The one served model, in the OpenAI list shape."""
     engine = request.app.state.engine

@@ -258,3 +258,16 @@ def test_metrics_page_parses_and_detects_orphans(client, engine):
 def test_many_apps_can_coexist():
     for _ in range(3):
         create_app(make_settings(), FakeEngine())
+
+
+def test_api_key_guards_inference_routes_only():
+    settings = make_settings(env={"VELOXQUANT_API_KEY": "k1"})
+    with TestClient(create_app(settings, FakeEngine())) as c:
+        assert_error(c.post(COMPLETIONS, json={"prompt": "hi"}), 401)
+        assert_error(c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]},
+                            headers={"Authorization": "Bearer k2"}), 401)
+        assert_error(c.get("/v1/models"), 401)
+        ok = c.post(COMPLETIONS, json={"prompt": "hi"}, headers={"Authorization": "Bearer k1"})
+        assert ok.status_code == 200
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200

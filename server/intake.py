@@ -1,0 +1,43 @@
+"""Turning a submitted request into prompt ids (engine thread; no MLX work).
+
+Failures become :class:`RequestRejected` carrying the event the client gets.
+"""
+
+from __future__ import annotations
+
+from server.generation import ChatPrompt, Rejected
+from server.model_loader import LoadedModel
+
+
+class RequestRejected(Exception):
+    """Raised inside intake to turn a request away before it queues."""
+
+    def __init__(self, event: Rejected) -> None:
+        super().__init__(event.message)
+        self.event = event
+
+
+def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -> list[int]:
+    """Prompt ids for text, token ids or chat messages (rendered with the chat template).
+
+    Raises:
+        RequestRejected: (400) the prompt cannot be tokenized or has ids out of the vocabulary.
+    """
+    tokenizer = loaded.tokenizer
+    try:
+        if isinstance(prompt, ChatPrompt):
+            ids = tokenizer.apply_chat_template(
+                [dict(m) for m in prompt.messages], add_generation_prompt=True,
+                tokenize=True)
+            return list(ids)
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt))
+        vocab = loaded.model.args.vocab_size if hasattr(
+            loaded.model, "args") else None
+        if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        return list(prompt)
+    except Exception as exc:
+        param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
+        raise RequestRejected(Rejected(400, f"cannot tokenize the {param}: {exc}",
+                                       "invalid_prompt", param)) from None
