@@ -14,7 +14,7 @@ import pytest
 
 from server.engine import Engine
 from server.metrics import ServerMetrics
-from tests.server.conftest import LiveServer, make_settings, run_server
+from tests.server.conftest import ADMIN_TOKEN, LiveServer, make_settings, run_server
 
 LONG = 3000  # tokens: far longer than any test waits for
 
@@ -112,7 +112,8 @@ def small_pool_server(tiny_model_path):
         if "FAULT" in str(state.request.prompt) and state.generated >= 2:
             raise RuntimeError("injected fault in the model step")
 
-    settings = make_settings(model={"path": str(tiny_model_path)},
+    settings = make_settings(env={"VELOXQUANT_ADMIN_TOKEN": ADMIN_TOKEN},
+                             model={"path": str(tiny_model_path)},
                              pool={"n_blocks": 2048},  # 1024 per stream = 4 layers x 256
                              limits={"max_queue": 2, "queue_timeout_s": 1.0})
     engine = Engine(settings, ServerMetrics(), fault_hook=fault)
@@ -192,3 +193,34 @@ def test_model_fault_fails_one_request_only(small_pool_server: LiveServer):
     # The engine goes on serving.
     assert httpx.post(small_pool_server.base_url + "/v1/completions",
                       json={"prompt": "after", "max_tokens": 3}).status_code == 200
+
+
+async def _shrink_while_generating(base_url: str) -> dict:
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
+        body = {"prompt": "x", "max_tokens": 600, "stream": True,
+                "logit_bias": {"1": -100, "3": -100}}
+        async with c.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.aiter_lines()
+            await lines.__anext__()
+            view = (await c.get("/admin/pool", headers=auth)).json()
+            shrink = (await c.post("/admin/shrink", json={"stream": "kv", "target_free": 0},
+                                   headers=auth)).json()
+            after = (await c.get("/admin/pool", headers=auth)).json()
+            rest = [line async for line in lines if line]
+    return {"view": view, "shrink": shrink, "after": after, "rest": rest}
+
+
+def test_shrink_with_a_request_in_flight(small_pool_server: LiveServer):
+    out = asyncio.run(_shrink_while_generating(small_pool_server.base_url))
+    (owner,) = out["view"]["owners"]
+    assert owner["request_id"].startswith("cmpl-") and owner["blocks"] > 0
+    # 4 layers x ceil(601/16) = 152 blocks per stream stay free for the running request.
+    assert out["shrink"]["kept_free"]["k"] >= 152 - owner["blocks"] // 2
+    assert out["shrink"]["retired"] > 0
+    assert out["after"]["owners"][0]["owner"] == owner["owner"]
+    assert out["rest"][-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in "".join(out["rest"])  # ran to the end, no error
+    m = small_pool_server.wait_idle()
+    assert m["veloxquant_block_pool_exhausted_total"] == 0
+    assert m["veloxquant_block_pool_blocks_in_use"] == 0
