@@ -67,6 +67,7 @@ def test_head_dim_supported_where_valid() -> None:
         ("rank", 0, "rank must be >= 1"),
         ("energy", 1.5, r"energy must be in \(0, 1\]"),
         ("calibration_tokens", 1, "calibration_tokens must be >= 2"),
+        ("outlier_channels", -1, "outlier_channels must be >= 0"),
     ],
 )
 def test_knob_validation(field: str, value: object, message: str) -> None:
@@ -113,9 +114,10 @@ def test_builder_sets_every_field_and_config_is_frozen() -> None:
         .with_rank(5)
         .with_energy(0.5)
         .with_calibration_tokens(40)
+        .with_outlier_channels(3)
         .config()
     )
-    assert config == KVCacheConfig("spectral", 64, 3, 16, 32, 9, 5, 0.5, 40)
+    assert config == KVCacheConfig("spectral", 64, 3, 16, 32, 9, 5, 0.5, 40, 3)
     assert KVCacheBuilder().with_config(config).config() == config
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.bits = 4  # type: ignore[misc]
@@ -141,3 +143,8 @@ def test_register_custom_method_and_reject_non_caches() -> None:
     with pytest.raises(TypeError, match="not a KVCache subclass"):
         KVCacheFactory.register("bad", dict)  # type: ignore[arg-type]
     assert issubclass(Doubled, KVCache)
+
+
+def test_qjl_needs_fewer_outlier_channels_than_head_dim() -> None:
+    with pytest.raises(ValueError, match="outlier_channels=64 must be below head_dim"):
+        KVCacheConfig(method="qjl", head_dim=64, outlier_channels=64)

