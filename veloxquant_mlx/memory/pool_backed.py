@@ -37,63 +37,17 @@ which does both.
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
 from veloxquant_mlx.exceptions import VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.leases import OwnerLease, lease_for, release_lease
 
 DEFAULT_BUFFER_STEP = 256
 """Buffer growth chunk in tokens; mlx-lm's stock ``KVCache.step``."""
 
 _FORMAT_OF_DTYPE = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
-
-
-class _OwnerLease:
-    """One request's claim on a pool, shared by all of its layers' caches."""
-
-    __slots__ = ("pool", "owner", "released")
-
-    def __init__(self, pool: BlockPoolAllocator, owner: int) -> None:
-        self.pool = pool
-        self.owner = owner
-        self.released = False
-
-
-# id(pool) -> {owner: live lease}. Caches made for the same (pool, owner)
-# while a lease is live share it; a released lease leaves the table (and an
-# emptied table goes too), so a reused owner id starts a fresh lease that old
-# caches cannot touch. Keyed by id, not weakly by the pool: the compiled
-# allocator (setup.py) cannot be weakly referenced. A live lease holds its
-# pool, so an id in the table always belongs to a live pool.
-_LEASES: dict[int, dict[int, _OwnerLease]] = {}
-_LEASES_LOCK = threading.Lock()
-
-
-def _lease_for(pool: BlockPoolAllocator, owner: int) -> _OwnerLease:
-    with _LEASES_LOCK:
-        table = _LEASES.setdefault(id(pool), {})
-        lease = table.get(owner)
-        if lease is None:
-            lease = table[owner] = _OwnerLease(pool, owner)
-        return lease
-
-
-def _release_lease(lease: _OwnerLease) -> bool:
-    """Free the lease's blocks once. Returns False when it was already released."""
-    with _LEASES_LOCK:
-        if lease.released:
-            return False
-        lease.released = True
-        table = _LEASES.get(id(lease.pool))
-        if table is not None and table.get(lease.owner) is lease:
-            del table[lease.owner]
-            if not table:
-                del _LEASES[id(lease.pool)]
-    lease.pool.free_all(lease.owner)
-    return True
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -147,7 +101,7 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         self.owner: int | None = None
         self.step: int | None = None
         self.buffer_step = DEFAULT_BUFFER_STEP
-        self._lease: _OwnerLease | None = None
+        self._lease: OwnerLease | None = None
         self._k_blocks: list[Block] = []
         self._v_blocks: list[Block] = []
         self._block_size = 0
@@ -177,7 +131,7 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         self.pool = pool
         self.owner = owner
         self._block_size = pool.config.block_size
-        self._lease = _lease_for(pool, owner)
+        self._lease = lease_for(pool, owner)
         self._account(self.offset)
 
     def _require_live(self) -> None:
@@ -247,7 +201,7 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         nothing to release.
         """
         if self._lease is not None:
-            _release_lease(self._lease)
+            release_lease(self._lease)
 
     @property
     def released(self) -> bool:
@@ -270,17 +224,28 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
                 cache is left unchanged.
             VeloxQuantError: The cache is detached or was released.
         """
-        self._require_live()
+        lease = self._lease
+        if lease is None or lease.released:
+            self._require_live()
         prev = self.offset
         end = prev + keys.shape[2]
-        if end > len(self._k_blocks) * self._block_size:
+        bs = self._block_size
+        k_blocks = self._k_blocks
+        if end > len(k_blocks) * bs:
             self._grow_to(end, keys.dtype)
         if self.keys is None or end > self.keys.shape[2]:
             self._grow_buffer(prev, keys, values)
         self.offset = end
         self.keys[..., prev:end, :] = keys
         self.values[..., prev:end, :] = values
-        self._mark_used(prev, end)
+        last = (end - 1) // bs
+        if prev // bs == last and last + 1 == len(k_blocks):
+            # Decode fast path: only the last held block changes.
+            used = end - last * bs
+            k_blocks[last].n_used = used
+            self._v_blocks[last].n_used = used
+        else:
+            self._mark_used(prev, end)
         return self.keys_and_values()
 
     def _grow_buffer(self, prev: int, keys: mx.array, values: mx.array) -> None:

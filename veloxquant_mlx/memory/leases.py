@@ -1,0 +1,58 @@
+"""Owner leases: one request's claim on a pool, shared by all its layers' caches.
+
+A lease makes ``release()`` safe to call from any layer, any number of times:
+the first call frees the owner's blocks, later calls (even after the owner id
+was reused by a new request, which gets a new lease) do nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+
+
+class OwnerLease:
+    """One request's claim on a pool, shared by all of its layers' caches."""
+
+    __slots__ = ("pool", "owner", "released")
+
+    def __init__(self, pool: BlockPoolAllocator, owner: int) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.released = False
+
+
+# id(pool) -> {owner: live lease}. Caches made for the same (pool, owner)
+# while a lease is live share it; a released lease leaves the table (and an
+# emptied table goes too), so a reused owner id starts a fresh lease that old
+# caches cannot touch. Keyed by id, not weakly by the pool: the compiled
+# allocator (setup.py) cannot be weakly referenced. A live lease holds its
+# pool, so an id in the table always belongs to a live pool.
+_LEASES: dict[int, dict[int, OwnerLease]] = {}
+_LEASES_LOCK = threading.Lock()
+
+
+def lease_for(pool: BlockPoolAllocator, owner: int) -> OwnerLease:
+    """The live lease of ``(pool, owner)``, created if there is none."""
+    with _LEASES_LOCK:
+        table = _LEASES.setdefault(id(pool), {})
+        lease = table.get(owner)
+        if lease is None:
+            lease = table[owner] = OwnerLease(pool, owner)
+        return lease
+
+
+def release_lease(lease: OwnerLease) -> bool:
+    """Free the lease's blocks once. Returns False when it was already released."""
+    with _LEASES_LOCK:
+        if lease.released:
+            return False
+        lease.released = True
+        table = _LEASES.get(id(lease.pool))
+        if table is not None and table.get(lease.owner) is lease:
+            del table[lease.owner]
+            if not table:
+                del _LEASES[id(lease.pool)]
+    lease.pool.free_all(lease.owner)
+    return True
