@@ -42,9 +42,12 @@ GRID = {
     "turboquant_mse": (1, 2, 3, 4),
     "turboquant_prod": (2, 3, 4),
     "qjl": (1, 2, 3, 4),
+    "qjl_no_outliers": (1, 2, 3, 4),
     "polar": (2, 3, 4),
     "spectral": (2, 3, 4),
 }
+# Rows that run a method with a non-default knob, to show what the knob buys.
+VARIANTS = {"qjl_no_outliers": ("qjl", {"outlier_channels": 0})}
 ANCHORS = {1: 0.3635, 2: 0.1175, 3: 0.0345, 4: 0.0095}
 OUTLIERS = (3, 17, 64, 100)
 
@@ -118,10 +121,13 @@ def rel(approx, exact) -> float:
     return float(np.linalg.norm(a - exact) / np.linalg.norm(exact))
 
 
-def build(method: str, bits: int, head_dim: int):
+def build(name: str, bits: int, head_dim: int):
+    """A cache for a GRID entry: a registered method or a named variant of one."""
     from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory
 
-    return KVCacheFactory.create(KVCacheConfig(method=method, head_dim=head_dim, bits=bits))
+    method, extra = VARIANTS.get(name, (name, {}))
+    config = KVCacheConfig(method=method, head_dim=head_dim, bits=bits, **extra)
+    return KVCacheFactory.create(config)
 
 
 def accuracy(method: str, bits: int, heads) -> dict:
