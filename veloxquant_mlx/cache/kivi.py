@@ -104,7 +104,9 @@ class KIVICache(KVCache):
             full = (window.shape[0] // self.residual) * self.residual
             self._quantize_keys(window[:full])
             self._k_window.replace(window[full:])
-        mx.eval(*(p.value() for p in (self._k_codes, self._k_window) if p.rows))
+        # Evaluate now so the lazy graph does not keep the float inputs alive.
+        parts = (self._k_codes, self._k_scale, self._k_min, self._k_window)
+        mx.eval(*(p.value() for p in parts if p.rows))
 
     def _quantize_keys(self, block: mx.array) -> None:
         n, d, g = block.shape[0], self.head_dim, self.group
@@ -126,7 +128,8 @@ class KIVICache(KVCache):
             self._v_scale.append(q.scale)
             self._v_min.append(q.minimum)
             self._v_window.replace(window[overflow:])
-        mx.eval(*(p.value() for p in (self._v_codes, self._v_window) if p.rows))
+        parts = (self._v_codes, self._v_scale, self._v_min, self._v_window)
+        mx.eval(*(p.value() for p in parts if p.rows))
 
     def decode_keys(self) -> mx.array:
         parts = []
