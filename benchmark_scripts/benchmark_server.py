@@ -1,9 +1,14 @@
 """This server vs ``mlx_lm.server`` on the same model, machine, BLAS and load.
 
-Starts our server, drives it with a bounded streaming load at each
-concurrency level, stops it, then does the same for ``mlx_lm.server`` (one
-after the other in one run), and measures the single-stream ceiling with
-``mlx_lm.stream_generate`` in a child process. Every child gets the same
+Starts our server and ``mlx_lm.server`` (same run), then at each concurrency
+level drives them one after the other with the same bounded streaming load,
+for ``--rounds`` rounds in which they alternate going first (the machine is
+shared, so background load drifts; alternating spreads it over both). No
+server sees a prompt twice, so mlx-lm's prompt cache cannot answer from cache.
+The single-stream ceiling is ``mlx_lm.stream_generate`` in a child process.
+Per level it records aggregate tok/s, req/s, TTFT and latency p50/p99, errors,
+and the server process's CPU time per generated token (steadier than wall
+time on a busy machine). Every child gets the same
 environment (the optimized BLAS preloaded when installed, built by
 ``veloxquant_mlx.cpu_backend.child_env``), and the model is the offline
 ``small`` preset in float32 on both sides.
@@ -29,12 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_load import LevelResult, run_level  # noqa: E402
+from server_load import run_requests, summarize  # noqa: E402
 
 from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
 from veloxquant_mlx.offline_model import ensure_model, iter_corpus  # noqa: E402
@@ -117,9 +123,25 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
-def bench_server(name: str, model: Path, env: dict[str, str], prompts: list[str],
-                 args: argparse.Namespace) -> dict:
-    """Start one server, warm it up, run every level, stop it."""
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Running:
+    """A started server under test."""
+
+    name: str
+    proc: subprocess.Popen
+    base: str
+    model_id: str
+    log_path: Path
+    log_file: object
+
+
+def start_server(name: str, model: Path, env: dict[str, str]) -> Running:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # A file, not a pipe: an unread pipe could fill up and stall the server.
@@ -127,34 +149,78 @@ def bench_server(name: str, model: Path, env: dict[str, str], prompts: list[str]
     log_file = log_path.open("w")
     proc = subprocess.Popen(server_command(name, model, port), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log_file, text=True)
-    levels: list[LevelResult] = []
+    wait_up(base, proc)
+    # mlx_lm.server treats an unknown model id as a hub id; its own path selects the loaded one.
+    model_id = str(model) if name == PEER else \
+        httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    return Running(name, proc, base, model_id, log_path, log_file)
+
+
+def stop_server(server: Running) -> str:
+    """Stop a server; return the tail of its log."""
+    server.proc.send_signal(signal.SIGINT)
     try:
-        wait_up(base, proc)
-        # mlx_lm.server treats an unknown model id as a hub id; its own path selects the loaded one.
-        model_id = str(model) if name == PEER else \
-            httpx.get(base + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(run_level(base, model_id, prompts, 1, 2, args.max_tokens, 120))  # warm-up
-        for c in args.concurrency:
-            n = args.requests_per_level or max(8, 2 * c)
-            level = asyncio.run(run_level(base, model_id, prompts, c, n, args.max_tokens,
-                                          args.time_limit))
-            print(f"  {name:14s} c={c:<3d} {level.tok_per_s:8.1f} tok/s "
-                  f"ttft p50 {level.ttft_p50_s}s p99 {level.ttft_p99_s}s "
-                  f"errors {level.errors} {level.error_samples[:1]}", flush=True)
-            levels.append(level)
-        rss = peak_rss_mb(proc.pid)
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+    server.log_file.close()
+    err = server.log_path.read_text(errors="replace")
+    server.log_path.unlink()
+    return err[-1500:]
+
+
+def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namespace) -> dict:
+    """Every level, ``args.rounds`` rounds, servers alternating first/second each round.
+
+    Both servers see the same prompts in a round and no server sees a prompt twice
+    (mlx-lm's prompt cache would otherwise answer repeats from cache).
+    """
+    out: dict[str, list[dict]] = {s.name: [] for s in servers}
+    offset = 0
+    for c in args.concurrency:
+        n = args.requests_per_level or max(12, 2 * c)
+        got: dict[str, list] = {s.name: [] for s in servers}
+        wall = dict.fromkeys(got, 0.0)
+        cpu = dict.fromkeys(got, 0.0)
+        for rnd in range(args.rounds):
+            batch = prompts[offset: offset + n]
+            offset += n
+            order = servers if rnd % 2 == 0 else servers[::-1]
+            for s in order:
+                cpu0 = process_cpu_s(s.proc.pid)
+                results, seconds = asyncio.run(run_requests(
+                    s.base, s.model_id, batch, c, n, args.max_tokens, args.time_limit))
+                cpu[s.name] += process_cpu_s(s.proc.pid) - cpu0
+                got[s.name] += results
+                wall[s.name] += seconds
+        for s in servers:
+            level = summarize(c, got[s.name], wall[s.name]).as_dict()
+            level["server_cpu_ms_per_token"] = round(
+                1000 * cpu[s.name] / max(level["generated_tokens"], 1), 2)
+            out[s.name].append(level)
+            print(f"  {s.name:14s} c={c:<3d} {level['tok_per_s']:8.1f} tok/s "
+                  f"ttft p50 {level['ttft_p50_s']}s p99 {level['ttft_p99_s']}s "
+                  f"errors {level['errors']} {level['error_samples'][:1]}", flush=True)
+    return out
+
+
+def bench_servers(model: Path, env: dict[str, str], prompts: list[str],
+                  args: argparse.Namespace) -> dict:
+    """Start both servers, warm them up, run every level, stop them."""
+    servers: list[Running] = []
+    try:
+        for name in (OURS, PEER):
+            servers.append(start_server(name, model, env))
+        for s in servers:  # warm-up, not measured (prompts outside the measured pool)
+            asyncio.run(run_requests(s.base, s.model_id, prompts[-2:], 1, 2, args.max_tokens,
+                                     120))
+        levels = run_levels(servers, prompts[:-2], args)
+        rss = {s.name: peak_rss_mb(s.proc.pid) for s in servers}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log_file.close()
-    err = log_path.read_text(errors="replace")
-    log_path.unlink()
-    return {"levels": [lv.as_dict() for lv in levels], "peak_rss_mib": rss,
-            "stderr_tail": err[-1500:]}
+        logs = {s.name: stop_server(s) for s in servers}
+    return {s.name: {"levels": levels[s.name], "peak_rss_mib": rss[s.name],
+                     "log_tail": logs[s.name]} for s in servers}
 
 
 def ratios(ours: dict, peer: dict) -> dict:
@@ -175,7 +241,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--preset", default="small", help="offline model preset")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests-per-level", type=int, default=0,
-                   help="requests per level (default max(8, 2 x concurrency))")
+                   help="requests per level and round (default max(12, 2 x concurrency))")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds per level; the servers alternate who goes first")
     p.add_argument("--time-limit", type=float, default=240.0,
                    help="stop launching requests in a level after this many seconds")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -192,13 +260,14 @@ def main() -> int:
     backend = subprocess.run([sys.executable, "-c", _BACKEND], env=env, capture_output=True,
                              text=True, check=True).stdout.strip()
     print(f"backend: {backend}", flush=True)
-    prompts = make_prompts(model, 64, args.prompt_tokens)
+    per_round = sum(args.requests_per_level or max(12, 2 * c) for c in args.concurrency)
+    prompts = make_prompts(model, per_round * args.rounds + 2, args.prompt_tokens)
     ceiling = json.loads(subprocess.run(
         [sys.executable, "-c", _CEILING, str(model), prompts[0], str(args.max_tokens)],
         env=env, capture_output=True, text=True, check=True).stdout)
     print(f"  mlx_lm.generate single stream: {ceiling['generation_tps_median']:.1f} tok/s",
           flush=True)
-    servers = {name: bench_server(name, model, env, prompts, args) for name in (OURS, PEER)}
+    servers = bench_servers(model, env, prompts, args)
     result = {
         "benchmark": "benchmark_scripts/benchmark_server.py",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -211,7 +280,9 @@ def main() -> int:
                   "dtype": ceiling["model_dtype"]},
         "load": {"prompt_tokens_target": args.prompt_tokens, "max_tokens": args.max_tokens,
                  "temperature": 0.0, "streaming": True, "concurrency": args.concurrency,
-                 "requests_per_level": args.requests_per_level or "max(8, 2 x concurrency)",
+                 "requests_per_level_per_round": args.requests_per_level
+                 or "max(12, 2 x concurrency)", "rounds": args.rounds,
+                 "order": "servers alternate first/second each round; no prompt repeats",
                  "time_limit_s": args.time_limit},
         "single_stream_mlx_lm_generate": ceiling,
         "servers": servers,

@@ -1,7 +1,7 @@
 """Bounded streaming load against an OpenAI-compatible server (loopback).
 
 Shared by ``benchmark_server.py`` (and meant for the soak test of issue 7):
-``run_level`` sends ``n_requests`` streaming completions with at most
+``run_requests`` sends ``n_requests`` streaming completions with at most
 ``concurrency`` in flight, stops launching new ones after ``time_limit_s``,
 and measures each request on the client side: time to first token (first
 chunk with text), end-to-end latency, generated tokens (from the final usage
@@ -101,9 +101,14 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str,
     return result
 
 
-async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int,
-                    n_requests: int, max_tokens: int, time_limit_s: float) -> LevelResult:
-    """Drive one concurrency level; bounded by request count and launch time."""
+async def run_requests(base_url: str, model: str, prompts: list[str], concurrency: int,
+                       n_requests: int, max_tokens: int,
+                       time_limit_s: float) -> tuple[list[RequestResult], float]:
+    """Send ``prompts[0..n_requests)`` with ``concurrency`` in flight; bounded in count and time.
+
+    Returns:
+        The per-request results and the wall time of the whole batch.
+    """
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
@@ -120,6 +125,11 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+    return results, wall
+
+
+def summarize(concurrency: int, results: list[RequestResult], wall: float) -> LevelResult:
+    """Aggregate requests (possibly from several rounds; ``wall`` is their summed time)."""
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -135,6 +145,14 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         else 0.0,
         error_samples=[r.error for r in results if not r.ok][:3],
     )
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int,
+                    n_requests: int, max_tokens: int, time_limit_s: float) -> LevelResult:
+    """Drive one concurrency level once and summarize it."""
+    results, wall = await run_requests(base_url, model, prompts, concurrency, n_requests,
+                                       max_tokens, time_limit_s)
+    return summarize(concurrency, results, wall)
 
 
 def _round(value: float | None) -> float | None:
