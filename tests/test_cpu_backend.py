@@ -108,6 +108,7 @@ def fake_execve(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     monkeypatch.setattr(cb.os, "execve", record)
     monkeypatch.delenv(cb.OPT_OUT_ENV, raising=False)
     monkeypatch.delenv(cb.MARKER_ENV, raising=False)
+    monkeypatch.delenv(cb.THREAD_TIMEOUT_ENV, raising=False)
     return calls
 
 
@@ -124,6 +125,7 @@ def test_execve_gets_orig_argv_preload_and_marker(fake_execve: list[tuple],
     assert argv == [sys.executable, "-m", "server", "--port", "9"]
     assert env["LD_PRELOAD"].split(":")[0] == str(LIB)
     assert env[cb.MARKER_ENV] == str(LIB)
+    assert env[cb.THREAD_TIMEOUT_ENV] == cb.THREAD_TIMEOUT
 
 
 def test_no_library_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,6 +167,9 @@ def test_child_env_adds_and_strips_the_preload(monkeypatch: pytest.MonkeyPatch) 
     on = cb.child_env(preload=True, base=base)
     assert on["LD_PRELOAD"] == f"{lib}:/other.so"
     assert on[cb.MARKER_ENV] == str(lib) and cb.OPT_OUT_ENV not in on and on["KEEP"] == "k"
+    assert on[cb.THREAD_TIMEOUT_ENV] == cb.THREAD_TIMEOUT
+    chosen = cb.child_env(preload=True, base={cb.THREAD_TIMEOUT_ENV: "20"})
+    assert chosen[cb.THREAD_TIMEOUT_ENV] == "20"  # a user's own choice wins
     off = cb.child_env(preload=False, base={**base, cb.MARKER_ENV: str(lib)})
     assert off["LD_PRELOAD"] == "/other.so"
     assert off[cb.OPT_OUT_ENV] == "1" and cb.MARKER_ENV not in off
