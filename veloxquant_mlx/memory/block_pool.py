@@ -37,15 +37,6 @@ from veloxquant_mlx.exceptions import (
 )
 from veloxquant_mlx.memory.pool_config import HISTORY_LEN, SHARED_STREAM, PoolConfig, check_count
 from veloxquant_mlx.memory.records import (
-    N_ALLOC,
-    N_BLOCKS,
-    N_EXHAUSTED,
-    N_FREES,
-    N_GROWN,
-    N_PARTIAL,
-    N_RETIRED,
-    N_REUSED,
-    PEAK,
     AllocationStats,
     Block,
 )
@@ -88,17 +79,21 @@ class BlockPoolAllocator:
     def __init__(self, config: PoolConfig | None = None) -> None:
         self.config = config if config is not None else PoolConfig()
         self._lock = threading.Lock()
+        # Bound once: calling a stored method skips a method look-up per call.
+        self._acquire = self._lock.acquire
+        self._release = self._lock.release
         self._block_size = self.config.block_size
         self._blocks: dict[int, Block] = {}  # every live (not retired) block by id
         self._streams: dict[str, _Stream] = {}
         # owner -> {block_id: block} in allocation order; an entry per active owner
-        self._owned: dict[int, dict[int, Block]] = {}
+        self._owned: dict[int, dict[object, Block]] = {}
         self._released: set[int] = set()  # release_owner()'d owners still holding blocks
         self._next_id = 0
         self.stats = AllocationStats(n_blocks=self.config.n_blocks)
-        self._c = self.stats._c  # the live counters, indexed by records.N_*
-        self._history: deque[tuple[int, ...]] = deque(maxlen=HISTORY_LEN)
-        self._record = self._history.append  # one counter tuple per mutating call
+        # History: a ring of preallocated stats records, one written per
+        # mutating call by copying the counters in (no allocation per call).
+        self._ring = [AllocationStats(0) for _ in range(HISTORY_LEN)]
+        self._ring_pos = 0  # total mutating calls recorded so far
         names = self.config.streams
         share, extra = divmod(self.config.n_blocks, len(names))
         for i, name in enumerate(names):
@@ -109,6 +104,9 @@ class BlockPoolAllocator:
         if not self.config.separate_kv:
             shared = self._streams[SHARED_STREAM]
             self._stream_of.update({"k": shared, "v": shared})
+        self._k_stream = self._stream_of["k"]
+        self._v_stream = self._stream_of["v"]
+        self._kv_stream = self._stream_of.get(SHARED_STREAM)  # None on a split pool
 
     # -- internal helpers (call with the lock held) -------------------------
 
@@ -124,28 +122,36 @@ class BlockPoolAllocator:
         stream.stack[:0] = new
         stream.n_fresh += count
 
+    def _record(self, c: AllocationStats) -> None:
+        pos = self._ring_pos
+        self._ring[pos % HISTORY_LEN].copy_from(c)
+        self._ring_pos = pos + 1
+
     def _stream(self, name: object) -> _Stream:
         st = self._stream_of.get(name) if isinstance(name, str) else None
         if st is None:
-            raise PoolArgumentError(
-                f"unknown stream {name!r}; this pool (separate_kv="
-                f"{self.config.separate_kv}) accepts {sorted(self._stream_of)}"
-            )
+            raise self._stream_error(name)
         return st
+
+    def _stream_error(self, name: object) -> PoolArgumentError:
+        return PoolArgumentError(
+            f"unknown stream {name!r}; this pool (separate_kv="
+            f"{self.config.separate_kv}) accepts {sorted(self._stream_of)}"
+        )
 
     def _grow_or_raise(self, stream: _Stream, needed: int) -> None:
         """Make ``needed`` blocks free on ``stream`` or raise (counting the miss)."""
-        c = self._c
+        c = self.stats
         free = len(stream.stack)
         gap = needed - free
         cap = self.config.max_blocks
-        if self.config.grow_on_exhaustion and (cap is None or c[N_BLOCKS] + gap <= cap):
+        if self.config.grow_on_exhaustion and (cap is None or c.n_blocks + gap <= cap):
             self._add_fresh(stream, gap)
-            c[N_BLOCKS] += gap
-            c[N_GROWN] += gap
+            c.n_blocks += gap
+            c.n_grown += gap
             return
-        c[N_EXHAUSTED] += needed
-        self._record(tuple(c))
+        c.n_exhausted += needed
+        self._record(c)
         detail = ""
         if self.config.grow_on_exhaustion:
             detail = f"growing by {gap} would pass max_blocks={cap}"
@@ -157,14 +163,14 @@ class BlockPoolAllocator:
             raise PoolArgumentTypeError(f"n_used must be an int, got {type(value).__name__}")
         if not 0 <= value <= self._block_size:
             raise PoolArgumentError(f"n_used must be in [0, {self._block_size}], got {value}")
-        self._lock.acquire()
+        self._acquire()
         try:
             if block.owner is not None:
                 bs = self._block_size
-                self._c[N_PARTIAL] += (value < bs) - (block._n_used < bs)
+                self.stats.n_partial += (value < bs) - (block._n_used < bs)
             block._n_used = value
         finally:
-            self._lock.release()
+            self._release()
 
     # -- allocation ---------------------------------------------------------
 
@@ -198,14 +204,21 @@ class BlockPoolAllocator:
             raise _bad_argument(n_tokens, owner)
         if type(format) is not str:
             raise PoolArgumentTypeError(f"format must be a str, got {type(format).__name__}")
+        if type(stream) is not str:
+            raise self._stream_error(stream)
         bs = self._block_size
-        lock = self._lock
-        lock.acquire()
+        self._acquire()
         try:
-            st = self._stream_of.get(stream) if type(stream) is str else None
-            if st is None:
+            # Plain compares beat a dict look-up here; _stream() covers the rest.
+            if stream == "k":
+                st = self._k_stream
+            elif stream == "v":
+                st = self._v_stream
+            elif stream == "kv" and self._kv_stream is not None:
+                st = self._kv_stream
+            else:
                 st = self._stream(stream)
-            c = self._c
+            c = self.stats
             if n_tokens > bs:
                 n = -(-n_tokens // bs)
                 taken = self._take(st, n, owner, format, n_tokens - (n - 1) * bs)
@@ -216,7 +229,7 @@ class BlockPoolAllocator:
                     self._grow_or_raise(st, 1)
                 block = stack.pop()
                 if block.ever_allocated:
-                    c[N_REUSED] += 1
+                    c.n_reused += 1
                 else:
                     block.ever_allocated = True
                     st.n_fresh -= 1
@@ -224,24 +237,24 @@ class BlockPoolAllocator:
                 block.format = format
                 block._n_used = n_tokens
                 if n_tokens != bs:
-                    c[N_PARTIAL] += 1
+                    c.n_partial += 1
                 taken = [block]
                 n = 1
             owned = self._owned.get(owner)
             if owned is None:
                 owned = self._owned[owner] = {}
             for block in taken:
-                owned[block.block_id] = block
+                owned[block._key] = block
             if self._released:
                 self._released.discard(owner)  # growing again re-activates it
-            in_use = c[N_ALLOC] + n - c[N_FREES]
-            c[N_ALLOC] += n
-            if in_use > c[PEAK]:
-                c[PEAK] = in_use
-            self._record(tuple(c))
+            in_use = c.n_allocations + n - c.n_frees
+            c.n_allocations += n
+            if in_use > c.peak_blocks_in_use:
+                c.peak_blocks_in_use = in_use
+            self._record(c)
             return taken
         finally:
-            lock.release()
+            self._release()
 
     def _take(self, st: _Stream, n: int, owner: int, format: str, last_used: int) -> list[Block]:
         """Pop ``n`` blocks (n >= 2) off ``st`` for ``owner``; the last holds ``last_used``."""
@@ -252,14 +265,14 @@ class BlockPoolAllocator:
         taken = stack[split:]
         del stack[split:]
         taken.reverse()  # top of the stack first
-        c = self._c
+        c = self.stats
         recycled = split + n - st.n_fresh  # recycled blocks that were on the stack
         if recycled >= n:
-            c[N_REUSED] += n
+            c.n_reused += n
         else:
             fresh = n - max(recycled, 0)
             st.n_fresh -= fresh
-            c[N_REUSED] += n - fresh
+            c.n_reused += n - fresh
             for block in taken[n - fresh:]:
                 block.ever_allocated = True
         bs = self._block_size
@@ -269,7 +282,7 @@ class BlockPoolAllocator:
             block._n_used = bs
         if last_used != bs:
             taken[-1]._n_used = last_used
-            c[N_PARTIAL] += 1
+            c.n_partial += 1
         return taken
 
     # -- release ------------------------------------------------------------
@@ -284,10 +297,10 @@ class BlockPoolAllocator:
             block.owner = None
             block._n_used = 0
             streams[block.stream].stack.append(block)
-        c = self._c
-        c[N_PARTIAL] -= partial
-        c[N_FREES] += len(blocks)
-        self._record(tuple(c))
+        c = self.stats
+        c.n_partial -= partial
+        c.n_frees += len(blocks)
+        self._record(c)
 
     def free(self, blocks: Iterable[object]) -> None:
         """Return ``blocks`` to the pool. Freeing an already-free block is a no-op.
@@ -296,7 +309,7 @@ class BlockPoolAllocator:
             ForeignBlockError: A block is not one of this pool's live blocks;
                 nothing is freed in that case.
         """
-        self._lock.acquire()
+        self._acquire()
         try:
             live = self._blocks
             checked: list[Block] = []
@@ -313,7 +326,7 @@ class BlockPoolAllocator:
                 if owner is None:
                     continue
                 owned = self._owned.get(owner)
-                if owned is None or owned.pop(block.block_id, None) is None:
+                if owned is None or owned.pop(block._key, None) is None:
                     continue  # already free, or listed twice in this call
                 to_free.append(block)
                 if not owned:  # its last block: the owner is done
@@ -322,12 +335,11 @@ class BlockPoolAllocator:
             if to_free:
                 self._push_back(to_free)
         finally:
-            self._lock.release()
+            self._release()
 
     def free_all(self, owner: int) -> None:
         """Return every block checked out to ``owner`` and retire the owner id."""
-        lock = self._lock
-        lock.acquire()
+        self._acquire()
         try:
             owned = self._owned.pop(owner, None)
             if self._released:
@@ -335,7 +347,7 @@ class BlockPoolAllocator:
             if owned:
                 self._push_back(list(owned.values()))
         finally:
-            lock.release()
+            self._release()
 
     # -- owners -------------------------------------------------------------
 
@@ -348,18 +360,18 @@ class BlockPoolAllocator:
         """
         if type(owner) is not int:
             raise _bad_argument(1, owner)
-        self._lock.acquire()
+        self._acquire()
         try:
             if owner in self._owned and owner not in self._released:
                 raise OwnerAlreadyActiveError(owner)
             self._released.discard(owner)
             self._owned.setdefault(owner, {})
         finally:
-            self._lock.release()
+            self._release()
 
     def release_owner(self, owner: int) -> None:
         """Drop ``owner`` from the active set without freeing its blocks."""
-        self._lock.acquire()
+        self._acquire()
         try:
             owned = self._owned.get(owner)
             if owned:
@@ -367,53 +379,53 @@ class BlockPoolAllocator:
             elif owned is not None:
                 del self._owned[owner]
         finally:
-            self._lock.release()
+            self._release()
 
     def active_owners(self) -> list[int]:
         """Owners that are registered or hold blocks (and were not released), sorted."""
-        self._lock.acquire()
+        self._acquire()
         try:
             return sorted(set(self._owned) - self._released)
         finally:
-            self._lock.release()
+            self._release()
 
     def blocks_for(self, owner: int) -> list[Block]:
         """Blocks checked out to ``owner``, in allocation order."""
-        self._lock.acquire()
+        self._acquire()
         try:
             owned = self._owned.get(owner)
             return list(owned.values()) if owned else []
         finally:
-            self._lock.release()
+            self._release()
 
     def n_blocks_held(self, owner: int) -> int:
         """How many blocks ``owner`` holds, without copying them."""
-        self._lock.acquire()
+        self._acquire()
         try:
             owned = self._owned.get(owner)
             return len(owned) if owned else 0
         finally:
-            self._lock.release()
+            self._release()
 
     def blocks_held_by_owner(self) -> dict[int, int]:
         """Blocks held per owner (owners holding none are left out)."""
-        self._lock.acquire()
+        self._acquire()
         try:
             return {owner: len(owned) for owner, owned in self._owned.items() if owned}
         finally:
-            self._lock.release()
+            self._release()
 
     # -- capacity -----------------------------------------------------------
 
     def n_free(self, stream: object = "k") -> int:
         """Free blocks on ``stream`` ("kv" on a split pool: both streams)."""
-        self._lock.acquire()
+        self._acquire()
         try:
             if stream == SHARED_STREAM and self.config.separate_kv:
                 return sum(len(s.stack) for s in self._streams.values())
             return len(self._stream(stream).stack)
         finally:
-            self._lock.release()
+            self._release()
 
     def shrink(self, stream: object, target_free: object) -> int:
         """Retire free blocks of ``stream`` until ``target_free`` stay free.
@@ -430,7 +442,7 @@ class BlockPoolAllocator:
             PoolArgumentError: ``target_free < 0`` or an unknown stream.
         """
         target = check_count("target_free", target_free, 0)
-        self._lock.acquire()
+        self._acquire()
         try:
             if stream == SHARED_STREAM and self.config.separate_kv:
                 half, extra = divmod(target, 2)
@@ -438,13 +450,13 @@ class BlockPoolAllocator:
             else:
                 targets = {self._stream(stream): target}
             retired = sum(self._retire(st, t) for st, t in targets.items())
-            c = self._c
-            c[N_BLOCKS] -= retired
-            c[N_RETIRED] += retired
-            self._record(tuple(c))
+            c = self.stats
+            c.n_blocks -= retired
+            c.n_retired += retired
+            self._record(c)
             return retired
         finally:
-            self._lock.release()
+            self._release()
 
     def _retire(self, st: _Stream, target_free: int) -> int:
         stack = st.stack
@@ -461,20 +473,22 @@ class BlockPoolAllocator:
     @property
     def history(self) -> deque[AllocationStats]:
         """Snapshots after each of the last 256 mutating calls, oldest first."""
-        self._lock.acquire()
+        self._acquire()
         try:
-            rows = list(self._history)
+            pos = self._ring_pos
+            start = max(0, pos - HISTORY_LEN)
+            rows = [self._ring[i % HISTORY_LEN].snapshot() for i in range(start, pos)]
         finally:
-            self._lock.release()
-        return deque((AllocationStats(*row) for row in rows), maxlen=HISTORY_LEN)
+            self._release()
+        return deque(rows, maxlen=HISTORY_LEN)
 
     def snapshot(self) -> AllocationStats:
         """A consistent copy of the live counters."""
-        self._lock.acquire()
+        self._acquire()
         try:
             return self.stats.snapshot()
         finally:
-            self._lock.release()
+            self._release()
 
     def __repr__(self) -> str:
         return f"BlockPoolAllocator({self.config!r}, {self.stats!r})"

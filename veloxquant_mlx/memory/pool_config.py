@@ -8,12 +8,13 @@ turn ``True`` into 1 before the check could reject it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
 
-HISTORY_LEN = 256
-SPLIT_STREAMS = ("k", "v")
-SHARED_STREAM = "kv"
+HISTORY_LEN: Final = 256
+SPLIT_STREAMS: Final = ("k", "v")
+SHARED_STREAM: Final = "kv"
 
 
 def check_count(name: str, value: object, minimum: int) -> int:

@@ -22,7 +22,9 @@ class Block:
     the block; assigning it keeps the pool's fragmentation count in step.
     """
 
-    __slots__ = ("block_id", "stream", "format", "_n_used", "owner", "ever_allocated", "_pool")
+    __slots__ = (
+        "block_id", "stream", "format", "_n_used", "owner", "ever_allocated", "_pool", "_key",
+    )
 
     def __init__(
         self,
@@ -34,6 +36,9 @@ class Block:
         ever_allocated: bool = False,
     ) -> None:
         self.block_id = block_id
+        # The id as a ready-made Python int, for dict keys on the hot path: a
+        # compiled build would otherwise box a fresh int object per lookup.
+        self._key: object = block_id
         self.stream = stream
         self.format = format
         self._n_used = n_used
@@ -76,26 +81,23 @@ class Block:
     __hash__ = None  # type: ignore[assignment]
 
 
-# Counter layout of AllocationStats._c. The allocator's hot path indexes the
-# list directly (a list slot is cheaper than an attribute, and a whole
-# history snapshot is one ``tuple(list)`` call).
 STAT_FIELDS = (
     "n_blocks", "n_allocations", "n_frees", "n_reused", "n_exhausted", "n_grown",
     "n_retired", "peak_blocks_in_use", "n_partial",
 )
-N_BLOCKS, N_ALLOC, N_FREES, N_REUSED, N_EXHAUSTED, N_GROWN, N_RETIRED, PEAK, N_PARTIAL = range(9)
 
 
 class AllocationStats:
     """Running counters of a pool. Every counter counts blocks, not calls.
 
-    Fields (readable and writable attributes, constructor arguments in this
-    order): n_blocks, n_allocations, n_frees, n_reused, n_exhausted, n_grown,
-    n_retired, peak_blocks_in_use, and n_partial (blocks allocated but not
-    full, kept so that ``fragmentation()`` never has to scan).
+    Fields (constructor arguments in this order): n_blocks, n_allocations,
+    n_frees, n_reused, n_exhausted, n_grown, n_retired, peak_blocks_in_use,
+    and n_partial (blocks allocated but not full, kept so that
+    ``fragmentation()`` never has to scan). Plain int slots: the allocator
+    updates them in place on its hot path.
     """
 
-    __slots__ = ("_c",)
+    __slots__ = STAT_FIELDS
 
     def __init__(
         self,
@@ -109,92 +111,41 @@ class AllocationStats:
         peak_blocks_in_use: int = 0,
         n_partial: int = 0,
     ) -> None:
-        self._c = [
-            n_blocks, n_allocations, n_frees, n_reused, n_exhausted, n_grown, n_retired,
-            peak_blocks_in_use, n_partial,
-        ]
+        self.n_blocks = n_blocks
+        self.n_allocations = n_allocations
+        self.n_frees = n_frees
+        self.n_reused = n_reused
+        self.n_exhausted = n_exhausted
+        self.n_grown = n_grown
+        self.n_retired = n_retired
+        self.peak_blocks_in_use = peak_blocks_in_use
+        self.n_partial = n_partial
+
+    def copy_from(self, other: AllocationStats) -> None:
+        """Overwrite every counter with ``other``'s (no allocation: history ring)."""
+        self.n_blocks = other.n_blocks
+        self.n_allocations = other.n_allocations
+        self.n_frees = other.n_frees
+        self.n_reused = other.n_reused
+        self.n_exhausted = other.n_exhausted
+        self.n_grown = other.n_grown
+        self.n_retired = other.n_retired
+        self.peak_blocks_in_use = other.peak_blocks_in_use
+        self.n_partial = other.n_partial
+
+    def as_tuple(self) -> tuple[int, ...]:
+        """The counters in field order."""
+        return (
+            self.n_blocks, self.n_allocations, self.n_frees, self.n_reused, self.n_exhausted,
+            self.n_grown, self.n_retired, self.peak_blocks_in_use, self.n_partial,
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AllocationStats):
             return NotImplemented
-        return self._c == other._c
+        return self.as_tuple() == other.as_tuple()
 
     __hash__ = None  # type: ignore[assignment]  # mutable
-
-    # Plain properties over the counter list (explicit, so type checkers and
-    # mypyc see every field).
-
-    @property
-    def n_blocks(self) -> int:
-        return self._c[N_BLOCKS]
-
-    @n_blocks.setter
-    def n_blocks(self, value: int) -> None:
-        self._c[N_BLOCKS] = value
-
-    @property
-    def n_allocations(self) -> int:
-        return self._c[N_ALLOC]
-
-    @n_allocations.setter
-    def n_allocations(self, value: int) -> None:
-        self._c[N_ALLOC] = value
-
-    @property
-    def n_frees(self) -> int:
-        return self._c[N_FREES]
-
-    @n_frees.setter
-    def n_frees(self, value: int) -> None:
-        self._c[N_FREES] = value
-
-    @property
-    def n_reused(self) -> int:
-        return self._c[N_REUSED]
-
-    @n_reused.setter
-    def n_reused(self, value: int) -> None:
-        self._c[N_REUSED] = value
-
-    @property
-    def n_exhausted(self) -> int:
-        return self._c[N_EXHAUSTED]
-
-    @n_exhausted.setter
-    def n_exhausted(self, value: int) -> None:
-        self._c[N_EXHAUSTED] = value
-
-    @property
-    def n_grown(self) -> int:
-        return self._c[N_GROWN]
-
-    @n_grown.setter
-    def n_grown(self, value: int) -> None:
-        self._c[N_GROWN] = value
-
-    @property
-    def n_retired(self) -> int:
-        return self._c[N_RETIRED]
-
-    @n_retired.setter
-    def n_retired(self, value: int) -> None:
-        self._c[N_RETIRED] = value
-
-    @property
-    def peak_blocks_in_use(self) -> int:
-        return self._c[PEAK]
-
-    @peak_blocks_in_use.setter
-    def peak_blocks_in_use(self, value: int) -> None:
-        self._c[PEAK] = value
-
-    @property
-    def n_partial(self) -> int:
-        return self._c[N_PARTIAL]
-
-    @n_partial.setter
-    def n_partial(self, value: int) -> None:
-        self._c[N_PARTIAL] = value
 
     def blocks_in_use(self) -> int:
         """Blocks currently checked out (``n_allocations - n_frees``)."""
@@ -206,11 +157,11 @@ class AllocationStats:
 
     def snapshot(self) -> AllocationStats:
         """An independent copy, unaffected by later pool activity."""
-        return AllocationStats(*self._c)
+        return AllocationStats(*self.as_tuple())
 
     def as_dict(self) -> dict[str, float]:
         """Counters plus derived values, for JSON endpoints and logs."""
-        out: dict[str, float] = dict(zip(STAT_FIELDS, self._c, strict=True))
+        out: dict[str, float] = dict(zip(STAT_FIELDS, self.as_tuple(), strict=True))
         out["blocks_in_use"] = self.blocks_in_use()
         out["fragmentation"] = self.fragmentation()
         return out
