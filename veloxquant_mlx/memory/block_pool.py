@@ -116,6 +116,7 @@ class BlockPoolAllocator:
         for block_id in range(self._next_id + count - 1, self._next_id - 1, -1):
             block = Block(block_id, stream.name)
             block._pool = self
+            block._home = stream.stack
             self._blocks[block_id] = block
             new.append(block)  # highest id first: the lowest ends nearest the top
         self._next_id += count
@@ -219,9 +220,12 @@ class BlockPoolAllocator:
             else:
                 st = self._stream(stream)
             c = self.stats
+            owned = self._owned.get(owner)
+            if owned is None:
+                owned = self._owned[owner] = {}
             if n_tokens > bs:
                 n = -(-n_tokens // bs)
-                taken = self._take(st, n, owner, format, n_tokens - (n - 1) * bs)
+                taken = self._take(st, n, owner, format, n_tokens - (n - 1) * bs, owned)
             else:
                 # One block, the usual growth step: no slicing, no loops.
                 stack = st.stack
@@ -238,13 +242,9 @@ class BlockPoolAllocator:
                 block._n_used = n_tokens
                 if n_tokens != bs:
                     c.n_partial += 1
+                owned[block._key] = block
                 taken = [block]
                 n = 1
-            owned = self._owned.get(owner)
-            if owned is None:
-                owned = self._owned[owner] = {}
-            for block in taken:
-                owned[block._key] = block
             if self._released:
                 self._released.discard(owner)  # growing again re-activates it
             in_use = c.n_allocations + n - c.n_frees
@@ -256,8 +256,11 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
-    def _take(self, st: _Stream, n: int, owner: int, format: str, last_used: int) -> list[Block]:
-        """Pop ``n`` blocks (n >= 2) off ``st`` for ``owner``; the last holds ``last_used``."""
+    def _take(
+        self, st: _Stream, n: int, owner: int, format: str, last_used: int,
+        owned: dict[object, Block],
+    ) -> list[Block]:
+        """Pop ``n`` blocks (n >= 2) off ``st`` into ``owned``; the last holds ``last_used``."""
         stack = st.stack
         if n > len(stack):
             self._grow_or_raise(st, n)
@@ -280,6 +283,7 @@ class BlockPoolAllocator:
             block.owner = owner
             block.format = format
             block._n_used = bs
+            owned[block._key] = block
         if last_used != bs:
             taken[-1]._n_used = last_used
             c.n_partial += 1
@@ -291,12 +295,11 @@ class BlockPoolAllocator:
         """Return owned blocks to their stacks; the caller fixes the owner index."""
         bs = self._block_size
         partial = 0
-        streams = self._streams
         for block in reversed(blocks):  # so the next allocation gets them in order
             partial += block._n_used < bs
             block.owner = None
             block._n_used = 0
-            streams[block.stream].stack.append(block)
+            block._home.append(block)
         c = self.stats
         c.n_partial -= partial
         c.n_frees += len(blocks)

@@ -24,6 +24,7 @@ class Block:
 
     __slots__ = (
         "block_id", "stream", "format", "_n_used", "owner", "ever_allocated", "_pool", "_key",
+        "_home",
     )
 
     def __init__(
@@ -45,6 +46,7 @@ class Block:
         self.owner = owner
         self.ever_allocated = ever_allocated
         self._pool: BlockPoolAllocator | None = None
+        self._home: list[Block] = []  # the pool's free stack this block returns to
 
     @property
     def n_used(self) -> int:
