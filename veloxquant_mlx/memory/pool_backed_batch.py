@@ -1,0 +1,430 @@
+"""A batched mlx-lm KV cache whose every row draws its growth from a block pool.
+
+:class:`PoolBackedBatchKVCache` speaks the protocol of mlx-lm's
+``BatchKVCache`` (left-padded rows, per-row ``offset``, ``filter``,
+``extend``, ``extract``, ``merge``, ``prepare``/``finalize``, ``make_mask``)
+so one model call decodes many requests. Each row belongs to one request
+(an *owner*), and the blocks for that row's real tokens are checked out of
+the shared pool under that owner, per layer, on the ``"k"`` and ``"v"``
+streams, exactly as :class:`~veloxquant_mlx.memory.pool_backed.PoolBackedKVCache`
+does for a single request::
+
+    buffer (B=3, one layer)          _idx = 7 (columns written)
+               col 0 1 2 3 4 5 6
+    row 0 (owner 11)  . . a a a a a   left pad 2 -> 5 real tokens -> 1 block
+    row 1 (owner 12)  b b b b b b b   left pad 0 -> 7 real tokens -> 1 block
+    row 2 (owner 13)  . . . . . c c   left pad 5 -> 2 real tokens -> 1 block
+
+* Padding columns are never accounted: a row holds blocks for its real
+  tokens only (``ceil(real / block_size)`` rounded up to ``step`` chunks),
+  and every block's ``n_used`` equals the real tokens in it.
+* ``filter`` (rows leave) frees the leaving rows' blocks of this layer at
+  once; ``extend``/``merge`` (rows join) move the joining rows' blocks over,
+  so the pool's per-owner count always equals what the arrays hold.
+* The buffer grows in ``step=256`` columns like mlx-lm's; its padding is the
+  price of batching rows of unequal length (``filter`` trims shared padding).
+
+A row's real token count is kept as a Python int mirror (no device sync per
+step): ``real = _idx - left_pad - right_pad`` (right padding only between
+``prepare(right_padding=...)`` and ``finalize()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlx_cache
+from mlx_lm.models.base import create_causal_mask
+
+from veloxquant_mlx.exceptions import VeloxQuantError
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.pool_backed import DEFAULT_BUFFER_STEP, PoolBackedKVCache
+
+_FORMAT_OF_DTYPE = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+
+
+@dataclass(slots=True)
+class RowBlocks:
+    """The blocks one row (one owner) holds in one layer.
+
+    Invariant: ``len(k) == len(v)``, they cover ``tokens`` real tokens, and
+    block ``i`` has ``n_used == clamp(tokens - i * block_size, 0, block_size)``.
+    """
+
+    owner: int
+    tokens: int = 0
+    k: list[Block] = field(default_factory=list)
+    v: list[Block] = field(default_factory=list)
+
+
+class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
+    """mlx-lm ``BatchKVCache`` whose rows account their tokens in a shared pool.
+
+    Args:
+        pool: The shared pool.
+        owners: One owner id per row (a request's id; every layer of one
+            request uses the same id).
+        left_padding: Padding columns each row starts with (default none).
+        step: Tokens of block accounting added per growth step; defaults to
+            ``pool.config.block_size``.
+
+    Raises:
+        ValueError: ``left_padding`` does not have one entry per owner, or
+            ``step`` is not a positive int.
+    """
+
+    step = DEFAULT_BUFFER_STEP  # buffer growth in columns, as mlx-lm's BatchKVCache
+
+    def __init__(
+        self,
+        pool: BlockPoolAllocator,
+        owners: Sequence[int],
+        left_padding: Sequence[int] | None = None,
+        step: int | None = None,
+    ) -> None:
+        pads = [0] * len(owners) if left_padding is None else [int(p) for p in left_padding]
+        if len(pads) != len(owners):
+            raise ValueError(f"left_padding has {len(pads)} entries for {len(owners)} owners")
+        grow = pool.config.block_size if step is None else step
+        if isinstance(grow, bool) or not isinstance(grow, int) or grow < 1:
+            raise ValueError(f"step must be a positive int, got {grow!r}")
+        self.pool = pool
+        self.grow_step = grow
+        self._bs = pool.config.block_size
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self._idx = 0
+        self._lp = pads
+        self._rp: list[int] | None = None
+        self.left_padding = mx.array(pads)
+        self.offset = mx.array([-p for p in pads])
+        self.rows = [RowBlocks(o) for o in owners]
+
+    # -- accounting ------------------------------------------------------------
+
+    @property
+    def owners(self) -> list[int]:
+        """The owner of each row, in row order."""
+        return [r.owner for r in self.rows]
+
+    def real_tokens(self, i: int) -> int:
+        """Real (unpadded) tokens row ``i`` holds."""
+        rp = self._rp[i] if self._rp is not None else 0
+        return max(self._idx - self._lp[i] - rp, 0)
+
+    def _account(self, dtype: mx.Dtype) -> None:
+        """Bring every row's blocks to its real token count; all-or-nothing on growth.
+
+        Raises:
+            BlockPoolExhaustedError: Some row could not grow; blocks taken by
+                this call are returned and no row changes.
+        """
+        bs, pool = self._bs, self.pool
+        fmt = _FORMAT_OF_DTYPE.get(dtype, str(dtype))
+        taken: list[tuple[RowBlocks, int]] = []
+        try:
+            for i, row in enumerate(self.rows):
+                need = self.real_tokens(i)
+                held = len(row.k) * bs
+                if need > held:
+                    n = -(-(need - held) // self.grow_step) * self.grow_step
+                    k_new = pool.allocate("k", n, row.owner, format=fmt)
+                    try:
+                        v_new = pool.allocate("v", n, row.owner, format=fmt)
+                    except BaseException:
+                        pool.free(k_new)
+                        raise
+                    taken.append((row, len(row.k)))
+                    row.k.extend(k_new)
+                    row.v.extend(v_new)
+        except BaseException:
+            for row, keep in taken:
+                pool.free(row.k[keep:] + row.v[keep:])
+                del row.k[keep:], row.v[keep:]
+            raise
+        for i, row in enumerate(self.rows):
+            self._settle(row, self.real_tokens(i))
+
+    def _settle(self, row: RowBlocks, tokens: int) -> None:
+        """Free whole blocks past ``tokens`` and set ``n_used`` of the changed blocks."""
+        bs = self._bs
+        keep = -(-tokens // bs)
+        if tokens < row.tokens and keep < len(row.k):
+            # Shrunk (trim): give back every block past the real tokens.
+            self.pool.free(row.k[keep:] + row.v[keep:])
+            del row.k[keep:], row.v[keep:]
+        start = min(row.tokens, tokens) // bs
+        for b in range(start, len(row.k)):
+            used = min(max(tokens - b * bs, 0), bs)
+            kb, vb = row.k[b], row.v[b]
+            # Only write on change: the setter takes the pool's lock.
+            if kb.n_used != used:
+                kb.n_used = used
+            if vb.n_used != used:
+                vb.n_used = used
+        row.tokens = tokens
+
+    def _free_rows(self, rows: Sequence[RowBlocks]) -> None:
+        blocks = [b for row in rows for b in (*row.k, *row.v)]
+        if blocks:
+            self.pool.free(blocks)
+        for row in rows:
+            row.k, row.v, row.tokens = [], [], 0
+
+    def release(self) -> None:
+        """Return this layer's blocks of every row to the pool and drop the rows' arrays."""
+        self._free_rows(self.rows)
+
+    def n_blocks_held(self) -> int:
+        """K plus V blocks this layer holds over all rows."""
+        return sum(len(r.k) + len(r.v) for r in self.rows)
+
+    # -- mlx-lm cache protocol -------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` (``B, H, n, D``) to every row; return all columns.
+
+        Raises:
+            BlockPoolExhaustedError: A row's growth does not fit; nothing changed.
+        """
+        prev, n = self._idx, keys.shape[2]
+        self._idx = prev + n
+        try:
+            self._account(keys.dtype)
+        except BaseException:
+            self._idx = prev
+            raise
+        if self.keys is None or self._idx > self.keys.shape[2]:
+            self._grow_buffer(prev, keys, values)
+        self.offset = self.offset + n
+        self.keys[..., prev: self._idx, :] = keys
+        self.values[..., prev: self._idx, :] = values
+        return self.keys_and_values()
+
+    def _grow_buffer(self, prev: int, keys: mx.array, values: mx.array) -> None:
+        batch, heads, n, k_dim = keys.shape
+        extra = -(-n // self.step) * self.step
+        new_k = mx.zeros((batch, heads, extra, k_dim), keys.dtype)
+        new_v = mx.zeros((batch, heads, extra, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+            return
+        if prev < self.keys.shape[2]:
+            self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+        self.keys = mx.concatenate([self.keys, new_k], axis=2)
+        self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """Every written column of every row (padding included)."""
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Add left padding to an empty cache, or note right padding of the next prefill.
+
+        Raises:
+            ValueError: Left padding added to a cache that already holds tokens.
+        """
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("left padding can only be added to an empty batch cache")
+            self._lp = [a + int(b) for a, b in zip(self._lp, left_padding, strict=True)]
+            self.left_padding = mx.array(self._lp)
+            self.offset = self.offset - mx.array([int(p) for p in left_padding])
+        if right_padding is not None and max(right_padding) > 0:
+            self._rp = [int(p) for p in right_padding]
+
+    def finalize(self) -> None:
+        """Turn the right padding of a prefill into left padding (rows right-justified)."""
+        if self._rp is None:
+            return
+        pad = mx.array(self._rp)
+        self.keys = _mlx_cache.dynamic_roll(self.keys, pad[:, None], axis=2)
+        self.values = _mlx_cache.dynamic_roll(self.values, pad[:, None], axis=2)
+        self.offset = self.offset - pad
+        self._lp = [a + b for a, b in zip(self._lp, self._rp, strict=True)]
+        self.left_padding = mx.array(self._lp)
+        self._rp = None
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """Attention mask hiding each row's padding.
+
+        With no padding at all the mask is what the single-request cache
+        gives (``None`` for one token, ``"causal"`` otherwise), so a batch of
+        one runs the very kernels of the single-request path.
+        """
+        if self._rp is None and not any(self._lp):
+            return _mlx_cache.create_attention_mask(
+                N, offset=self._idx, return_array=return_array, window_size=window_size)
+        right = mx.array(self._rp) if self._rp is not None else None
+        return create_causal_mask(N, offset=self._idx, window_size=window_size,
+                                  left_padding=self.left_padding, right_padding=right)
+
+    def filter(self, batch_indices) -> None:
+        """Keep only the rows ``batch_indices`` (in that order); free the others' blocks."""
+        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
+                                 else batch_indices)]
+        kept = set(keep)
+        self._free_rows([r for i, r in enumerate(self.rows) if i not in kept])
+        self.rows = [self.rows[i] for i in keep]
+        self._lp = [self._lp[i] for i in keep]
+        if self._rp is not None:
+            self._rp = [self._rp[i] for i in keep]
+        index = mx.array(keep, dtype=mx.int32)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[index], self.values[index]
+        self.offset = self.offset[index]
+        # Drop the padding columns every remaining row shares.
+        shift = min(self._lp, default=0)
+        if shift > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., shift:, :]
+                self.values = self.values[..., shift:, :]
+            self._idx -= shift
+            self._lp = [p - shift for p in self._lp]
+        self.left_padding = mx.array(self._lp)
+
+    def extend(self, other: PoolBackedBatchKVCache) -> None:
+        """Append ``other``'s rows (and their blocks) after this cache's rows.
+
+        ``other`` is left empty: its rows and blocks now belong to this cache.
+
+        Raises:
+            VeloxQuantError: ``other`` is not a batch cache of the same pool,
+                or either cache has a prefill pending ``finalize``.
+        """
+        if not isinstance(other, PoolBackedBatchKVCache) or other.pool is not self.pool:
+            raise VeloxQuantError(
+                "extend() takes a PoolBackedBatchKVCache of the same pool; build the "
+                "joining request's caches with make_batch_caches(model, pool, owner)")
+        if self._rp is not None or other._rp is not None:
+            raise VeloxQuantError("finalize() the prefill before extending a batch cache")
+        width = max(self._idx, other._idx)
+        if self.keys is not None or other.keys is not None:
+            parts = [self._right_justified(c, width, other) for c in (self, other)]
+            self.keys = mx.concatenate([p[0] for p in parts], axis=0)
+            self.values = mx.concatenate([p[1] for p in parts], axis=0)
+        # Right-justified: a shorter cache's rows gain the difference as left padding.
+        self._lp = ([p + width - self._idx for p in self._lp]
+                    + [p + width - other._idx for p in other._lp])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.left_padding = mx.array(self._lp)
+        self._idx = width
+        self.rows = self.rows + other.rows
+        other.rows, other._lp, other.keys, other.values, other._idx = [], [], None, None, 0
+        other.offset = other.left_padding = mx.array([], dtype=mx.int32)
+
+    def _right_justified(self, c, width: int, other) -> tuple[mx.array, mx.array]:
+        """``c``'s buffers padded so their written columns end at ``width`` (same length)."""
+        ref = self.keys if self.keys is not None else other.keys
+        size = max(x.keys.shape[2] for x in (self, other) if x.keys is not None)
+        size = max(size, width)
+        k, v = c.keys, c.values
+        if k is None:
+            rows = len(c.rows)
+            k = mx.zeros((rows, ref.shape[1], 0, ref.shape[3]), ref.dtype)
+            vref = self.values if self.values is not None else other.values
+            v = mx.zeros((rows, vref.shape[1], 0, vref.shape[3]), vref.dtype)
+        k, v = k[..., : c._idx, :], v[..., : c._idx, :]
+        left, right = width - c._idx, size - width
+        if left or right:
+            pad = [(0, 0), (0, 0), (left, right), (0, 0)]
+            k, v = mx.pad(k, pad), mx.pad(v, pad)
+        return k, v
+
+    def extract(self, idx: int) -> PoolBackedKVCache:
+        """Row ``idx`` as a *detached* single-request cache (a copy; the row stays).
+
+        The copy holds no blocks (so nothing is counted twice); call
+        ``attach(pool, owner)`` on it to account it.
+        """
+        lp = self._lp[idx]
+        end = self._idx - (self._rp[idx] if self._rp is not None else 0)
+        keys = mx.contiguous(self.keys[idx: idx + 1, :, lp:end])
+        values = mx.contiguous(self.values[idx: idx + 1, :, lp:end])
+        return PoolBackedKVCache.from_state((keys, values, end - lp))
+
+    @classmethod
+    def merge(cls, caches: Sequence[PoolBackedBatchKVCache]) -> PoolBackedBatchKVCache:
+        """One batch cache holding the rows of ``caches`` in order (they are left empty).
+
+        Raises:
+            VeloxQuantError: No caches, or one that is not a batch cache of the
+                first one's pool.
+        """
+        if not caches:
+            raise VeloxQuantError("merge() needs at least one PoolBackedBatchKVCache")
+        first = caches[0]
+        if not isinstance(first, PoolBackedBatchKVCache):
+            raise VeloxQuantError(
+                f"merge() takes PoolBackedBatchKVCache instances, got {type(first).__name__}")
+        merged = cls(first.pool, [], step=first.grow_step)
+        for cache in caches:
+            merged.extend(cache)
+        return merged
+
+    @property
+    def state(self):
+        """``(keys, values, offset, left_padding)`` of the written columns."""
+        if self.keys is None:
+            return None, None, self.offset, self.left_padding
+        keys, values = self.keys_and_values()
+        return keys, values, self.offset, self.left_padding
+
+    @state.setter
+    def state(self, v) -> None:
+        raise VeloxQuantError(
+            "PoolBackedBatchKVCache state cannot be set; build rows with make_batch_caches() "
+            "and join them with extend()")
+
+    def is_trimmable(self) -> bool:
+        """Always True: trimming moves every row's end back."""
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` columns of every row; frees the blocks no row needs."""
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        for i, row in enumerate(self.rows):
+            self._settle(row, self.real_tokens(i))
+        return n
+
+    def size(self) -> int:
+        """Columns written (the longest row plus its padding)."""
+        return self._idx
+
+    def empty(self) -> bool:
+        """True until the first ``update_and_fetch``."""
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (padding and growth room included)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def make_batch_caches(
+    model, pool: BlockPoolAllocator, owner: int, step: int | None = None
+) -> list[PoolBackedBatchKVCache]:
+    """One single-row :class:`PoolBackedBatchKVCache` per layer of ``model`` for ``owner``.
+
+    Prefill a request into these, then ``extend`` a running batch with them.
+
+    Raises:
+        ValueError: The model needs a cache other than a plain ``KVCache`` in some layer.
+    """
+    if hasattr(model, "make_cache"):
+        for index, stock in enumerate(model.make_cache()):
+            if type(stock) is not _mlx_cache.KVCache:
+                raise ValueError(
+                    f"layer {index} of this model needs a {type(stock).__name__}, which "
+                    "PoolBackedBatchKVCache cannot replace; this model cannot be batched "
+                    "on the pool")
+    return [PoolBackedBatchKVCache(pool, [owner], step=step) for _ in range(len(model.layers))]
