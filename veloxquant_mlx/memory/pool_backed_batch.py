@@ -257,9 +257,10 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
         if self._rp is None and not any(self._lp):
             return _mlx_cache.create_attention_mask(
                 N, offset=self._idx, return_array=return_array, window_size=window_size)
-        right = mx.array(self._rp) if self._rp is not None else None
+        # Right padding needs no mask: it follows a row's real tokens, which
+        # causality already hides it from (as in mlx-lm's BatchKVCache).
         return create_causal_mask(N, offset=self._idx, window_size=window_size,
-                                  left_padding=self.left_padding, right_padding=right)
+                                  left_padding=self.left_padding)
 
     def filter(self, batch_indices) -> None:
         """Keep only the rows ``batch_indices`` (in that order); free the others' blocks."""
