@@ -8,8 +8,11 @@ One loop, one thread::
         intake()    inbox -> tokenize -> reject (size/queue) or enqueue
         expire()    waiting past queue_timeout_s -> 429
         admit()     waiting -> running while the pool can hold the reservation
-        step()      every running request: prefill (first step) or decode one token,
-                    then postprocess (detokenize, stop strings, limits, events)
+                    and the batch has room (batch.max_batch_size)
+        step()      prefill new requests (chunked, batch.max_prefill_tokens_per_step;
+                    each sends its first token at once), then decode every joined
+                    request in ONE batched model call (server/batch.py), then
+                    postprocess (detokenize, stop strings, limits, events)
 
 A request's blocks are released in ``_finish``, which every exit path goes
 through (done, stop, length, model error, cancellation, shutdown), in the same
@@ -29,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.decode import decode_one, memory_snapshot, start_decoder
+from server.batch import DecodeBatch, Emitted
+from server.decode import memory_snapshot
 from server.generation import (
     Admitted,
     Failed,
@@ -113,6 +117,8 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
         self._planner: CapacityPlanner | None = None
+        self._batch: DecodeBatch | None = None
+        self._exit_blocks: dict[int, int] = {}  # owner -> blocks held when it left the batch
         self._memory_at = 0.0
 
     # -- lifecycle (any thread) -----------------------------------------------
@@ -202,6 +208,8 @@ class Engine:
         try:
             self.loaded = self._loader(self.settings.model)
             self._planner = CapacityPlanner(self.pool, self.loaded.n_layers)
+            self._batch = DecodeBatch(self.loaded.model, self.loaded.tokenizer, self.pool,
+                                      self.settings.batch.prefill_chunk_size)
             log.info("model %s loaded (%d layers, %s)", self.loaded.name,
                      self.loaded.n_layers, self.loaded.dtype)
         except Exception as exc:  # the server reports it on /health and exits
@@ -244,7 +252,8 @@ class Engine:
         try:
             prompt_ids = tokenize_prompt(self.loaded, request.prompt)
             need = self._check_size(request, prompt_ids)
-            if len(self._waiting) >= limits.max_queue and not self._fits_now(need):
+            if len(self._waiting) >= limits.max_queue and not (
+                    self._has_room() and self._fits_now(need)):
                 raise RequestRejected(Rejected(
                     429, f"server busy: {len(self._waiting)} requests already wait for KV "
                     f"capacity (limits.max_queue={limits.max_queue}); retry later",
@@ -277,6 +286,9 @@ class Engine:
                                                "max_tokens"))
         return need
 
+    def _has_room(self) -> bool:
+        return len(self._running) < self.settings.batch.max_batch_size
+
     def _fits_now(self, need: Reservation) -> bool:
         running = ((s.owner, s.reservation) for s in self._running)
         return self._planner.fits_now(need, self._planner.outstanding(running))
@@ -306,7 +318,7 @@ class Engine:
         if not self._waiting:
             return
         outstanding = self._planner.outstanding((s.owner, s.reservation) for s in self._running)
-        while self._waiting:
+        while self._waiting and self._has_room():
             head = self._waiting[0]
             if not self._planner.fits_now(head.reservation, outstanding):
                 break
@@ -330,7 +342,7 @@ class Engine:
         self._running.append(state)
         try:
             self.pool.register_owner(owner)
-            start_decoder(state, self.loaded.model, self.pool)
+            self._batch.add(state)
         except Exception as exc:
             log.exception("request %s failed to start", request.request_id)
             self._finish(state, FinishReason.ERROR, f"generation failed to start: {exc}")
@@ -339,23 +351,68 @@ class Engine:
         request.channel.put(Admitted(owner, len(state.prompt_ids), pending.reservation.total))
 
     def _step(self) -> None:
-        for state in list(self._running):
-            if state.request.cancelled.is_set():
-                self._finish(state, FinishReason.CANCELLED)
-                continue
+        """Cancellations, then prefill within the token budget, then one batched decode."""
+        for state in [s for s in self._running if s.request.cancelled.is_set()]:
+            self._finish(state, FinishReason.CANCELLED)
+        batch = self._batch
+        budget = self.settings.batch.max_prefill_tokens_per_step
+        for row in list(batch.prefilling):
+            if budget <= 0:
+                break
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook(state)
-                event = decode_one(state, self.loaded.tokenizer)
+                self._hook(row.state)
+                used, emitted = batch.prefill(row, budget)
             except Exception as exc:
-                log.exception("model error in request %s", state.request_id)
-                self._finish(state, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                self._fail([row.state], exc)
                 continue
+            budget -= used
+            if emitted is not None:
+                self._deliver([emitted])
+        rows = [r.state for r in batch.rows] + [r.state for r in batch.joining]
+        for state in rows:
+            try:
+                self._hook(state)
+            except Exception as exc:
+                self._fail([state], exc)
+        try:
+            emitted = batch.step()
+        except Exception as exc:  # one model call for all rows: all of them fail
+            self._fail([r.state for r in batch.rows], exc)
+            return
+        if batch.rows:
+            self.metrics.batch_step(len(batch.rows))
+        self._deliver(emitted)
+
+    def _hook(self, state: RequestState) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(state)
+
+    def _fail(self, states: list[RequestState], exc: Exception) -> None:
+        log.error("model error in %d request(s): %s: %s", len(states), type(exc).__name__, exc)
+        self._leave(states)
+        for state in states:
+            self._finish(state, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+
+    def _deliver(self, emitted: list[Emitted]) -> None:
+        """Send the step's tokens; finished requests leave the batch together, then end."""
+        done = []
+        for item in emitted:
+            state, event = item.state, item.event
             self.metrics.token(state)
             if event is not None and (event.text or event.logprob is not None):
                 state.request.channel.put(event)
             if state.finish is not None:
+                done.append(state)
+        if done:
+            self._leave(done)  # one filter for all of them
+            for state in done:
                 self._finish(state, state.finish)
+
+    def _leave(self, states: list[RequestState]) -> None:
+        """Take rows out of the batch (blocks back to the pool), noting what each held."""
+        for state in states:
+            self._exit_blocks[state.owner] = self.pool.n_blocks_held(state.owner)
+        self._batch.remove(states)
 
     def _finish(
         self, state: RequestState, reason: FinishReason, error: str = "", status: int = 500
@@ -380,18 +437,18 @@ class Engine:
         """Free every block of the request's owner; return the peak it held."""
         if state in self._running:
             self._running.remove(state)
-        held = 0
+        held = self._exit_blocks.pop(state.owner, 0)
         try:
-            held = self.pool.n_blocks_held(state.owner)
-            if state.decoder is not None:
-                state.decoder.close()
-            state.decoder = None
-            state.caches = None
-            self.pool.free_all(state.owner)
-            self.pool.release_owner(state.owner)
+            held = max(held, self.pool.n_blocks_held(state.owner))
+            if self._batch is not None:
+                self._batch.remove([state])  # its rows of every layer leave the batch
         finally:
-            with self._live_lock:
-                self._live.pop(state.owner, None)
+            try:
+                self.pool.free_all(state.owner)  # whatever the batch did not give back
+                self.pool.release_owner(state.owner)
+            finally:
+                with self._live_lock:
+                    self._live.pop(state.owner, None)
         return held
 
     def _sample_memory(self, force: bool) -> None:

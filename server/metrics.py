@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -59,6 +60,9 @@ class ServerMetrics:
         self.blocks_per_request = Histogram("veloxquant_request_kv_blocks",
                                             "Peak KV blocks held by a request.",
                                             buckets=BLOCK_BUCKETS, registry=r)
+        self.batch_size = Histogram("veloxquant_batch_size",
+                                    "Requests decoded together per batched model call.",
+                                    buckets=BATCH_BUCKETS, registry=r)
         self._memory: dict[str, int] = {}
 
     # -- recorded by the engine thread ---------------------------------------
@@ -75,6 +79,10 @@ class ServerMetrics:
             self.ttft.observe(state.first_token_at - state.submitted_at)
         else:
             self.itl.observe(state.last_token_at - state.prev_token_at)
+
+    def batch_step(self, rows: int) -> None:
+        """One batched decode step ran over ``rows`` requests."""
+        self.batch_size.observe(rows)
 
     def finished(self, state: Any, reason: Any, kv_blocks: int) -> None:
         """A running request ended (any reason) holding at most ``kv_blocks``."""

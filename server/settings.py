@@ -155,6 +155,21 @@ class SamplingSection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class BatchSection:
+    """Continuous batching: how many requests decode together and how prompts are fed in."""
+
+    max_batch_size: int = 32
+    prefill_chunk_size: int = 512
+    max_prefill_tokens_per_step: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_size >= 1, "batch.max_batch_size", "must be >= 1")
+        _require(self.prefill_chunk_size >= 1, "batch.prefill_chunk_size", "must be >= 1")
+        _require(self.max_prefill_tokens_per_step >= 1, "batch.max_prefill_tokens_per_step",
+                 "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class CpuSection:
     """CPU backend knobs (Linux): preload Debian's OpenBLAS under MLX."""
 
@@ -174,6 +189,7 @@ class Settings:
     pool: PoolSection = dataclasses.field(default_factory=PoolSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
     sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
+    batch: BatchSection = dataclasses.field(default_factory=BatchSection)
     cpu: CpuSection = dataclasses.field(default_factory=CpuSection)
     admin_token: str | None = dataclasses.field(default=None, repr=False)
     api_key: str | None = dataclasses.field(default=None, repr=False)
@@ -189,6 +205,7 @@ SECTIONS: dict[str, type] = {
     "pool": PoolSection,
     "limits": LimitsSection,
     "sampling": SamplingSection,
+    "batch": BatchSection,
     "cpu": CpuSection,
 }
 
