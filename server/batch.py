@@ -26,7 +26,7 @@ whole batch samples with one ``argmax``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -75,6 +75,23 @@ class Emitted:
     event: TokenEvent | None
 
 
+@dataclass(slots=True)
+class StepOutcome:
+    """What one engine step did.
+
+    Attributes:
+        emitted: Tokens for the clients (first tokens from prefills, then decoded ones).
+        failed: Requests whose model work raised; already out of the batch.
+        held: Blocks each removed request held when it left (for its usage record).
+        decoded_rows: Rows in the batched decode call (0: no call).
+    """
+
+    emitted: list[Emitted] = field(default_factory=list)
+    failed: list[tuple[RequestState, Exception]] = field(default_factory=list)
+    held: dict[int, int] = field(default_factory=dict)
+    decoded_rows: int = 0
+
+
 class DecodeBatch:
     """Prefilling rows, joining rows and the decode batch of the running requests.
 
@@ -112,11 +129,16 @@ class DecodeBatch:
         self.prefilling.append(row)
         self._where[state.owner] = row
 
-    def remove(self, states: Sequence[RequestState]) -> None:
-        """Take requests out wherever they are; their blocks of every layer go back now."""
+    def remove(self, states: Sequence[RequestState]) -> dict[int, int]:
+        """Take requests out wherever they are; their blocks of every layer go back now.
+
+        Returns:
+            Owner -> blocks it held just before leaving.
+        """
+        held = {s.owner: self.pool.n_blocks_held(s.owner) for s in states}
         gone = {s.owner for s in states if s.owner in self._where}
         if not gone:
-            return
+            return held
         for owner in gone:
             del self._where[owner]
         for waiting in (self.prefilling, self.joining):
@@ -126,19 +148,63 @@ class DecodeBatch:
                     cache.release()
         keep = [i for i, r in enumerate(self.rows) if r.state.owner not in gone]
         if len(keep) == len(self.rows):
-            return
+            return held
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             for cache in self.caches:
                 cache.release()
             self.caches, self.inputs = None, None
-            return
+            return held
         for cache in self.caches:
             cache.filter(keep)
         self.inputs = self.inputs[mx.array(keep, dtype=mx.int32)]
+        return held
 
     def __len__(self) -> int:
         return len(self._where)
+
+    # -- one engine step ---------------------------------------------------------
+
+    def run_step(self, prefill_budget: int,
+                 hook: Callable[[RequestState], None] | None = None) -> StepOutcome:
+        """Prefill within ``prefill_budget`` prompt tokens, then one batched decode.
+
+        A request whose prefill (or ``hook``, a per-request fault-injection
+        hook called before its model work) raises fails alone; an error in the
+        batched call fails every row in it. Failed requests leave the batch
+        before the outcome is returned.
+        """
+        out = StepOutcome()
+        for row in list(self.prefilling):
+            if prefill_budget <= 0:
+                break
+            try:
+                if hook is not None:
+                    hook(row.state)
+                used, emitted = self.prefill(row, prefill_budget)
+            except Exception as exc:
+                out.failed.append((row.state, exc))
+                continue
+            prefill_budget -= used
+            if emitted is not None:
+                out.emitted.append(emitted)
+        if hook is not None:
+            for row in self.rows + self.joining:
+                try:
+                    hook(row.state)
+                except Exception as exc:
+                    out.failed.append((row.state, exc))
+        if out.failed:
+            out.held.update(self.remove([state for state, _ in out.failed]))
+        out.decoded_rows = len(self.rows) + len(self.joining)
+        try:
+            out.emitted += self.step()
+        except Exception as exc:  # one model call for all rows: all of them fail
+            failed = [row.state for row in self.rows]
+            out.failed += [(state, exc) for state in failed]
+            out.held.update(self.remove(failed))
+            out.decoded_rows = 0
+        return out
 
     # -- prefill -----------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.batch import DecodeBatch, Emitted
+from server.batch import DecodeBatch
 from server.decode import memory_snapshot
 from server.generation import (
     Admitted,
@@ -354,65 +354,30 @@ class Engine:
         """Cancellations, then prefill within the token budget, then one batched decode."""
         for state in [s for s in self._running if s.request.cancelled.is_set()]:
             self._finish(state, FinishReason.CANCELLED)
-        batch = self._batch
-        budget = self.settings.batch.max_prefill_tokens_per_step
-        for row in list(batch.prefilling):
-            if budget <= 0:
-                break
-            try:
-                self._hook(row.state)
-                used, emitted = batch.prefill(row, budget)
-            except Exception as exc:
-                self._fail([row.state], exc)
-                continue
-            budget -= used
-            if emitted is not None:
-                self._deliver([emitted])
-        rows = [r.state for r in batch.rows] + [r.state for r in batch.joining]
-        for state in rows:
-            try:
-                self._hook(state)
-            except Exception as exc:
-                self._fail([state], exc)
-        try:
-            emitted = batch.step()
-        except Exception as exc:  # one model call for all rows: all of them fail
-            self._fail([r.state for r in batch.rows], exc)
-            return
-        if batch.rows:
-            self.metrics.batch_step(len(batch.rows))
-        self._deliver(emitted)
-
-    def _hook(self, state: RequestState) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(state)
-
-    def _fail(self, states: list[RequestState], exc: Exception) -> None:
-        log.error("model error in %d request(s): %s: %s", len(states), type(exc).__name__, exc)
-        self._leave(states)
-        for state in states:
-            self._finish(state, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-
-    def _deliver(self, emitted: list[Emitted]) -> None:
-        """Send the step's tokens; finished requests leave the batch together, then end."""
+        out = self._batch.run_step(self.settings.batch.max_prefill_tokens_per_step,
+                                   self.fault_hook)
+        self._exit_blocks.update(out.held)
+        failed = {state.owner for state, _ in out.failed}
         done = []
-        for item in emitted:
+        for item in out.emitted:
             state, event = item.state, item.event
+            if state.owner in failed:
+                continue
             self.metrics.token(state)
             if event is not None and (event.text or event.logprob is not None):
                 state.request.channel.put(event)
             if state.finish is not None:
                 done.append(state)
-        if done:
-            self._leave(done)  # one filter for all of them
+        if done:  # they leave the batch together (one filter), then end
+            self._exit_blocks.update(self._batch.remove(done))
             for state in done:
                 self._finish(state, state.finish)
-
-    def _leave(self, states: list[RequestState]) -> None:
-        """Take rows out of the batch (blocks back to the pool), noting what each held."""
-        for state in states:
-            self._exit_blocks[state.owner] = self.pool.n_blocks_held(state.owner)
-        self._batch.remove(states)
+        for state, exc in out.failed:
+            log.error("model error in request %s: %s: %s", state.request_id,
+                      type(exc).__name__, exc)
+            self._finish(state, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        if out.decoded_rows:
+            self.metrics.batch_step(out.decoded_rows)
 
     def _finish(
         self, state: RequestState, reason: FinishReason, error: str = "", status: int = 500
