@@ -68,6 +68,8 @@ NATIVE_ALLOCATOR = not sys.modules[f"{__name__}.block_pool"].__file__.endswith("
 # name -> module that defines it; imported lazily because they need MLX.
 _MLX_EXPORTS = {
     "PoolBackedKVCache": "pool_backed",
+    "PoolBackedBatchKVCache": "pool_backed_batch",
+    "make_batch_caches": "pool_backed_batch",
     "build_pooled_caches": "pool_backed",
     "load_pooled_prompt_cache": "pool_backed",
     "PooledKVCache": "pooled",
@@ -95,10 +97,12 @@ __all__ = [
     "OwnerAlreadyActiveError",
     "PoolArgumentError",
     "PoolArgumentTypeError",
+    "PoolBackedBatchKVCache",
     "PoolBackedKVCache",
     "PoolConfig",
     "PooledKVCache",
     "VeloxQuantError",
     "build_pooled_caches",
     "load_pooled_prompt_cache",
+    "make_batch_caches",
 ]
