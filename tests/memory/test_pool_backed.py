@@ -235,7 +235,7 @@ def test_unsupported_conversions_raise_clear_errors():
     cache = PoolBackedKVCache(make_pool(), owner=1)
     with pytest.raises(VeloxQuantError, match="without kv_bits"):
         cache.to_quantized(group_size=64, bits=4)
-    with pytest.raises(VeloxQuantError, match="batch generation"):
+    with pytest.raises(VeloxQuantError, match="make_batch_caches"):
         PoolBackedKVCache.merge([cache])
 
 

@@ -363,14 +363,15 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        """Not supported: batched caches would leave the pool's accounting.
+        """Not supported here: batching on the pool is ``PoolBackedBatchKVCache``'s job.
 
         Raises:
             VeloxQuantError: Always.
         """
         raise VeloxQuantError(
-            "PoolBackedKVCache does not support mlx-lm batch generation (merge); "
-            "run requests one at a time with build_pooled_caches()"
+            "PoolBackedKVCache does not merge into a batch (mlx-lm batch generation); "
+            "for batched decoding on the pool build rows with "
+            "veloxquant_mlx.memory.pool_backed_batch.make_batch_caches() instead"
         )
 
 
