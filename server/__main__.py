@@ -78,18 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         except ModelNotFoundError as exc:
             print(f"veloxquant-serve: {exc}", file=sys.stderr)
             return 2
-    import uvicorn
-
+    from server import request_log
     from server.app import create_app
+    from server.serve import serve
 
+    request_log.configure(settings.server.request_log)
     log.info("backend: %s", _describe_backend())
-    log.info("settings: %r", settings)
-    app = create_app(settings)
-    if settings.server.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        log.warning("binding %s without VELOXQUANT_API_KEY: anyone who can reach it can use it",
-                    settings.server.host)
-    uvicorn.run(app, host=settings.server.host, port=settings.server.port,
-                log_level=settings.server.log_level, timeout_graceful_shutdown=5)
+    log.info("settings: %r", settings)  # secrets are excluded from the repr
+    # SIGTERM drains (server/serve.py); a non-loopback bind without an API key warns.
+    serve(create_app(settings), settings)
     return 0
 
 

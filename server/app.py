@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import install_error_handlers
+from server.guards import DrainState, Guards
 from server.metrics import EngineCollector, ServerMetrics
 from server.routes import admin, chat, completions, system
 from server.settings import Settings
@@ -100,5 +101,9 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.include_router(system.models_router, dependencies=guarded)
     app.include_router(system.router)
     app.include_router(admin.router)
+    # Body size, /metrics key, SIGTERM drain and stalled streams (server/guards.py);
+    # added first so RequestCounter, outside it, counts what the guards answer too.
+    app.state.drain = DrainState()
+    app.add_middleware(Guards, settings=settings, drain=app.state.drain)
     app.add_middleware(RequestCounter, metrics=metrics)
     return app

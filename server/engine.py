@@ -259,7 +259,7 @@ class Engine:
                     f"capacity (limits.max_queue={limits.max_queue}); retry later",
                     "queue_full", retry_after=limits.retry_after_s))
         except RequestRejected as exc:
-            self.metrics.rejected(exc.event.code)
+            self.metrics.rejected(exc.event.code, request, exc.event.status)
             request.channel.put(exc.event)
             return
         now = time.monotonic()
@@ -300,11 +300,11 @@ class Engine:
         keep: deque[PendingRequest] = deque()
         for pending in self._waiting:
             if pending.request.cancelled.is_set():
-                self.metrics.rejected("cancelled_waiting")
+                self.metrics.rejected("cancelled_waiting", pending.request, 499)
                 continue
             if now >= pending.deadline:
                 limits = self.settings.limits
-                self.metrics.rejected("queue_timeout")
+                self.metrics.rejected("queue_timeout", pending.request, 429)
                 pending.request.channel.put(Rejected(
                     429, f"no KV capacity within limits.queue_timeout_s="
                     f"{limits.queue_timeout_s}s; retry later", "queue_timeout",
@@ -396,7 +396,7 @@ class Engine:
             state.request.channel.put(Failed(error or "generation failed", usage, status))
         else:
             state.request.channel.put(Finished(reason, usage, tail))
-        self.metrics.finished(state, reason, kv_blocks)
+        self.metrics.finished(state, reason, kv_blocks, status)
 
     def _release(self, state: RequestState) -> int:
         """Free every block of the request's owner; return the peak it held."""

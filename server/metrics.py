@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from server import request_log
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
@@ -84,15 +86,23 @@ class ServerMetrics:
         """One batched decode step ran over ``rows`` requests."""
         self.batch_size.observe(rows)
 
-    def finished(self, state: Any, reason: Any, kv_blocks: int) -> None:
-        """A running request ended (any reason) holding at most ``kv_blocks``."""
+    def finished(self, state: Any, reason: Any, kv_blocks: int, status: int | None = None
+                 ) -> None:
+        """A running request ended (any reason) holding at most ``kv_blocks``.
+
+        Also writes its request-end log line (``status``: the HTTP status of
+        an error end, 500 when not given).
+        """
         self.finished_requests.labels(reason=reason.value).inc()
         self.latency.observe(time.monotonic() - state.submitted_at)
         self.blocks_per_request.observe(kv_blocks)
+        request_log.finished(state, reason.value, kv_blocks, status)
 
-    def rejected(self, reason: str) -> None:
-        """A request was refused or dropped before running."""
+    def rejected(self, reason: str, request: Any = None, status: int | None = None) -> None:
+        """A request was refused or dropped before running (logged when ``request`` is given)."""
         self.rejections.labels(reason=reason).inc()
+        if request is not None:
+            request_log.rejected(request, reason, status or 400)
 
     def set_memory(self, snapshot: dict[str, int]) -> None:
         """Latest MLX allocator counters (sampled by the engine thread)."""

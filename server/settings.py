@@ -49,10 +49,14 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    request_log: bool = True
+    metrics_require_key: bool = False
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "server.host", "must not be empty")
         _require(0 <= self.port <= 65535, "server.port", f"{self.port} is not in 0..65535")
+        _require(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
         _require(
             self.log_level in LOG_LEVELS,
             "server.log_level",
@@ -121,6 +125,8 @@ class LimitsSection:
     retry_after_s: int = 1
     max_stop_sequences: int = 8
     max_stop_length: int = 256
+    max_body_bytes: int = 1048576
+    stream_stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(self.max_tokens_cap >= 1, "limits.max_tokens_cap", "must be >= 1")
@@ -136,6 +142,9 @@ class LimitsSection:
         _require(self.retry_after_s >= 1, "limits.retry_after_s", "must be >= 1")
         _require(self.max_stop_sequences >= 0, "limits.max_stop_sequences", "must be >= 0")
         _require(self.max_stop_length >= 1, "limits.max_stop_length", "must be >= 1")
+        _require(self.max_body_bytes >= 1024, "limits.max_body_bytes", "must be >= 1024")
+        _require(self.stream_stall_timeout_s > 0, "limits.stream_stall_timeout_s",
+                 "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,185 @@
+"""HTTP-level guards, one pure ASGI middleware: body size, /metrics key, drain, stalled streams.
+
+Pure ASGI (not ``BaseHTTPMiddleware``) so streaming bodies pass through
+untouched and the routes' client-disconnect detection keeps working.
+
+- **Body size.** A ``Content-Length`` over ``limits.max_body_bytes`` is
+  answered 413 before the body is read; a chunked body that grows past it
+  is cut off with 413 while being read.
+- **/metrics key.** With ``server.metrics_require_key`` and an API key
+  configured, ``GET /metrics`` wants ``Authorization: Bearer <key>``.
+- **Drain.** Once :class:`DrainState` is draining (SIGTERM, see
+  :mod:`server.serve`), new requests get 503 with ``Retry-After`` and
+  ``/health`` reports 503 so balancers stop routing; requests already in
+  flight go on. ``DrainState.inflight`` counts them.
+- **Stalled streams.** A response body ``send`` that cannot complete within
+  ``limits.stream_stall_timeout_s`` (the client stopped reading and the
+  socket buffers are full) marks the client gone: later sends are dropped
+  and ``receive`` reports ``http.disconnect``. The route then sees the
+  disconnect on its next poll, exactly as for a client that hung up, and
+  cancels the request, whose blocks the engine frees at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import error_body
+from server.settings import Settings
+
+log = logging.getLogger("veloxquant.server")
+
+# Routes that stay answerable while draining and do not count as in-flight work.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclass(slots=True)
+class DrainState:
+    """Shared between the middleware (counts requests) and the server (decides to exit).
+
+    Only touched from the event loop thread, except :meth:`begin`, which the
+    signal handler calls (plain attribute writes, safe under the GIL).
+    """
+
+    draining: bool = False
+    deadline: float = 0.0
+    inflight: int = 0
+
+    def begin(self, grace_s: float) -> None:
+        """Stop taking new work; in-flight requests get ``grace_s`` seconds."""
+        if not self.draining:
+            self.deadline = time.monotonic() + grace_s
+            self.draining = True
+
+    def done(self) -> bool:
+        """Draining and nothing left in flight, or the grace period is over."""
+        return self.draining and (self.inflight == 0 or time.monotonic() >= self.deadline)
+
+
+class StalledClient(Exception):
+    """A response send did not complete within the stall timeout."""
+
+
+async def _reply(send: Send, status: int, body: dict, headers: dict[str, str] | None = None
+                 ) -> None:
+    raw = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
+def _bearer_ok(scope: Scope, key: str) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, given = value.decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode(), key.encode())
+    return False
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class Guards:
+    """The middleware; see the module docstring.
+
+    Args:
+        app: The wrapped ASGI app.
+        settings: Server settings (limits and the API key).
+        drain: The drain state shared with the server runner.
+    """
+
+    def __init__(self, app: ASGIApp, settings: Settings, drain: DrainState) -> None:
+        self.app = app
+        self.settings = settings
+        self.drain = drain
+        self.max_body = settings.limits.max_body_bytes
+        self.stall_s = settings.limits.stream_stall_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        retry = {"Retry-After": str(self.settings.limits.retry_after_s)}
+        if self.drain.draining and path != "/metrics":
+            await _reply(send, 503, error_body(
+                "the server is shutting down and takes no new requests; retry on another "
+                "instance", "server_error", None, "shutting_down"), retry)
+            return
+        if path == "/metrics" and self.settings.server.metrics_require_key \
+                and self.settings.api_key and not _bearer_ok(scope, self.settings.api_key):
+            await _reply(send, 401, error_body(
+                "missing or wrong API key for /metrics (Authorization: Bearer ...); "
+                "server.metrics_require_key is on", "authentication_error", None,
+                "invalid_api_key"))
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_body:
+            await _reply(send, 413, self._too_large(length))
+            return
+        if path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.drain.inflight += 1
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            self.drain.inflight -= 1
+
+    def _too_large(self, length: int | None) -> dict:
+        got = f"{length} bytes" if length is not None else "a larger body"
+        return error_body(f"request body too large: {got}, at most limits.max_body_bytes="
+                          f"{self.max_body}; shorten the prompt or messages",
+                          "invalid_request_error", None, "request_too_large")
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app with a counting ``receive`` and a stall-aware ``send``."""
+        received = 0
+        stalled = asyncio.Event()
+        max_body, stall_s = self.max_body, self.stall_s
+
+        async def guarded_receive() -> Message:
+            nonlocal received
+            if stalled.is_set():
+                # Seen by the route's disconnect poll: it cancels the request.
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > max_body:
+                    # Rendered in the OpenAI shape by the app's HTTPException handler.
+                    raise HTTPException(413, self._too_large(None)["error"]["message"])
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if stalled.is_set():
+                return  # the client is treated as gone: drop the rest of the answer
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            try:
+                await asyncio.wait_for(send(message), stall_s)
+            except asyncio.TimeoutError:
+                stalled.set()
+                log.warning("client of %s read nothing for %.1fs "
+                            "(limits.stream_stall_timeout_s): cutting its stream",
+                            scope.get("path"), stall_s)
+
+        await self.app(scope, guarded_receive, guarded_send)

@@ -1,0 +1,92 @@
+"""One JSON line per request end, on the ``veloxquant.requests`` logger.
+
+A line for every generation request the engine saw, whatever ended it::
+
+    {"event": "request_end", "ts": 1796037977.12, "request_id": "cmpl-...", "owner": 7,
+     "status": 200, "finish_reason": "length", "prompt_tokens": 12, "completion_tokens": 30,
+     "blocks_peak": 16, "ttft_s": 0.021, "latency_s": 0.212}
+
+``status`` is the HTTP status the request's answer carries (499: the client
+left first; for a stream already answered 200, the status its error frame
+carries). Requests refused before running (400 too large, 429 queue full or
+timed out) log ``owner`` null and ``finish_reason`` "rejected" with their
+``code``. Lines hold ids and counts only, never prompts, output or headers,
+so no secret can reach them. The engine thread writes them when a request
+ends, not per token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any, TextIO
+
+LOGGER_NAME = "veloxquant.requests"
+log = logging.getLogger(LOGGER_NAME)
+
+# HTTP status by finish reason for requests that ran (errors carry their own).
+_STATUS = {"stop": 200, "length": 200, "cancelled": 499}
+
+
+class _MessageOnly(logging.Formatter):
+    """The record's message alone: the line is the JSON object, nothing around it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage()
+
+
+def configure(enabled: bool, stream: TextIO | None = None) -> None:
+    """Send request lines to ``stream`` (stderr) as bare JSON, or turn them off.
+
+    The logger's level follows the root level (``server.log_level``): at
+    ``warning`` or above no request line is written.
+    """
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+    log.disabled = not enabled
+    if enabled:
+        handler = logging.StreamHandler(stream or sys.stderr)
+        handler.setFormatter(_MessageOnly())
+        log.addHandler(handler)
+        log.propagate = False  # the root handler would wrap the JSON in its text format
+
+
+def _emit(fields: dict[str, Any]) -> None:
+    if log.isEnabledFor(logging.INFO):
+        log.info(json.dumps({"event": "request_end", "ts": round(time.time(), 3), **fields},
+                            separators=(", ", ": ")))
+
+
+def finished(state: Any, reason: str, kv_blocks: int, status: int | None = None) -> None:
+    """A request that ran ended (``state`` is the engine's RequestState)."""
+    now = time.monotonic()
+    first = state.first_token_at
+    _emit({
+        "request_id": state.request.request_id,
+        "owner": state.owner,
+        "status": _STATUS.get(reason, status or 500),
+        "finish_reason": reason,
+        "prompt_tokens": len(state.prompt_ids),
+        "completion_tokens": state.generated,
+        "blocks_peak": kv_blocks,
+        "ttft_s": None if first is None else round(first - state.submitted_at, 4),
+        "latency_s": round(now - state.submitted_at, 4),
+    })
+
+
+def rejected(request: Any, code: str, status: int) -> None:
+    """A request refused before it ran (``request`` is the GenerationRequest)."""
+    _emit({
+        "request_id": request.request_id,
+        "owner": None,
+        "status": status,
+        "finish_reason": "rejected",
+        "code": code,
+        "prompt_tokens": None,
+        "completion_tokens": 0,
+        "blocks_peak": 0,
+        "ttft_s": None,
+        "latency_s": None,
+    })

@@ -1,0 +1,112 @@
+"""Running the app under uvicorn: the SIGTERM drain and the insecure-bind warning.
+
+SIGTERM (what ``docker stop``, systemd and Kubernetes send) drains instead of
+stopping at once::
+
+    SIGTERM -> draining: new requests 503 (Retry-After), /health 503, /metrics served
+            -> in-flight requests finish, up to server.shutdown_grace_s
+            -> grace over with requests left: the engine stops, they end with 503
+            -> uvicorn closes the listeners, the engine stops, exit code 0
+
+A second SIGTERM, or SIGINT (Ctrl-C), takes uvicorn's own immediate path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+from collections.abc import Generator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from server.guards import DrainState
+from server.settings import Settings
+
+log = logging.getLogger("veloxquant.server")
+
+# Seconds uvicorn waits for connections to close once it stops (after the drain).
+CLOSE_TIMEOUT_S = 5
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve to any interface
+
+
+def bind_warning(settings: Settings) -> str | None:
+    """The warning to log for a non-loopback bind without an API key, else None."""
+    host = settings.server.host
+    if is_loopback(host) or settings.api_key:
+        return None
+    return (f"binding {host} without VELOXQUANT_API_KEY: anyone who can reach this port can "
+            "run generations; set VELOXQUANT_API_KEY or bind 127.0.0.1")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a draining first SIGTERM (see the module docstring).
+
+    Args:
+        config: The uvicorn config (its app is ours).
+        drain: The drain state the app's :class:`~server.guards.Guards` obeys.
+        grace_s: How long in-flight requests may take after SIGTERM.
+        engine: Stopped when the grace period runs out, so the requests left
+            end with a 503 instead of a cut connection.
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: DrainState, grace_s: float,
+                 engine: Any = None) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.grace_s = grace_s
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.drain.draining:
+            # Not recorded as a captured signal: after a clean drain the process exits 0
+            # instead of uvicorn re-raising SIGTERM on itself.
+            self.drain.begin(self.grace_s)
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.draining and not self.should_exit:
+            if counter % 10 == 0:
+                log.info("draining: %d request(s) in flight", self.drain.inflight)
+            if self.drain.done():
+                if self.drain.inflight:
+                    log.warning("shutdown grace period (server.shutdown_grace_s=%.1f) over "
+                                "with %d request(s) in flight: stopping them",
+                                self.grace_s, self.drain.inflight)
+                    if self.engine is not None:
+                        await asyncio.to_thread(self.engine.stop)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        with super().capture_signals():
+            yield
+        if self.drain.draining:
+            log.info("drained; exiting")
+
+
+def serve(app: Any, settings: Settings) -> None:
+    """Serve ``app`` (from ``create_app``) until SIGTERM has drained it, or SIGINT."""
+    warning = bind_warning(settings)
+    if warning:
+        log.warning(warning)
+    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
+                            log_level=settings.server.log_level,
+                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+    DrainingServer(config, app.state.drain, settings.server.shutdown_grace_s,
+                   app.state.engine).run()
