@@ -1,0 +1,76 @@
+"""Limits against abuse and the /metrics key, on live servers (OpenAI error shape throughout)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, make_settings, run_server
+
+KEY = "sk-test-metrics-key"
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_model_path):
+    """Small body limit, /metrics behind the API key."""
+    settings = make_settings(env={"VELOXQUANT_API_KEY": KEY},
+                             model={"path": str(tiny_model_path)}, pool={"n_blocks": 1024},
+                             server={"metrics_require_key": True},
+                             limits={"max_body_bytes": 4096})
+    with run_server(settings) as server:
+        yield server
+
+
+def test_body_over_the_limit_gets_413(guarded_server: LiveServer):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = guarded_server.base_url + "/v1/completions"
+    big = {"prompt": "word " * 2000, "max_tokens": 2}
+    err = assert_openai_error(httpx.post(url, json=big, headers=auth), 413, "request_too_large")
+    assert "limits.max_body_bytes=4096" in err["message"]
+
+    def chunks():  # no Content-Length: the limit applies while reading
+        for _ in range(10):
+            yield b" " * 1000
+        yield b'{"prompt": "x"}'
+
+    resp = httpx.post(url, content=chunks(), headers={**auth, "content-type": "application/json"})
+    assert_openai_error(resp, 413)
+    ok = httpx.post(url, json={"prompt": "word " * 100, "max_tokens": 2}, headers=auth,
+                    timeout=30)
+    assert ok.status_code == 200
+
+
+def test_metrics_behind_the_key_when_configured(guarded_server: LiveServer):
+    url = guarded_server.base_url + "/metrics"
+    assert_openai_error(httpx.get(url), 401, "invalid_api_key")
+    assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer nope"}), 401)
+    ok = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and "veloxquant_block_pool_blocks_in_use" in ok.text
+    assert httpx.get(guarded_server.base_url + "/health").status_code == 200  # always open
+    assert_openai_error(httpx.post(guarded_server.base_url + "/v1/completions",
+                                   json={"prompt": "x"}), 401)
+
+
+def test_metrics_open_by_default(live_server: LiveServer):
+    assert httpx.get(live_server.base_url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "stop": [str(i) for i in range(9)]}, "stop"),  # 9 > max_stop_sequences
+    ({"prompt": "x", "stop": "s" * 257}, "stop"),  # longer than max_stop_length
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": [5] * 8193, "max_tokens": 1}, "prompt"),  # over max_prompt_tokens
+    ({"prompt": "x", "max_tokens": 4097}, "max_tokens"),  # over max_tokens_cap
+])
+def test_request_limits(live_server: LiveServer, body, param):
+    resp = httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=30)
+    assert assert_openai_error(resp, 400)["param"] == param
