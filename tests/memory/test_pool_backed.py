@@ -218,6 +218,19 @@ def test_detached_cache_from_state_must_be_attached_before_use():
         loaded.attach(pool, owner=10)
 
 
+def test_failed_attach_leaves_the_cache_detached_and_attachable():
+    source = PoolBackedKVCache(make_pool(), owner=1)
+    source.update_and_fetch(*kv(40, 0))
+    loaded = PoolBackedKVCache.from_state(source.state)
+    small = make_pool(n_blocks=4)
+    with pytest.raises(BlockPoolExhaustedError):
+        loaded.attach(small, owner=2)
+    assert loaded.pool is None and small.stats.blocks_in_use() == 0
+    big = make_pool()
+    loaded.attach(big, owner=2)
+    check_accounting(loaded)
+
+
 def test_meta_state_round_trips():
     cache = PoolBackedKVCache(make_pool(), owner=1, step=32, buffer_step=64)
     assert cache.meta_state == ("32", "64")

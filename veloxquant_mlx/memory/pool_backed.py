@@ -132,7 +132,12 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         self.owner = owner
         self._block_size = pool.config.block_size
         self._lease = lease_for(pool, owner)
-        self._account(self.offset)
+        try:
+            self._account(self.offset)
+        except BaseException:
+            # Stay detached so the caller can attach to a roomier pool.
+            self.pool = self.owner = self.step = self._lease = None
+            raise
 
     def _require_live(self) -> None:
         if self._lease is None:
