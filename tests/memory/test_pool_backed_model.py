@@ -159,3 +159,23 @@ def test_build_pooled_caches_without_make_cache_uses_layer_count():
     assert len(caches) == 5
     assert {c.step for c in caches} == {24}
     assert all(type(c) is PoolBackedKVCache and not isinstance(c, KVCache) for c in caches)
+
+
+def test_chunked_prefill_and_wide_step_match_stock(tiny_model, prompt_ids, stock_tokens):
+    model, tokenizer = tiny_model
+    pool = BlockPoolAllocator(PoolConfig(block_size=8, n_blocks=4096))
+    cache = build_pooled_caches(model, pool, owner=1, step=24)
+    tokens = [
+        r.token
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, prompt_ids, max_tokens=MAX_TOKENS, prompt_cache=cache,
+            prefill_step_size=7,
+        )
+    ]
+    assert tokens == stock_tokens
+    offset = cache[0].offset
+    held = -(-offset // 24) * 24 // 8  # whole 24-token steps of 8-token blocks
+    assert pool.stats.blocks_in_use() == 2 * len(model.layers) * held
+    used = sorted((b.n_used for b in pool.blocks_for(1) if b.stream == "k"), reverse=True)
+    per_layer = [min(8, max(0, offset - i * 8)) for i in range(held)]
+    assert used == sorted(per_layer * len(model.layers), reverse=True)
