@@ -236,6 +236,14 @@ def ratios(ours: dict, peer: dict) -> dict:
     return out
 
 
+def git_revision() -> str:
+    """The commit the servers ran (with ``+dirty`` when server/ had local edits)."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+    rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return rev + ("+dirty" if git("status", "--porcelain", "--", "server").strip() else "")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help="offline model preset")
@@ -271,6 +279,7 @@ def main() -> int:
     result = {
         "benchmark": "benchmark_scripts/benchmark_server.py",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "revision": git_revision(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
         "backend": backend,

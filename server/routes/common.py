@@ -292,6 +292,8 @@ async def sse_stream(
                 chunk = on_token(event)
                 if chunk is not None:
                     yield sse(chunk)
+    except ClientGone:
+        return  # nobody is listening; events() already cancelled the request
     except APIError as exc:
         yield sse(exc.body())
     yield SSE_DONE
