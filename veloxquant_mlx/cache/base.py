@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -217,3 +217,51 @@ class KVCache(ABC):
     @abstractmethod
     def _append_values(self, values: mx.array) -> None:
         """Store validated float32 values ``(n, head_dim)``."""
+
+
+class TwoStreamCache(KVCache):
+    """A cache whose keys and values are two code streams of one kind.
+
+    Subclasses set ``self._keys`` and ``self._values`` to objects with
+    ``rows`` (rows stored) and ``nbytes`` (bytes of everything stored).
+    """
+
+    _keys: Any
+    _values: Any
+
+    @property
+    def n_keys(self) -> int:
+        return self._keys.rows
+
+    @property
+    def n_values(self) -> int:
+        return self._values.rows
+
+    def memory_bytes(self) -> int:
+        return self._keys.nbytes + self._values.nbytes
+
+
+class RotatedTwoStreamCache(TwoStreamCache):
+    """Two streams coded in a basis rotated by the orthogonal ``self.rotation``.
+
+    Streams expose ``decode_rotated()``. Attention runs in the rotated basis
+    (R orthogonal, so q.k = (q R^T).(k R^T)): one rotation per query instead
+    of one per cached token.
+    """
+
+    rotation: mx.array
+
+    def _rotated_keys(self) -> mx.array:
+        return self._keys.decode_rotated()
+
+    def key_scores(self, queries: mx.array) -> mx.array:
+        return (queries @ self.rotation.T) @ self._rotated_keys().T
+
+    def combine_values(self, probs: mx.array) -> mx.array:
+        return (probs @ self._values.decode_rotated()) @ self.rotation
+
+    def decode_keys(self) -> mx.array:
+        return self._rotated_keys() @ self.rotation
+
+    def decode_values(self) -> mx.array:
+        return self._values.decode_rotated() @ self.rotation

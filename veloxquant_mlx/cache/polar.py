@@ -25,7 +25,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.cache.base import ChunkList, KVCache
+from veloxquant_mlx.cache.base import ChunkList, RotatedTwoStreamCache
 from veloxquant_mlx.cache.codebooks import polar_angle_codebook
 from veloxquant_mlx.cache.packing import pack_bits, packed_row_bytes, unpack_bits
 from veloxquant_mlx.cache.projections import random_orthogonal
@@ -99,7 +99,7 @@ class PolarStream:
         return r.reshape(n, self.dim)
 
 
-class PolarQuantCache(KVCache):
+class PolarQuantCache(RotatedTwoStreamCache):
     """PolarQuant keys and values; ``format`` is ``"polar{bits}"``."""
 
     method = "polar"
@@ -123,17 +123,6 @@ class PolarQuantCache(KVCache):
     def format(self) -> str:
         return f"polar{self.bits}"
 
-    @property
-    def n_keys(self) -> int:
-        return self._keys.rows
-
-    @property
-    def n_values(self) -> int:
-        return self._values.rows
-
-    def memory_bytes(self) -> int:
-        return self._keys.nbytes + self._values.nbytes
-
     def bits_per_coordinate(self) -> float:
         """Angle bits plus the float16 block radius, per coordinate."""
         angle_bits = sum((BLOCK >> (lv + 1)) * b for lv, b in enumerate(self.level_bits))
@@ -155,17 +144,3 @@ class PolarQuantCache(KVCache):
     def _append_values(self, values: mx.array) -> None:
         self._values.encode(values)
         mx.eval(self._values.radii.value(), *(a.value() for a in self._values.angles))
-
-    # Attention runs in the rotated basis (R is orthogonal, so q.k = (qR^T).(kR^T)):
-    # one rotation per query instead of one per cached token.
-    def key_scores(self, queries: mx.array) -> mx.array:
-        return (queries @ self.rotation.T) @ self._keys.decode_rotated().T
-
-    def combine_values(self, probs: mx.array) -> mx.array:
-        return (probs @ self._values.decode_rotated()) @ self.rotation
-
-    def decode_keys(self) -> mx.array:
-        return self._keys.decode_rotated() @ self.rotation
-
-    def decode_values(self) -> mx.array:
-        return self._values.decode_rotated() @ self.rotation

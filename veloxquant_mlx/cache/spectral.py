@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.cache.base import ChunkList, KVCache
+from veloxquant_mlx.cache.base import ChunkList, TwoStreamCache
 from veloxquant_mlx.cache.packing import packed_row_bytes
 from veloxquant_mlx.cache.uniform import GroupCodes, dequantize_groups, quantize_groups
 
@@ -104,7 +104,7 @@ class SpectralStream:
         return fitted + self.codes.rows * (packed_row_bytes(self.rank, self.bits) + 4)
 
 
-class SpectralCache(KVCache):
+class SpectralCache(TwoStreamCache):
     """Low-rank spectral cache; ``format`` is ``"svd{bits}"``."""
 
     method = "spectral"
@@ -129,17 +129,6 @@ class SpectralCache(KVCache):
     def value_rank(self) -> int:
         """Rank of the value basis (0 until calibrated)."""
         return self._values.rank
-
-    @property
-    def n_keys(self) -> int:
-        return self._keys.rows
-
-    @property
-    def n_values(self) -> int:
-        return self._values.rows
-
-    def memory_bytes(self) -> int:
-        return self._keys.nbytes + self._values.nbytes
 
     def expected_memory_bytes(self) -> int:
         """Closed form: basis/mean/scales + packed coefficients + per-token min/scale."""

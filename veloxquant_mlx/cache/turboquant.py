@@ -24,7 +24,7 @@ import math
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import ChunkList, KVCache
+from veloxquant_mlx.cache.base import ChunkList, RotatedTwoStreamCache
 from veloxquant_mlx.cache.codebooks import sphere_coordinate_codebook
 from veloxquant_mlx.cache.packing import pack_bits, packed_row_bytes, unpack_bits
 from veloxquant_mlx.cache.projections import random_gaussian, random_orthogonal
@@ -71,7 +71,7 @@ class RotatedStream:
         return self.norms.value().astype(mx.float32)
 
 
-class TurboQuantMSECache(KVCache):
+class TurboQuantMSECache(RotatedTwoStreamCache):
     """TurboQuant-MSE for keys and values; ``format`` is ``"tq{bits}"``."""
 
     method = "turboquant_mse"
@@ -91,17 +91,6 @@ class TurboQuantMSECache(KVCache):
     def format(self) -> str:
         return f"tq{self.bits}"
 
-    @property
-    def n_keys(self) -> int:
-        return self._keys.rows
-
-    @property
-    def n_values(self) -> int:
-        return self._values.rows
-
-    def memory_bytes(self) -> int:
-        return self._keys.nbytes + self._values.nbytes
-
     def expected_memory_bytes(self) -> int:
         """Closed form: packed codes plus one float16 norm per row."""
         d = self.head_dim
@@ -115,20 +104,6 @@ class TurboQuantMSECache(KVCache):
         self._values.encode(values)
         mx.eval(self._values.codes.value(), self._values.norms.value())
 
-    def _rotated_keys(self) -> mx.array:
-        return self._keys.decode_rotated()
-
-    def key_scores(self, queries: mx.array) -> mx.array:
-        return (queries @ self.rotation.T) @ self._rotated_keys().T
-
-    def combine_values(self, probs: mx.array) -> mx.array:
-        return (probs @ self._values.decode_rotated()) @ self.rotation
-
-    def decode_keys(self) -> mx.array:
-        return self._rotated_keys() @ self.rotation
-
-    def decode_values(self) -> mx.array:
-        return self._values.decode_rotated() @ self.rotation
 
 
 class TurboQuantProdCache(TurboQuantMSECache):
