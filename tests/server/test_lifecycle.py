@@ -17,6 +17,9 @@ from server.metrics import ServerMetrics
 from tests.server.conftest import ADMIN_TOKEN, LiveServer, make_settings, run_server
 
 LONG = 3000  # tokens: far longer than any test waits for
+# The tiny model's EOS ids, banned in requests that must still run when their client leaves
+# (a sampled EOS would end them early and make the test flaky).
+NO_EOS = {"1": -100, "3": -100}
 
 
 async def _complete(c: httpx.AsyncClient, **body) -> httpx.Response:
@@ -25,7 +28,7 @@ async def _complete(c: httpx.AsyncClient, **body) -> httpx.Response:
 
 
 async def _cancelled_stream(c: httpx.AsyncClient, chunks: int) -> str:
-    body = {"prompt": "A long story", "max_tokens": LONG, "stream": True}
+    body = {"prompt": "A long story", "max_tokens": LONG, "stream": True, "logit_bias": NO_EOS}
     async with c.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         seen = 0
@@ -43,9 +46,10 @@ async def _abandoned(base_url: str, chat: bool) -> str:
         try:
             if chat:
                 await c.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "go"}], "max_tokens": LONG})
+                    "messages": [{"role": "user", "content": "go"}], "max_tokens": LONG,
+                    "logit_bias": NO_EOS})
             else:
-                await _complete(c, max_tokens=LONG)
+                await _complete(c, max_tokens=LONG, logit_bias=NO_EOS)
         except httpx.TimeoutException:
             return "abandoned"
     return "finished?!"
@@ -79,6 +83,7 @@ async def _mixed_load(base_url: str) -> list:
 
 
 def test_twenty_mixed_requests_leave_no_block_behind(live_server: LiveServer):
+    assert {int(t) for t in NO_EOS} >= set(live_server.engine.loaded.tokenizer.eos_token_ids)
     before = live_server.metrics()
     results = asyncio.run(_mixed_load(live_server.base_url))
     statuses = [r.status_code for r in results if isinstance(r, httpx.Response)]
@@ -126,8 +131,7 @@ async def _admission_scenario(base_url: str) -> dict:
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
         # 4 layers x ceil(4001/16) = 1004 of 1024 blocks per stream: fills the pool.
         # EOS is banned so the hog runs (~6 s) until its client leaves.
-        body = {"prompt": "x", "max_tokens": 4000, "stream": True,
-                "logit_bias": {"1": -100, "3": -100}}
+        body = {"prompt": "x", "max_tokens": 4000, "stream": True, "logit_bias": NO_EOS}
         async with c.stream("POST", "/v1/completions", json=body) as hog:
             lines = hog.aiter_lines()
             await lines.__anext__()  # admitted and generating
@@ -198,8 +202,7 @@ def test_model_fault_fails_one_request_only(small_pool_server: LiveServer):
 async def _shrink_while_generating(base_url: str) -> dict:
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
-        body = {"prompt": "x", "max_tokens": 600, "stream": True,
-                "logit_bias": {"1": -100, "3": -100}}
+        body = {"prompt": "x", "max_tokens": 600, "stream": True, "logit_bias": NO_EOS}
         async with c.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.aiter_lines()
             await lines.__anext__()
