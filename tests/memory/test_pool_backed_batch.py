@@ -202,6 +202,23 @@ def test_exhausted_growth_changes_nothing():
     assert pool.n_blocks_held(2) == 6
 
 
+def test_filter_during_a_left_padded_prefill_keeps_the_survivors_tokens():
+    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=64))
+    rng = random.Random(4)
+    c = PoolBackedBatchKVCache(pool, [1, 2], left_padding=[0, 5])
+    k1, v1 = kv(rng, 2, 3)  # row 2 is still all padding after these 3 columns
+    c.update_and_fetch(k1, v1)
+    assert [c.real_tokens(0), c.real_tokens(1)] == [3, 0] and pool.n_blocks_held(2) == 0
+    c.filter([1])
+    assert c.size() == 0 and c.left_padding.tolist() == [2] and pool.n_blocks_held(1) == 0
+    k2, v2 = kv(rng, 1, 4)
+    c.update_and_fetch(k2, v2)
+    assert c.offset.tolist() == [2] and c.rows[0].tokens == 2 and pool.n_blocks_held(2) == 2
+    assert _same(c.extract(0).state[0], k2[:, :, 2:])
+    c.release()
+    assert pool.stats.blocks_in_use() == 0
+
+
 def test_trim_frees_surplus_and_misuse_raises():
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=64))
     rng = random.Random(2)

@@ -276,8 +276,9 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
         if self.keys is not None:
             self.keys, self.values = self.keys[index], self.values[index]
         self.offset = self.offset[index]
-        # Drop the padding columns every remaining row shares.
-        shift = min(self._lp, default=0)
+        # Drop the padding columns every remaining row shares (only written ones:
+        # mid-prefill, a row's padding may extend past the columns written so far).
+        shift = min(min(self._lp, default=0), self._idx)
         if shift > 0:
             if self.keys is not None:
                 self.keys = self.keys[..., shift:, :]
