@@ -43,7 +43,7 @@ from server.generation import (
     Rejected,
     Usage,
 )
-from server.intake import RequestRejected, tokenize_prompt
+from server.intake import RequestRejected, check_token_params, tokenize_prompt
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
 from server.request_state import PendingRequest, RequestState
@@ -251,6 +251,7 @@ class Engine:
         limits = self.settings.limits
         try:
             prompt_ids = tokenize_prompt(self.loaded, request.prompt)
+            check_token_params(self.loaded, request.params)
             need = self._check_size(request, prompt_ids)
             if len(self._waiting) >= limits.max_queue and not (
                     self._has_room() and self._fits_now(need)):

@@ -5,7 +5,7 @@ Failures become :class:`RequestRejected` carrying the event the client gets.
 
 from __future__ import annotations
 
-from server.generation import ChatPrompt, Rejected
+from server.generation import ChatPrompt, Rejected, SamplingParams
 from server.model_loader import LoadedModel
 
 
@@ -41,3 +41,23 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
         raise RequestRejected(Rejected(400, f"cannot tokenize the {param}: {exc}",
                                        "invalid_prompt", param)) from None
+
+
+def check_token_params(loaded: LoadedModel, params: SamplingParams) -> None:
+    """Reject ``logit_bias`` token ids outside the model's vocabulary.
+
+    They index the logits directly; an id past the end would make MLX read
+    and write out of bounds (a crash of the whole server, found by fuzzing),
+    and a negative one would silently bias a token counted from the end.
+
+    Raises:
+        RequestRejected: (400) with the first offending id.
+    """
+    vocab = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+    if vocab is None:
+        return
+    for token, _ in params.logit_bias:
+        if not 0 <= token < vocab:
+            raise RequestRejected(Rejected(
+                400, f"logit_bias token id {token} is not in this model's vocabulary "
+                f"(0..{vocab - 1})", "invalid_value", "logit_bias"))

@@ -7,6 +7,7 @@ its draws do not depend on which other requests share the engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -82,8 +83,13 @@ def token_logprob(
         ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
         values = logprobs[ids]
         pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
-        top = tuple(TopLogprob(decode([i]), float(v), int(i)) for i, v in pairs)
-    return TokenLogprob(decode([token_id]), float(chosen), token_id, top)
+        top = tuple(TopLogprob(decode([i]), _finite(v), int(i)) for i, v in pairs)
+    return TokenLogprob(decode([token_id]), _finite(chosen), token_id, top)
+
+
+def _finite(value: float) -> float:
+    """JSON has no inf/NaN: an impossible token reports -9999.0, as OpenAI's API does."""
+    return float(value) if math.isfinite(value) else -9999.0
 
 
 class StopMatcher:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,15 +29,18 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="0 or -1 disables.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, description="Makes sampling repeatable.")
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1,
+                             description="Makes sampling repeatable (0..2**64-1).")
     stop: str | list[str] | None = Field(
         default=None, description="Stop strings; excluded from the output."
     )
     n: int = Field(default=1, ge=1, description="Only 1 is supported.")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
+    # Bounded: a penalty near 0 divides logits into inf (a 500 found by fuzzing).
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
+    # OpenAI's range; a bias of 1e308 made the log-probabilities NaN (found by fuzzing).
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

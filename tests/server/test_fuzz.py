@@ -117,14 +117,17 @@ SAMPLING = {
     "top_p": near(st.floats(-0.5, 1.5)),
     "top_k": near(st.integers(-3, 100)),
     "min_p": near(st.floats(-0.5, 1.5)),
-    "seed": near(st.integers(-(2**70), 2**70)),
+    "seed": near(st.sampled_from([-1, 0, 2**63, 2**64 - 1, 2**64, 2**70]),
+                 st.integers(-(2**70), 2**70)),
     "stop": near(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=10)),
     "n": near(st.integers(-1, 3)),
     "presence_penalty": near(st.floats(-3, 3)),
     "frequency_penalty": near(st.floats(-3, 3)),
     "repetition_penalty": near(st.floats(-1, 3)),
-    "logit_bias": near(st.dictionaries(st.integers(-10, 10**7).map(str),
-                                       st.floats(-200, 200), max_size=3)),
+    # Ids around 0, around the tiny model's vocabulary end (4096) and far outside it.
+    "logit_bias": near(st.dictionaries(
+        st.one_of(st.integers(-3, 10), st.integers(4090, 4100), st.integers(-(10**9), 10**9)
+                  ).map(str), st.floats(-200, 200), max_size=3)),
     "stream": near(st.booleans()),
     "stream_options": near(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "user": near(st.text(max_size=10)),
@@ -132,6 +135,7 @@ SAMPLING = {
 COMPLETION = {
     **SAMPLING,
     "prompt": near(st.text(max_size=60), st.lists(st.integers(-5, 10**6), max_size=20),
+                   st.lists(st.integers(4090, 4100), min_size=1, max_size=3),
                    st.lists(st.text(max_size=10), max_size=2)),
     "logprobs": near(st.integers(-1, 25)),
     "echo": near(st.booleans()),
@@ -180,6 +184,27 @@ def test_completions_hypothesis_bodies(fuzz_server: LiveServer, body):
 @given(body=bodies(CHAT, "messages"))
 def test_chat_hypothesis_bodies(fuzz_server: LiveServer, body):
     post_json(fuzz_server.base_url, "/v1/chat/completions", body)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"logit_bias": {"10000000": 5}}, "logit_bias"),  # crashed the process (MLX out of bounds)
+    ({"logit_bias": {"4096": 5}}, "logit_bias"),  # one past the tiny vocabulary
+    ({"logit_bias": {"-5": 5}}, "logit_bias"),  # silently biased a token from the end
+    ({"seed": 2**70}, "seed"),  # was a 500 from mx.random.key
+    ({"seed": -1}, "seed"),
+    ({"logit_bias": {"5": 1e308}, "logprobs": 2}, "logit_bias"),  # NaN logprobs: a 500
+    ({"repetition_penalty": 1e-300, "logprobs": 2}, "repetition_penalty"),  # inf logits: a 500
+])
+def test_fuzz_findings_answer_400(fuzz_server: LiveServer, extra, param):
+    """Inputs the fuzzing found to crash or 500 the server now get a plain 400."""
+    for path, base in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        body = {**base, **extra}
+        if path.endswith("chat/completions") and "logprobs" in body:
+            body["logprobs"] = True
+        resp = httpx.post(fuzz_server.base_url + path, json=body, timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"].startswith(param)
 
 
 def test_fuzzing_left_the_pool_idle(fuzz_server: LiveServer):
