@@ -1,11 +1,14 @@
 """Continuous batching on the shared pool (engine thread only).
 
-Every running request is a :class:`Row`. A row first *prefills*: its prompt
-runs through the model in chunks into its own single-row pool-backed caches
-(``make_batch_caches``, blocks under the request's owner), and its first
-token is sampled and sent at once, so time to first token does not wait
-for the batch. It then *joins* the decode batch at the next step boundary.
-Each :meth:`DecodeBatch.step` decodes every joined row in ONE model call::
+Every running request is a :class:`~server.prefill.Row`. A row first
+*prefills*: with the requests that start in the same step it forms a
+:class:`~server.prefill.PrefillGroup` whose prompts run through the model
+together, in chunks, into multi-row pool-backed caches (blocks under each
+request's own owner). Each row's first token is sampled and sent as soon as
+its group's prompts are in, so time to first token does not wait for the
+decode batch. The group then *joins* the decode batch at the next step
+boundary. Each :meth:`DecodeBatch.step` decodes every joined row in ONE
+model call::
 
     step k:   feed  inputs (token t_k of each row)  -> logits -> sample t_k+1 (lazy)
               async_eval(t_k+1)                         # the device starts on step k
@@ -32,39 +35,11 @@ from typing import Any
 import mlx.core as mx
 
 from server.generation import TokenEvent
+from server.prefill import PrefillGroup, Row
 from server.request_state import RequestState
-from server.sampling import Sampler, build_logits_processors, build_sampler, token_logprob
+from server.sampling import build_logits_processors, build_sampler, token_logprob
 from veloxquant_mlx.memory import BlockPoolAllocator
-from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache, make_batch_caches
-
-
-@dataclass(slots=True)
-class Row:
-    """One request's place in the batch.
-
-    Attributes:
-        state: The engine's record of the request.
-        caches: Its single-row caches while prefilling (None once joined).
-        sampler: Draws a token from ``(1, vocab)`` log-probabilities.
-        processors: mlx-lm logits processors (penalties, logit bias).
-        greedy: Temperature 0 and no processors: batch-wide argmax applies.
-        history: Prompt plus tokens fed so far, for the processors only.
-        first: The first token (``(1,)``), sampled at the end of the prefill.
-        logprobs: Distribution the pending token was drawn from (if asked for).
-        pending: The row's current input token was not sent to the client yet.
-        prefilled: Prompt tokens already run through the model.
-    """
-
-    state: RequestState
-    caches: list[PoolBackedBatchKVCache] | None
-    sampler: Sampler
-    processors: list[Callable]
-    greedy: bool
-    history: mx.array | None = None
-    first: mx.array | None = None
-    logprobs: mx.array | None = None
-    pending: bool = False
-    prefilled: int = 0
+from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +74,7 @@ class DecodeBatch:
         model: The mlx-lm model.
         tokenizer: Its tokenizer (for log-probability texts).
         pool: The shared pool the rows' caches draw from.
-        prefill_chunk_size: Prompt tokens per prefill model call.
+        prefill_chunk_size: Most prompt columns per prefill model call.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: BlockPoolAllocator,
@@ -108,12 +83,14 @@ class DecodeBatch:
         self.tokenizer = tokenizer
         self.pool = pool
         self.chunk = prefill_chunk_size
-        self.prefilling: list[Row] = []
-        self.joining: list[Row] = []
+        self.prefilling: list[Row] = []  # admitted, prefill not started
+        self.group: PrefillGroup | None = None  # prefill in progress
+        self.joining: list[PrefillGroup] = []  # prefilled, joining at the next step
         self.rows: list[Row] = []
         self.caches: list[PoolBackedBatchKVCache] | None = None
         self.inputs: mx.array | None = None
-        self._where: dict[int, Row] = {}  # owner -> row, wherever it is
+        self._live: set[int] = set()  # owners of every row, wherever it is
+        self._solo: set[int] = set()  # owners that prefill alone (see PrefillGroup.form)
 
     # -- rows in and out -------------------------------------------------------
 
@@ -121,31 +98,33 @@ class DecodeBatch:
         """Queue a just-admitted request for prefill (no model work yet)."""
         params = state.request.params
         processors = build_logits_processors(params)
-        row = Row(state, make_batch_caches(self.model, self.pool, state.owner),
-                  build_sampler(params), processors,
+        row = Row(state, build_sampler(params), processors,
                   greedy=params.temperature == 0.0 and not processors)
         if processors:
             row.history = mx.array(state.prompt_ids)
         self.prefilling.append(row)
-        self._where[state.owner] = row
+        self._live.add(state.owner)
 
     def remove(self, states: Sequence[RequestState]) -> dict[int, int]:
         """Take requests out wherever they are; their blocks of every layer go back now.
 
         Returns:
-            Owner -> blocks it held just before leaving.
+            Owner -> blocks it held just before leaving, for the requests found.
         """
-        held = {s.owner: self.pool.n_blocks_held(s.owner) for s in states}
-        gone = {s.owner for s in states if s.owner in self._where}
+        gone = {s.owner for s in states if s.owner in self._live}
         if not gone:
-            return held
-        for owner in gone:
-            del self._where[owner]
-        for waiting in (self.prefilling, self.joining):
-            for row in [r for r in waiting if r.state.owner in gone]:
-                waiting.remove(row)
-                for cache in row.caches or ():
-                    cache.release()
+            return {}
+        held = {owner: self.pool.n_blocks_held(owner) for owner in gone}
+        self._live -= gone
+        self._solo -= gone
+        self.prefilling = [r for r in self.prefilling if r.state.owner not in gone]
+        for group in ([self.group] if self.group else []) + self.joining:
+            keep = [i for i, r in enumerate(group.rows) if r.state.owner not in gone]
+            if len(keep) < len(group.rows):
+                group.keep(keep)
+        if self.group is not None and not self.group.rows:
+            self.group = None
+        self.joining = [g for g in self.joining if g.rows]
         keep = [i for i, r in enumerate(self.rows) if r.state.owner not in gone]
         if len(keep) == len(self.rows):
             return held
@@ -154,6 +133,9 @@ class DecodeBatch:
             for cache in self.caches:
                 cache.release()
             self.caches, self.inputs = None, None
+            # The last step's lookahead may still run: finish it while idle, so
+            # no MLX work is in flight if the process exits next.
+            mx.synchronize()
             return held
         for cache in self.caches:
             cache.filter(keep)
@@ -161,7 +143,11 @@ class DecodeBatch:
         return held
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._live)
+
+    def close(self) -> None:
+        """Wait for any model work still in flight (call before the process exits)."""
+        mx.synchronize()
 
     # -- one engine step ---------------------------------------------------------
 
@@ -169,68 +155,77 @@ class DecodeBatch:
                  hook: Callable[[RequestState], None] | None = None) -> StepOutcome:
         """Prefill within ``prefill_budget`` prompt tokens, then one batched decode.
 
-        A request whose prefill (or ``hook``, a per-request fault-injection
-        hook called before its model work) raises fails alone; an error in the
-        batched call fails every row in it. Failed requests leave the batch
-        before the outcome is returned.
+        ``hook`` (fault injection) is called per request before its model
+        work; a request whose hook raises fails alone, an error in a model
+        call fails every row in that call. Failed requests, and requests
+        ended by their first token, leave before the outcome is returned.
         """
         out = StepOutcome()
-        for row in list(self.prefilling):
-            if prefill_budget <= 0:
-                break
+        budget = prefill_budget
+        while budget > 0 and (self.group is not None or self.prefilling):
+            if self.group is None:
+                self.group = PrefillGroup.form(self.prefilling, self.model, self.pool,
+                                               prefill_budget, self._solo)
+            group = self.group
+            self._run_hooks(group.rows, hook, out)
+            if self.group is None:
+                continue  # every row of the group failed in its hook
             try:
-                if hook is not None:
-                    hook(row.state)
-                used, emitted = self.prefill(row, prefill_budget)
+                used, logits = group.advance(self.model, self.chunk, budget)
+                first = self._first_tokens(group, logits) if logits is not None else None
             except Exception as exc:
-                out.failed.append((row.state, exc))
+                self._prefill_failed(group, exc, out)
                 continue
-            prefill_budget -= used
-            if emitted is not None:
-                out.emitted.append(emitted)
-        if hook is not None:
-            for row in self.rows + self.joining:
-                try:
-                    hook(row.state)
-                except Exception as exc:
-                    out.failed.append((row.state, exc))
-        if out.failed:
-            out.held.update(self.remove([state for state, _ in out.failed]))
-        out.decoded_rows = len(self.rows) + len(self.joining)
+            budget -= used
+            if first is not None:
+                self.group = None
+                self.joining.append(group)
+                out.emitted += first
+                ended = [r.state for r in group.rows if r.state.finish is not None]
+                out.held.update(self.remove(ended))  # their first token ended them
+        self._run_hooks(self.rows + [r for g in self.joining for r in g.rows], hook, out)
+        out.decoded_rows = len(self.rows) + sum(len(g.rows) for g in self.joining)
         try:
             out.emitted += self.step()
         except Exception as exc:  # one model call for all rows: all of them fail
-            failed = [row.state for row in self.rows]
-            out.failed += [(state, exc) for state in failed]
-            out.held.update(self.remove(failed))
+            self._fail([row.state for row in self.rows], exc, out)
             out.decoded_rows = 0
         return out
 
-    # -- prefill -----------------------------------------------------------------
+    def _run_hooks(self, rows: list[Row], hook, out: StepOutcome) -> None:
+        if hook is None:
+            return
+        for row in list(rows):
+            try:
+                hook(row.state)
+            except Exception as exc:
+                self._fail([row.state], exc, out)
 
-    def prefill(self, row: Row, budget: int) -> tuple[int, Emitted | None]:
-        """Run up to ``budget`` more prompt tokens of ``row`` (at most one chunk).
+    def _prefill_failed(self, group: PrefillGroup, exc: Exception, out: StepOutcome) -> None:
+        """A lone row fails; a group's rows restart their prefill alone (nothing was sent yet)."""
+        if len(group.rows) == 1:
+            self._fail([group.rows[0].state], exc, out)
+            return
+        for cache in group.caches:
+            cache.release()
+        self._solo.update(r.state.owner for r in group.rows)
+        self.prefilling[:0] = group.rows
+        self.group = None
 
-        Returns:
-            Prompt tokens processed, and the first token once the prompt is done
-            (the row then waits in ``joining`` unless that token ended it).
-        """
-        ids = row.state.prompt_ids
-        n = min(self.chunk, budget, len(ids) - row.prefilled)
-        chunk = mx.array(ids[row.prefilled: row.prefilled + n])[None]
-        logits = self.model(chunk, cache=row.caches)
-        row.prefilled += n
-        if row.prefilled < len(ids):
-            mx.eval([(c.keys, c.values) for c in row.caches])
-            return n, None
-        token, logprobs = self._sample_one(row, logits[:, -1, :])
-        mx.eval(token, logprobs)
-        emitted = self._accept(row, token.item(), logprobs[0])
-        self.prefilling.remove(row)
-        if row.state.finish is None:
+    def _fail(self, states: list[RequestState], exc: Exception, out: StepOutcome) -> None:
+        out.failed += [(state, exc) for state in states]
+        out.held.update(self.remove(states))
+
+    def _first_tokens(self, group: PrefillGroup, logits: mx.array) -> list[Emitted]:
+        """Sample and account every row's first token (one evaluation for the group)."""
+        drawn = [self._sample_one(row, logits[i: i + 1]) for i, row in enumerate(group.rows)]
+        mx.eval(drawn)
+        tokens = mx.concatenate([token for token, _ in drawn]).tolist()
+        out = []
+        for row, (token, logprobs), value in zip(group.rows, drawn, tokens, strict=True):
             row.first = token
-            self.joining.append(row)
-        return n, emitted
+            out.append(self._accept(row, value, logprobs[0]))
+        return out
 
     def _sample_one(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array]:
         for processor in row.processors:
@@ -241,18 +236,18 @@ class DecodeBatch:
     # -- decode ------------------------------------------------------------------
 
     def _join(self) -> None:
-        """Move prefilled rows into the batch (a step boundary)."""
-        if not self.joining:
-            return
-        for row in self.joining:
+        """Move prefilled groups into the batch (a step boundary)."""
+        for group in self.joining:
+            first = mx.concatenate([row.first for row in group.rows])
             if self.caches is None:
-                self.caches, self.inputs = row.caches, row.first
+                self.caches, self.inputs = group.caches, first
             else:
-                for batch_layer, row_layer in zip(self.caches, row.caches, strict=True):
-                    batch_layer.extend(row_layer)
-                self.inputs = mx.concatenate([self.inputs, row.first])
-            row.caches, row.first, row.pending = None, None, False
-            self.rows.append(row)
+                for batch_layer, group_layer in zip(self.caches, group.caches, strict=True):
+                    batch_layer.extend(group_layer)
+                self.inputs = mx.concatenate([self.inputs, first])
+            for row in group.rows:
+                row.first, row.pending = None, False
+            self.rows += group.rows
         self.joining = []
 
     def step(self) -> list[Emitted]:

@@ -426,6 +426,8 @@ class Engine:
     def _shutdown(self) -> None:
         for state in list(self._running):
             self._finish(state, FinishReason.ERROR, "the server is shutting down", status=503)
+        if self._batch is not None:
+            self._batch.close()
         stopping = Rejected(503, "the server is shutting down", "shutting_down")
         while self._waiting:
             self._waiting.popleft().request.channel.put(stopping)

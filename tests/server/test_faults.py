@@ -38,9 +38,10 @@ class FaultyForward:
         return getattr(self._model, name)
 
     def __call__(self, inputs, *args, **kwargs):
-        ids = inputs[0].tolist() if inputs.ndim == 2 and inputs.shape[0] == 1 else []
-        if any(ids[i:i + len(MARKER)] == MARKER for i in range(len(ids))):
-            raise RuntimeError("injected fault inside the model forward")
+        # Prompts prefill in groups (several rows per call): any row with the marker raises.
+        for ids in (inputs.tolist() if inputs.ndim == 2 and inputs.shape[1] > 1 else []):
+            if any(ids[i:i + len(MARKER)] == MARKER for i in range(len(ids))):
+                raise RuntimeError("injected fault inside the model forward")
         return self._model(inputs, *args, **kwargs)
 
 

@@ -413,11 +413,23 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
 
 
 def make_batch_caches(
-    model, pool: BlockPoolAllocator, owner: int, step: int | None = None
+    model,
+    pool: BlockPoolAllocator,
+    owners: int | Sequence[int],
+    left_padding: Sequence[int] | None = None,
+    step: int | None = None,
 ) -> list[PoolBackedBatchKVCache]:
-    """One single-row :class:`PoolBackedBatchKVCache` per layer of ``model`` for ``owner``.
+    """One :class:`PoolBackedBatchKVCache` per layer of ``model``, one row per owner.
 
-    Prefill a request into these, then ``extend`` a running batch with them.
+    Prefill requests into these (left-padded to a common length when several
+    prefill together), then ``extend`` a running batch with them.
+
+    Args:
+        model: An mlx-lm model.
+        pool: The shared pool.
+        owners: The request id of each row (an int for a single row).
+        left_padding: Padding columns in front of each row's prompt.
+        step: Accounting growth chunk; defaults to ``pool.config.block_size``.
 
     Raises:
         ValueError: The model needs a cache other than a plain ``KVCache`` in some layer.
@@ -429,4 +441,6 @@ def make_batch_caches(
                     f"layer {index} of this model needs a {type(stock).__name__}, which "
                     "PoolBackedBatchKVCache cannot replace; this model cannot be batched "
                     "on the pool")
-    return [PoolBackedBatchKVCache(pool, [owner], step=step) for _ in range(len(model.layers))]
+    rows = [owners] if isinstance(owners, int) else list(owners)
+    return [PoolBackedBatchKVCache(pool, rows, left_padding, step)
+            for _ in range(len(model.layers))]

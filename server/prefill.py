@@ -1,0 +1,124 @@
+"""Prefill groups: admitted requests whose prompts run through the model together.
+
+Requests that start prefilling in the same step form a *group*: their
+prompts are left-padded to a common width and fed as one ``(rows, chunk)``
+model call per chunk, into multi-row pool-backed caches (each row's blocks
+under its own owner; padding is never accounted)::
+
+    width 7        columns fed per call: ``chunk`` (bounded by the step budget)
+    row a: . . a a a a a      left padding 2
+    row b: b b b b b b b      left padding 0
+    row c: . . . . c c c      left padding 4
+
+One call over many prompts keeps the matrix multiplications large, which
+is what makes prompt processing fast on a CPU. When the last column is in,
+every row's first token is sampled and the group waits to join the decode
+batch as a whole (``extend``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from server.request_state import RequestState
+from server.sampling import Sampler
+from veloxquant_mlx.memory import BlockPoolAllocator
+from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache, make_batch_caches
+
+
+@dataclass(slots=True)
+class Row:
+    """One request's place in prefill and decode.
+
+    Attributes:
+        state: The engine's record of the request.
+        sampler: Draws a token from ``(1, vocab)`` log-probabilities.
+        processors: mlx-lm logits processors (penalties, logit bias).
+        greedy: Temperature 0 and no processors: batch-wide argmax applies.
+        history: Prompt plus tokens fed so far, for the processors only.
+        first: The first token (``(1,)``), sampled at the end of the prefill.
+        logprobs: Distribution the pending token was drawn from (if asked for).
+        pending: The row's current input token was not sent to the client yet.
+    """
+
+    state: RequestState
+    sampler: Sampler
+    processors: list[Callable]
+    greedy: bool
+    history: mx.array | None = None
+    first: mx.array | None = None
+    logprobs: mx.array | None = None
+    pending: bool = False
+
+
+@dataclass(slots=True)
+class PrefillGroup:
+    """Rows prefilling together.
+
+    Invariant: ``rows``, ``prompts`` and the rows of every cache correspond;
+    ``prompts[i]`` is row ``i``'s prompt left-padded to ``width``, and
+    columns ``[0, done)`` of it are in the caches.
+    """
+
+    rows: list[Row]
+    caches: list[PoolBackedBatchKVCache]
+    prompts: list[list[int]]
+    width: int
+    done: int = 0
+
+    @classmethod
+    def form(cls, waiting: list[Row], model: Any, pool: BlockPoolAllocator,
+             max_tokens: int, solo: set[int]) -> PrefillGroup:
+        """Take rows off the head of ``waiting`` (first come first served) into a group.
+
+        A row joins while the padded group (rows x width) stays within
+        ``max_tokens``; the first row always does. Owners in ``solo`` (their
+        group's model call failed once) prefill alone, so a fault is pinned on
+        the request that causes it.
+        """
+        take = 1
+        width = len(waiting[0].state.prompt_ids)
+        while take < len(waiting) and waiting[0].state.owner not in solo:
+            if waiting[take].state.owner in solo:
+                break
+            w = max(width, len(waiting[take].state.prompt_ids))
+            if (take + 1) * w > max_tokens:
+                break
+            take, width = take + 1, w
+        rows = waiting[:take]
+        del waiting[:take]
+        pads = [width - len(r.state.prompt_ids) for r in rows]
+        caches = make_batch_caches(model, pool, [r.state.owner for r in rows], pads)
+        prompts = [[0] * p + r.state.prompt_ids for p, r in zip(pads, rows, strict=True)]
+        return cls(rows, caches, prompts, width)
+
+    def advance(self, model: Any, chunk: int, budget: int) -> tuple[int, mx.array | None]:
+        """Feed the next columns (at most ``chunk``, about ``budget`` tokens in all).
+
+        Returns:
+            Tokens fed (padding included), and the last position's logits
+            ``(rows, vocab)`` once the whole prompt is in (else None).
+        """
+        n = min(chunk, self.width - self.done, max(budget // len(self.rows), 1))
+        x = mx.array([p[self.done: self.done + n] for p in self.prompts])
+        logits = model(x, cache=self.caches)
+        self.done += n
+        if self.done < self.width:
+            mx.eval([(c.keys, c.values) for c in self.caches])
+            return n * len(self.rows), None
+        return n * len(self.rows), logits[:, -1, :]
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only rows ``indices``; the others' blocks return to the pool now."""
+        if not indices:
+            for cache in self.caches:
+                cache.release()
+        else:
+            for cache in self.caches:
+                cache.filter(indices)
+        self.rows = [self.rows[i] for i in indices]
+        self.prompts = [self.prompts[i] for i in indices]
