@@ -49,6 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "server" / "results.json"
 OURS, PEER = "veloxquant", "mlx_lm.server"
 TARGETS_C1 = {"tok_per_s_ratio_min": 0.95, "ttft_p50_ratio_max": 1.1}
+# Issue 5 (continuous batching): ours over the peer.
+TARGETS_BATCHING = {"c16_tok_per_s_ratio_min": 1.15, "c16_ttft_p99_ratio_max": 0.7,
+                    "c1_tok_per_s_ratio_min": 0.95, "peak_rss_ratio_max": 1.0, "errors": 0}
 
 _CEILING = """
 import json, statistics, sys, mlx.core as mx, mlx_lm
@@ -230,7 +233,8 @@ def ratios(ours: dict, peer: dict) -> dict:
             return round(a[key] / b[key], 3) if a[key] and b[key] else None
         out[f"c{a['concurrency']}"] = {
             "tok_per_s": ratio("tok_per_s"), "req_per_s": ratio("req_per_s"),
-            "ttft_p50": ratio("ttft_p50_s"), "ttft_p99": ratio("ttft_p99_s"),
+            "ttft_p50": ratio("ttft_p50_s"), "ttft_p90": ratio("ttft_p90_s"),
+            "ttft_p99": ratio("ttft_p99_s"),
             "latency_p50": ratio("latency_p50_s"), "latency_p99": ratio("latency_p99_s"),
         }
     return out
@@ -242,6 +246,31 @@ def git_revision() -> str:
         return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
     rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
     return rev + ("+dirty" if git("status", "--porcelain", "--", "server").strip() else "")
+
+
+def batching_targets(result: dict) -> dict:
+    """Issue 5's targets, each with the measured value and whether it was met."""
+    r = result["ratios_ours_over_peer"]
+    servers = result["servers"]
+    ours, peer = servers[OURS]["peak_rss_mib"], servers[PEER]["peak_rss_mib"]
+    measured = {
+        "c16_tok_per_s_ratio_min": (r.get("c16") or {}).get("tok_per_s"),
+        "c16_ttft_p99_ratio_max": (r.get("c16") or {}).get("ttft_p99"),
+        "c1_tok_per_s_ratio_min": (r.get("c1") or {}).get("tok_per_s"),
+        "peak_rss_ratio_max": round(ours / peer, 3) if ours and peer else None,
+        "errors": sum(lv["errors"] for lv in servers[OURS]["levels"]),
+    }
+    out = {}
+    for key, target in TARGETS_BATCHING.items():
+        value = measured[key]
+        if value is None:
+            met = None
+        elif key.endswith("_min"):
+            met = value >= target
+        else:
+            met = value <= target
+        out[key] = {"target": target, "measured": value, "met": met}
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -304,6 +333,7 @@ def main() -> int:
             c1["tok_per_s"] >= TARGETS_C1["tok_per_s_ratio_min"]
             and c1["ttft_p50"] <= TARGETS_C1["ttft_p50_ratio_max"]
             and all(lv["errors"] == 0 for s in servers.values() for lv in s["levels"]))
+    result["targets_issue_5_batching"] = batching_targets(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["ratios_ours_over_peer"], indent=2))

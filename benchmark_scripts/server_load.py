@@ -43,6 +43,7 @@ class LevelResult:
     tok_per_s: float
     req_per_s: float
     ttft_p50_s: float | None
+    ttft_p90_s: float | None
     ttft_p99_s: float | None
     latency_p50_s: float | None
     latency_p99_s: float | None
@@ -139,7 +140,8 @@ def summarize(concurrency: int, results: list[RequestResult], wall: float) -> Le
         wall_s=round(wall, 3), generated_tokens=tokens,
         tok_per_s=round(tokens / wall, 3) if wall else 0.0,
         req_per_s=round(len(ok) / wall, 4) if wall else 0.0,
-        ttft_p50_s=_round(percentile(ttfts, 50)), ttft_p99_s=_round(percentile(ttfts, 99)),
+        ttft_p50_s=_round(percentile(ttfts, 50)), ttft_p90_s=_round(percentile(ttfts, 90)),
+        ttft_p99_s=_round(percentile(ttfts, 99)),
         latency_p50_s=_round(percentile(lats, 50)), latency_p99_s=_round(percentile(lats, 99)),
         mean_prompt_tokens=round(statistics.fmean([r.prompt_tokens for r in ok]), 1) if ok
         else 0.0,
