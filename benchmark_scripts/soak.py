@@ -4,8 +4,9 @@
 
 starts ``python -m server`` (offline tiny model, loopback, free port), sends
 a warm-up round, samples the server's resident memory, then sends the main
-load: ``--requests`` requests (300 by default) with at most ``--concurrency``
-(16) in flight, prompts of 1 to 300 words, ``max_tokens`` up to 64, and a mix
+load: ``--requests`` requests (3000 by default, in 10 rounds with the RSS
+sampled after each) with at most ``--concurrency`` (16) in flight, prompts of
+1 to 300 words, ``max_tokens`` up to 64, and a mix
 of completions and chats, JSON and streamed, clients that disconnect
 mid-stream, clients that time out, asyncio tasks cancelled mid-request, the
 official ``openai`` client, and invalid requests. Both count and time are
@@ -107,8 +108,8 @@ async def _stream(c: httpx.AsyncClient, path: str, body: dict, kind: str,
             frames += 1
             if stop_after is not None and frames >= stop_after:
                 return Outcome(kind, None)  # leaving the block drops the connection
-            if line != "data: [DONE]" and '"error"' in line:
-                return Outcome(kind, 200, stream_error=line[:300])
+            if line != "data: [DONE]" and "error" in json.loads(line[6:]):
+                return Outcome(kind, 200, stream_error=line[:300])  # an error frame
         return Outcome(kind, 200, tokens=frames)
 
 
@@ -252,17 +253,45 @@ def server_5xx(m: dict[str, float]) -> int:
                    if k.startswith("veloxquant_requests_total{") and ",status=5" in k))
 
 
+def _merge(total: LoadResult, part: LoadResult) -> None:
+    """Add one round's counts into the running total."""
+    total.requests += part.requests
+    total.wall_s += part.wall_s
+    for mine, theirs in ((total.by_kind, part.by_kind), (total.by_status, part.by_status)):
+        for key, value in theirs.items():
+            mine[key] = mine.get(key, 0) + value
+    total.client_5xx += part.client_5xx
+    total.stream_errors += part.stream_errors
+    total.unexpected += part.unexpected
+    total.generated_tokens += part.generated_tokens
+
+
 def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
-         warmup_requests: int, log_path: Path) -> dict:
-    """Run the whole soak against a fresh server process; return the report."""
+         warmup_requests: int, log_path: Path, rounds: int = 1) -> dict:
+    """Run the whole soak against a fresh server process; return the report.
+
+    The main load runs in ``rounds`` equal rounds with the server's RSS sampled
+    after each (idle), so a long run shows whether memory levels off.
+    """
+    main = LoadResult(requests=0, wall_s=0.0)
+    rss_rounds: list[float] = []
+    mlx_rounds: list[dict[str, float]] = []  # MLX allocator memory after each round
+    t0 = time.monotonic()
     with ServerProcess(log_path) as server:
         warm = asyncio.run(run_load(server.base_url, warmup_requests, concurrency, seed + 1,
                                     time_budget_s))
         before, _ = wait_idle(server.base_url)
         rss_warm = server.rss()
-        main = asyncio.run(run_load(server.base_url, n_requests, concurrency, seed,
-                                    time_budget_s))
-        after, idle_wait = wait_idle(server.base_url)
+        for i in range(rounds):
+            n = n_requests // rounds + (1 if i < n_requests % rounds else 0)
+            budget = time_budget_s - (time.monotonic() - t0)
+            _merge(main, asyncio.run(run_load(server.base_url, n, concurrency,
+                                              seed + 1000 * i, budget)))
+            after, idle_wait = wait_idle(server.base_url)
+            rss_rounds.append(round(server.rss() / MIB, 1))
+            mlx_rounds.append({kind: round(after.get(f"veloxquant_mlx_memory_bytes{{kind={kind}}}",
+                                                     0) / MIB, 1)
+                               for kind in ("active", "cache", "peak")})
         rss_after = server.rss()
         exit_code = server.stop()
 
@@ -283,7 +312,8 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
         "clean_exit": exit_code == 0,
     }
     return {
-        "config": {"requests": n_requests, "concurrency": concurrency, "seed": seed,
+        "config": {"requests": n_requests, "rounds": rounds, "concurrency": concurrency,
+                   "seed": seed,
                    "time_budget_s": time_budget_s, "warmup_requests": warmup_requests,
                    "kind_weights": KINDS, "max_tokens": "1..64 (400 for cut requests)",
                    "prompt_words": "1..300"},
@@ -309,8 +339,11 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
             "exit_code": exit_code,
         },
         "rss": {"after_warmup_mib": round(rss_warm / MIB, 1),
+                "after_each_round_mib": rss_rounds,
                 "after_run_mib": round(rss_after / MIB, 1),
                 "growth_mib": round((rss_after - rss_warm) / MIB, 1),
+                "first_to_last_round_mib": round(rss_rounds[-1] - rss_rounds[0], 1),
+                "mlx_memory_each_round_mib": mlx_rounds,
                 "bound_mib": round(bound / MIB, 1),
                 "bound_rule": f"after_run - after_warmup <= max({RSS_BOUND_ABS // MIB} MiB, "
                               f"{RSS_BOUND_REL:.0%} of after_warmup)"},
@@ -322,17 +355,20 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns 0 when every check passed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=48)
+    parser.add_argument("--warmup", type=int, default=300,
+                        help="requests before the RSS baseline (MLX caches fill up first)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="split the load in rounds, sampling RSS after each")
     parser.add_argument("--time-budget", type=float, default=600.0,
-                        help="seconds after which no new request starts (per round)")
+                        help="seconds after which no new request starts")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         report = soak(args.requests, args.concurrency, args.seed, args.time_budget,
-                      args.warmup, Path(tmp) / "server.log")
+                      args.warmup, Path(tmp) / "server.log", args.rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"checks": report["checks"], "rss": report["rss"],
