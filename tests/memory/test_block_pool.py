@@ -74,6 +74,15 @@ def test_allocation_is_all_or_nothing_and_counts_exhaustion():
     assert pool.stats.n_exhausted == 3 and pool.stats.n_allocations == 1
 
 
+def test_failed_allocation_does_not_make_a_new_owner_active():
+    pool = make_pool(n_blocks=2)
+    for n_tokens in (16, 48):  # the one-block path and the many-block path
+        with pytest.raises(BlockPoolExhaustedError):
+            pool.allocate("k", n_tokens + 16, owner=7)
+        assert pool.active_owners() == []
+    pool.register_owner(7)  # no collision: the failed calls claimed nothing
+
+
 def test_freed_blocks_are_reused_lifo():
     pool = make_pool()
     pool.allocate("k", 32, owner=1)  # 0, 1

@@ -221,30 +221,17 @@ class BlockPoolAllocator:
                 st = self._stream(stream)
             c = self.stats
             owned = self._owned.get(owner)
+            fresh_owner = owned is None
             if owned is None:
-                owned = self._owned[owner] = {}
+                owned = {}  # published below, once the blocks are taken
             if n_tokens > bs:
                 n = -(-n_tokens // bs)
                 taken = self._take(st, n, owner, format, n_tokens - (n - 1) * bs, owned)
             else:
-                # One block, the usual growth step: no slicing, no loops.
-                stack = st.stack
-                if not stack:
-                    self._grow_or_raise(st, 1)
-                block = stack.pop()
-                if block.ever_allocated:
-                    c.n_reused += 1
-                else:
-                    block.ever_allocated = True
-                    st.n_fresh -= 1
-                block.owner = owner
-                block.format = format
-                block._n_used = n_tokens
-                if n_tokens != bs:
-                    c.n_partial += 1
-                owned[block._key] = block
-                taken = [block]
+                taken = [self._take_one(st, owner, format, n_tokens, owned)]
                 n = 1
+            if fresh_owner:
+                self._owned[owner] = owned
             if self._released:
                 self._released.discard(owner)  # growing again re-activates it
             in_use = c.n_allocations + n - c.n_frees
@@ -255,6 +242,28 @@ class BlockPoolAllocator:
             return taken
         finally:
             self._release()
+
+    def _take_one(
+        self, st: _Stream, owner: int, format: str, n_used: int, owned: dict[object, Block]
+    ) -> Block:
+        """Pop one block off ``st`` into ``owned``: the usual growth step, no slicing."""
+        stack = st.stack
+        if not stack:
+            self._grow_or_raise(st, 1)
+        block = stack.pop()
+        c = self.stats
+        if block.ever_allocated:
+            c.n_reused += 1
+        else:
+            block.ever_allocated = True
+            st.n_fresh -= 1
+        block.owner = owner
+        block.format = format
+        block._n_used = n_used
+        if n_used != self._block_size:
+            c.n_partial += 1
+        owned[block._key] = block
+        return block
 
     def _take(
         self, st: _Stream, n: int, owner: int, format: str, last_used: int,
