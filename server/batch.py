@@ -133,9 +133,6 @@ class DecodeBatch:
             for cache in self.caches:
                 cache.release()
             self.caches, self.inputs = None, None
-            # The last step's lookahead may still run: finish it while idle, so
-            # no MLX work is in flight if the process exits next.
-            mx.synchronize()
             return held
         for cache in self.caches:
             cache.filter(keep)
@@ -146,7 +143,10 @@ class DecodeBatch:
         return len(self._live)
 
     def close(self) -> None:
-        """Wait for any model work still in flight (call before the process exits)."""
+        """Wait for model work still in flight, e.g. the last step's lookahead.
+
+        Called when the engine stops, so no MLX work runs while the process exits.
+        """
         mx.synchronize()
 
     # -- one engine step ---------------------------------------------------------
