@@ -12,6 +12,9 @@ untouched and the routes' client-disconnect detection keeps working.
   :mod:`server.serve`), new requests get 503 with ``Retry-After`` and
   ``/health`` reports 503 so balancers stop routing; requests already in
   flight go on. ``DrainState.inflight`` counts them.
+- **Per-client cap.** With ``limits.max_concurrent_per_client`` > 0, a client
+  address (the TCP peer: behind a proxy, the proxy) with that many generation
+  requests in flight gets 429 for the next one.
 - **Stalled streams.** A response body ``send`` that cannot complete within
   ``limits.stream_stall_timeout_s`` (the client stopped reading and the
   socket buffers are full) marks the client gone: later sends are dropped
@@ -39,6 +42,8 @@ log = logging.getLogger("veloxquant.server")
 
 # Routes that stay answerable while draining and do not count as in-flight work.
 OPEN_PATHS = ("/health", "/metrics")
+# Routes that start a generation (the per-client cap counts these).
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(slots=True)
@@ -111,6 +116,8 @@ class Guards:
         self.drain = drain
         self.max_body = settings.limits.max_body_bytes
         self.stall_s = settings.limits.stream_stall_timeout_s
+        self.per_client = settings.limits.max_concurrent_per_client
+        self.by_client: dict[str, int] = {}  # client address -> generations in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -137,11 +144,25 @@ class Guards:
         if path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        client = None
+        if self.per_client and path in GENERATION_PATHS:
+            client = (scope.get("client") or ("?", 0))[0]
+            if self.by_client.get(client, 0) >= self.per_client:
+                await _reply(send, 429, error_body(
+                    f"{self.per_client} requests from this client are already in flight "
+                    "(limits.max_concurrent_per_client); wait for one to finish",
+                    "rate_limit_error", None, "too_many_concurrent_requests"), retry)
+                return
+            self.by_client[client] = self.by_client.get(client, 0) + 1
         self.drain.inflight += 1
         try:
             await self._guarded(scope, receive, send)
         finally:
             self.drain.inflight -= 1
+            if client is not None:
+                left = self.by_client.pop(client) - 1
+                if left:
+                    self.by_client[client] = left
 
     def _too_large(self, length: int | None) -> dict:
         got = f"{length} bytes" if length is not None else "a larger body"

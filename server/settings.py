@@ -127,6 +127,7 @@ class LimitsSection:
     max_stop_length: int = 256
     max_body_bytes: int = 1048576
     stream_stall_timeout_s: float = 30.0
+    max_concurrent_per_client: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_tokens_cap >= 1, "limits.max_tokens_cap", "must be >= 1")
@@ -145,6 +146,8 @@ class LimitsSection:
         _require(self.max_body_bytes >= 1024, "limits.max_body_bytes", "must be >= 1024")
         _require(self.stream_stall_timeout_s > 0, "limits.stream_stall_timeout_s",
                  "must be > 0")
+        _require(self.max_concurrent_per_client >= 0, "limits.max_concurrent_per_client",
+                 "must be >= 0 (0 = no cap)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

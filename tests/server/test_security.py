@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
+import time
+
 import httpx
 import pytest
 
@@ -21,11 +25,11 @@ def assert_openai_error(resp: httpx.Response, status: int, code: str | None = No
 
 @pytest.fixture(scope="module")
 def guarded_server(tiny_model_path):
-    """Small body limit, /metrics behind the API key."""
+    """Small body limit, /metrics behind the API key, 2 generations per client."""
     settings = make_settings(env={"VELOXQUANT_API_KEY": KEY},
                              model={"path": str(tiny_model_path)}, pool={"n_blocks": 1024},
                              server={"metrics_require_key": True},
-                             limits={"max_body_bytes": 4096})
+                             limits={"max_body_bytes": 4096, "max_concurrent_per_client": 2})
     with run_server(settings) as server:
         yield server
 
@@ -74,3 +78,44 @@ def test_metrics_open_by_default(live_server: LiveServer):
 def test_request_limits(live_server: LiveServer, body, param):
     resp = httpx.post(live_server.base_url + "/v1/completions", json=body, timeout=30)
     assert assert_openai_error(resp, 400)["param"] == param
+
+
+async def _per_client_cap(base_url: str) -> dict:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    # 2 x 4 layers x ceil(1001/16) = 504 of the 512 blocks per stream: both run at once.
+    body = {"prompt": "x", "max_tokens": 1000, "stream": True,
+            "logit_bias": {"1": -100, "3": -100}}
+    out = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30, headers=auth) as c:
+        async with c.stream("POST", "/v1/completions", json=body) as first, \
+                c.stream("POST", "/v1/completions", json=body) as second:
+            keep = [first.aiter_lines(), second.aiter_lines()]
+            for lines in keep:
+                await lines.__anext__()  # both generating
+            out["third"] = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            out["models"] = await c.get("/v1/models")  # not a generation: not capped
+        # The server notices the two clients left within its disconnect poll (0.1 s).
+        for _ in range(50):
+            out["after"] = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            if out["after"].status_code != 429:
+                break
+            await asyncio.sleep(0.1)
+    return out
+
+
+def test_concurrent_generations_per_client_are_capped(guarded_server: LiveServer):
+    out = asyncio.run(_per_client_cap(guarded_server.base_url))
+    err = assert_openai_error(out["third"], 429, "too_many_concurrent_requests")
+    assert "limits.max_concurrent_per_client" in err["message"]
+    assert out["third"].headers["Retry-After"] == "1"
+    assert out["models"].status_code == 200
+    assert out["after"].status_code == 200  # the two streams ended: room again
+    for _ in range(100):  # /metrics needs the key on this server, so no wait_idle()
+        text = httpx.get(guarded_server.base_url + "/metrics",
+                         headers={"Authorization": f"Bearer {KEY}"}).text
+        if re.search(r"^veloxquant_block_pool_blocks_in_use 0(\.0)?$", text, re.M):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("blocks still in use after the capped requests ended")
