@@ -200,3 +200,54 @@ def test_batch_settings_are_validated():
         make_settings(batch={"prefill_chunk_size": 0})
     s = make_settings(env={"VELOXQUANT_BATCH_MAX_PREFILL_TOKENS_PER_STEP": "64"})
     assert s.batch.max_prefill_tokens_per_step == 64
+
+
+async def _cut_during_prefill(base_url: str, bodies: list[dict]) -> list:
+    async def abandon(body: dict) -> str:
+        async with httpx.AsyncClient(base_url=base_url, timeout=0.15) as c:
+            try:
+                await c.post("/v1/completions", json=body)
+            except httpx.TimeoutException:
+                return "gone"
+        return "finished?!"
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
+        jobs = [abandon(b) if i % 2 else c.post("/v1/completions", json=b)
+                for i, b in enumerate(bodies)]
+        return await asyncio.gather(*jobs)
+
+
+def test_requests_leaving_mid_prefill_free_their_blocks_and_spare_the_group(tiny_model_path):
+    """Long prompts prefill as one group in small chunks; half the clients leave meanwhile."""
+    settings = make_settings(model={"path": str(tiny_model_path)}, pool={"n_blocks": 4096},
+                             batch={"prefill_chunk_size": 8, "max_prefill_tokens_per_step": 48})
+    bodies = [{"prompt": f"request {i} " + "word " * (120 + 17 * i), "max_tokens": 12,
+               "temperature": 0, "logit_bias": NO_EOS} for i in range(6)]
+    with run_server(settings) as server:
+        alone = [httpx.post(server.base_url + "/v1/completions", json=b, timeout=60)
+                 for b in bodies[::2]]
+        results = asyncio.run(_cut_during_prefill(server.base_url, bodies))
+        m = server.wait_idle(timeout=20)
+    assert results[1::2] == ["gone"] * 3
+    for a, r in zip(alone, results[::2], strict=True):
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == a.json()["choices"][0]["text"]
+    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_orphaned_blocks"] == 0
+    assert m["veloxquant_request_finished_total{reason=cancelled}"] == 3
+
+
+def test_rows_ending_on_their_first_token_leave_their_group(batch_server: LiveServer):
+    """A group of six prefills together; three end on their first token, three go on."""
+    bodies = [{"prompt": f"item {i}: " + "x " * (3 * i), "max_tokens": 1 if i % 2 else 15,
+               "temperature": 0, "logit_bias": NO_EOS} for i in range(6)]
+    alone = [httpx.post(batch_server.base_url + "/v1/completions", json=b, timeout=60)
+             for b in bodies]
+    together = asyncio.run(_post_all(batch_server.base_url, bodies))
+    for a, t in zip(alone, together, strict=True):
+        assert t.status_code == 200
+        assert t.json()["choices"][0]["text"] == a.json()["choices"][0]["text"]
+        assert t.json()["usage"] == a.json()["usage"]  # kv_blocks too
+    assert [t.json()["usage"]["completion_tokens"] for t in together] == [15, 1] * 3
+    assert all(t.json()["usage"]["kv_blocks"] > 0 for t in together)
+    assert batch_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
