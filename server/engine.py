@@ -47,7 +47,7 @@ from server.intake import RequestRejected, check_token_params, tokenize_prompt
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
 from server.request_state import PendingRequest, RequestState
-from server.sampling import StopMatcher
+from server.sampling import StopMatcher, reset_random_state
 from server.scheduler import CapacityPlanner, Reservation
 from server.settings import Settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
@@ -373,6 +373,8 @@ class Engine:
             self._exit_blocks.update(self._batch.remove(done))
             for state in done:
                 self._finish(state, state.finish)
+        if out.failed:
+            reset_random_state()  # a failure inside a compiled sampler poisons it
         for state, exc in out.failed:
             log.error("model error in request %s: %s: %s", state.request_id,
                       type(exc).__name__, exc)

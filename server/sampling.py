@@ -8,6 +8,7 @@ its draws do not depend on which other requests share the engine.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -40,7 +41,10 @@ def build_sampler(params: SamplingParams) -> Sampler:
     if params.min_p > 0.0:
         filters.append(lambda x: apply_min_p(x, params.min_p, 1))
     if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
+        # top_k at or past the vocabulary keeps every token: a no-op, not an
+        # error (mlx-lm's apply_top_k raises there; fuzzing made that a 500).
+        filters.append(lambda x: apply_top_k(x, params.top_k)
+                       if params.top_k < x.shape[-1] else x)
     inv_temp = 1.0 / params.temperature
     # A seeded request owns its key: interleaving with others must not change its draws.
     key = [mx.random.key(params.seed)] if params.seed is not None else None
@@ -54,6 +58,18 @@ def build_sampler(params: SamplingParams) -> Sampler:
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return sample
+
+
+def reset_random_state() -> None:
+    """Give MLX's global PRNG a fresh state after a failed step.
+
+    mlx-lm's samplers are ``mx.compile``d with the global random state as an
+    input and output; one that raises mid-trace leaves that state as an array
+    with no primitive, and every later unseeded draw in the process fails
+    ("eval an array without a primitive"). Reseeding restores it; unseeded
+    requests promise no particular stream, and seeded ones carry their own key.
+    """
+    mx.random.seed(secrets.randbits(63))
 
 
 def build_logits_processors(params: SamplingParams) -> list[Callable]:
