@@ -2,15 +2,13 @@
 
 The record holds everything a request needs across steps apart from how the
 model is driven: prompt ids, owner, reservation, output bookkeeping, stop
-matching and timings. The single-request decode path keeps its mlx-lm
-generator in ``decoder``; a batched scheduler can keep the same record and
-drive ``caches`` itself.
+matching and timings. Its caches and sampler live in the batch
+(:mod:`server.batch`, :mod:`server.prefill`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +50,6 @@ class RequestState:
     detokenizer: Any
     stop: StopMatcher
     eos_ids: frozenset[int]
-    caches: list[Any] | None = None
-    decoder: Iterator[tuple[int, Any]] | None = None
     generated: int = 0
     first_token_at: float | None = None
     last_token_at: float = 0.0
