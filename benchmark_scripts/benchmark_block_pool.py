@@ -101,17 +101,31 @@ def reference_workload(reps: int) -> dict:
     return out
 
 
-def vllm_comparison(peer_python: Path | None, reps: int) -> dict:
+def vllm_comparison(peer_python: Path | None, reps: int, processes: int = 3) -> dict:
+    """Our pool vs vLLM's in ``processes`` fresh interpreters, runs pooled.
+
+    Separate processes because the compiled allocator's speed moves by up to
+    ~30% from one process to the next (where its objects land in memory),
+    far more than between reps within one process.
+    """
     if peer_python is None or not peer_python.exists():
         return {"measured": False,
                 "why": "no interpreter with vLLM; run benchmark_scripts/setup_vllm_peer.sh"}
     cmd = [str(peer_python), str(ROOT / "benchmark_scripts" / "block_pool_workloads.py"),
            "--compare", str(reps)]
-    result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    outputs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+               for _ in range(processes)]
+    result: dict = {"measured": True, "processes": processes, "reps_per_process": reps,
+                    "vllm_version": outputs[0]["vllm_version"], "python": outputs[0]["python"]}
     for label in ("one_block_per_call", "16_blocks_per_call"):
-        case = result[label]
+        case = {}
+        for adapter in ("veloxquant", "vllm"):
+            runs = [r for out in outputs for r in out[label][adapter]["runs"]]
+            per_process = [out[label][adapter]["median"] for out in outputs]
+            case[adapter] = {"median": statistics.median(runs), "runs": runs,
+                             "per_process_medians": per_process}
         case["ours_over_vllm"] = case["veloxquant"]["median"] / case["vllm"]["median"]
-    result["measured"] = True
+        result[label] = case
     return result
 
 

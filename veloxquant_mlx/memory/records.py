@@ -13,6 +13,9 @@ from veloxquant_mlx.memory.pool_config import SHARED_STREAM
 if TYPE_CHECKING:
     from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 
+_NO_HOME: list[Block] = []  # never appended to: only pool-made blocks are freed
+
+
 class Block:
     """One fixed-size block of KV-cache storage.
 
@@ -46,7 +49,10 @@ class Block:
         self.owner = owner
         self.ever_allocated = ever_allocated
         self._pool: BlockPoolAllocator | None = None
-        self._home: list[Block] = []  # the pool's free stack this block returns to
+        # The pool's free stack this block returns to; set by the pool. Shared
+        # placeholder until then: one list per block would double the objects
+        # a big pool allocates and scatter its blocks in memory.
+        self._home: list[Block] = _NO_HOME
 
     @property
     def n_used(self) -> int:
