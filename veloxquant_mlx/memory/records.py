@@ -1,4 +1,4 @@
-"""Plain records of the block pool: its config, its blocks and its counters.
+"""Plain records of the block pool: its blocks and its counters.
 
 No MLX and no locking here; ``BlockPoolAllocator`` (block_pool.py) owns the
 mutation rules. Kept apart so the allocator module stays about allocation.
