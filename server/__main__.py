@@ -11,6 +11,7 @@ import logging
 import sys
 
 from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
+from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # imports no MLX
 
 log = logging.getLogger("veloxquant.server")
 
@@ -40,24 +41,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, overrides=overrides)
 
 
-def _optimize_blas(enabled: bool) -> None:
-    try:
-        from veloxquant_mlx.cpu_backend import ensure_optimized_blas
-    except ImportError:  # older checkouts without the CPU backend helper
-        return
-    ensure_optimized_blas(enabled)
-
-
-def _describe_backend() -> str:
-    try:
-        from veloxquant_mlx.cpu_backend import describe_backend
-    except ImportError:
-        import mlx.core as mx
-
-        return f"MLX {mx.__version__} on {mx.default_device()}"
-    return describe_backend()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the server until interrupted; returns the process exit code."""
     args = parse_args(argv)
@@ -67,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"veloxquant-serve: bad configuration: {exc}", file=sys.stderr)
         return 2
     # Re-execs this process with OpenBLAS preloaded (once); must precede any MLX import.
-    _optimize_blas(settings.cpu.optimized_blas)
+    ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from server.model_loader import ModelNotFoundError, resolve_model_path
@@ -83,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     from server.serve import serve
 
     request_log.configure(settings.server.request_log)
-    log.info("backend: %s", _describe_backend())
     log.info("settings: %r", settings)  # secrets are excluded from the repr
     # SIGTERM drains (server/serve.py); a non-loopback bind without an API key warns.
     serve(create_app(settings), settings)

@@ -50,6 +50,7 @@ from server.request_state import PendingRequest, RequestState
 from server.sampling import StopMatcher, reset_random_state
 from server.scheduler import CapacityPlanner, Reservation
 from server.settings import Settings
+from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 log = logging.getLogger("veloxquant.server")
@@ -210,8 +211,9 @@ class Engine:
             self._planner = CapacityPlanner(self.pool, self.loaded.n_layers)
             self._batch = DecodeBatch(self.loaded.model, self.loaded.tokenizer, self.pool,
                                       self.settings.batch.prefill_chunk_size)
-            log.info("model %s loaded (%d layers, %s)", self.loaded.name,
-                     self.loaded.n_layers, self.loaded.dtype)
+            # The one start-up line that says what the server computes with.
+            log.info("model %s loaded (%d layers); backend: %s", self.loaded.name,
+                     self.loaded.n_layers, describe_backend(self.loaded.dtype))
         except Exception as exc:  # the server reports it on /health and exits
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
