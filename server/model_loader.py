@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,12 @@ from server.settings import ModelSection
 
 log = logging.getLogger("veloxquant.server")
 
+# A Hugging Face repo id, e.g. mlx-community/Llama-3.2-1B-Instruct-4bit.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
 
 class ModelNotFoundError(RuntimeError):
-    """``--model`` names neither a local folder nor anything loadable offline."""
+    """``--model`` names neither a local folder nor a Hugging Face repo we can get."""
 
 
 @dataclass(slots=True)
@@ -38,12 +42,16 @@ class LoadedModel:
 def resolve_model_path(section: ModelSection) -> Path:
     """Return the local folder to load, building the offline default if needed.
 
+    ``path`` may be a local folder or a Hugging Face repo id (``org/name``): an
+    id is served from the local Hugging Face cache when it is there, and
+    downloaded (as ``mlx_lm.load`` would) when the hub is reachable.
+
     Args:
         section: The ``[model]`` settings.
 
     Raises:
-        ModelNotFoundError: ``path`` is not a local folder. Hub ids are not
-            fetched: this server loads only local paths offline.
+        ModelNotFoundError: ``path`` is neither a model folder nor a repo id
+            that is cached or downloadable from here.
     """
     if not section.path:
         from veloxquant_mlx.offline_model import ensure_model
@@ -57,12 +65,32 @@ def resolve_model_path(section: ModelSection) -> Path:
             f"model path {str(path)!r} exists but has no config.json; point --model at an "
             "mlx-lm model folder (config.json, *.safetensors, tokenizer files)"
         )
+    if REPO_ID.fullmatch(section.path):
+        return _hub_snapshot(section.path)
     raise ModelNotFoundError(
-        f"model {section.path!r} is not a local folder. Only local paths load offline "
-        "(this server does not download from the Hugging Face hub): download the model "
-        "elsewhere (e.g. `huggingface-cli download ID --local-dir DIR`) and pass "
-        "--model DIR, or leave --model unset for the built-in offline default model"
+        f"model {section.path!r} is neither a local folder nor a Hugging Face repo id "
+        "(org/name); point --model at an mlx-lm model folder, or leave it unset for the "
+        "built-in offline default model"
     )
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of ``repo_id``: from the cache, else downloaded."""
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        # Online this fetches what mlx_lm.load would; offline it falls back
+        # to a complete cached snapshot, and fails at once without one.
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as exc:  # network, missing repo, incomplete cache: one answer
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not a local folder, not in the local Hugging Face cache, "
+            f"and could not be downloaded from here ({type(exc).__name__}). Only local paths "
+            "load offline: download the model elsewhere (e.g. `huggingface-cli download ID "
+            "--local-dir DIR`) and pass --model DIR, or leave --model unset for the built-in "
+            "offline default model"
+        ) from None
 
 
 def _is_quantized(path: Path) -> bool:
