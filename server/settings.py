@@ -1,305 +1,338 @@
-"""Server configuration: TOML file -> ``VELOXQUANT_*`` env overrides -> CLI flags.
+"""Server configuration: TOML file < ``VELOXQUANT_*`` env vars < CLI flags.
 
 The result is one frozen :class:`Settings` object handed to
 ``create_app(settings)``. This is the only module of the server that reads
 the process environment, so every knob the server obeys can be found here.
 
-Each section of the TOML file maps to one frozen dataclass below; every
-dataclass validates itself in ``__post_init__`` and names the offending key
-(``pool.n_blocks``) in its error, so a bad config stops start-up with a
-message that says what to fix.
+:func:`load_settings` builds the settings with pydantic-settings from three
+sources, highest precedence first: the CLI overrides (init kwargs), the
+environment (``VELOXQUANT_<SECTION>_<KEY>``, e.g. ``VELOXQUANT_POOL_N_BLOCKS``)
+and the TOML file (``--config``, else the packaged default). Each TOML section
+maps to one frozen, strict model below; a bad value becomes a
+:class:`ConfigError` that names the dotted key (``pool.n_blocks``), so a bad
+config stops start-up with a message that says what to fix.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextvars
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+# Package data, so an installed wheel finds it without the source tree;
+# config/default.toml is the documented copy (a test keeps the two identical).
+DEFAULT_CONFIG_PATH: Traversable = files("server") / "default_config" / "default.toml"
 ENV_PREFIX = "VELOXQUANT_"
 # Secrets come from the environment only, never from a file that may be committed.
-ADMIN_TOKEN_ENV = "VELOXQUANT_ADMIN_TOKEN"
-API_KEY_ENV = "VELOXQUANT_API_KEY"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-MODEL_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+SECRET_ENV = {"admin_token": "VELOXQUANT_ADMIN_TOKEN", "api_key": "VELOXQUANT_API_KEY"}
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+ModelDtype = Literal["auto", "native", "float32", "float16", "bfloat16"]
+ModelPreset = Literal["smollm2", "tiny", "small"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+MODEL_DTYPES: tuple[str, ...] = get_args(ModelDtype)
+MODEL_PRESETS: tuple[str, ...] = get_args(ModelPreset)
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key and the fix."""
 
 
-def _require(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"config key {key!r}: {message}")
+class _FieldProblem(ValueError):
+    """A check spanning several fields failed; ``field`` is the one to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServerSection:
+class _Section(BaseModel):
+    # strict: a TOML `1` is not a bool and `"8"` is not an int (env strings are
+    # parsed by the env source before validation); ints still pass as floats.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class ServerSection(_Section):
     """Where the HTTP server listens and how it logs."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: str = "info"
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: LogLevel = "info"
     request_log: bool = True
     metrics_require_key: bool = False
-    shutdown_grace_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        _require(bool(self.host), "server.host", "must not be empty")
-        _require(0 <= self.port <= 65535, "server.port", f"{self.port} is not in 0..65535")
-        _require(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
-        _require(
-            self.log_level in LOG_LEVELS,
-            "server.log_level",
-            f"{self.log_level!r} is not one of {', '.join(LOG_LEVELS)}",
-        )
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ModelSection:
+class ModelSection(_Section):
     """Which model to load and in which compute dtype.
 
-    ``path`` empty means the offline default model (built on first use).
-    ``dtype = "auto"`` computes in float32 on CPU for unquantized models and
-    keeps quantized models as stored; ``"native"`` keeps every weight as stored.
+    ``path`` empty means the default model named by ``preset``: ``smollm2``
+    (the real SmolLM2-135M-Instruct) or the offline random test models
+    ``tiny`` and ``small``. ``dtype = "auto"`` computes in float32 on CPU;
+    ``"native"`` keeps every weight as stored. On CPU with ``auto``, quantized
+    weights are dequantized to float32 when that copy fits in
+    ``max_dequantized_bytes`` (0 = half the machine's memory).
     """
 
     path: str = ""
     served_name: str = ""
-    dtype: str = "auto"
-    preset: str = "tiny"
-
-    def __post_init__(self) -> None:
-        _require(
-            self.dtype in MODEL_DTYPES,
-            "model.dtype",
-            f"{self.dtype!r} is not one of {', '.join(MODEL_DTYPES)}",
-        )
-        _require(bool(self.preset), "model.preset", "must not be empty")
+    dtype: ModelDtype = "auto"
+    max_dequantized_bytes: int = Field(default=0, ge=0)
+    preset: ModelPreset = "smollm2"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolSection:
+class PoolSection(_Section):
     """Sizing of the one shared block pool (see ``veloxquant_mlx.memory.PoolConfig``).
 
     ``max_blocks = 0`` means no cap on growth (only used with
     ``grow_on_exhaustion``); TOML has no null, so 0 stands in for None.
     """
 
-    block_size: int = 16
+    block_size: int = Field(default=16, ge=1)
     n_blocks: int = 16384
     separate_kv: bool = True
     grow_on_exhaustion: bool = False
-    max_blocks: int = 0
+    max_blocks: int = Field(default=0, ge=0)
 
-    def __post_init__(self) -> None:
-        _require(self.block_size >= 1, "pool.block_size", f"{self.block_size} must be >= 1")
-        _require(self.n_blocks >= 2 if self.separate_kv else self.n_blocks >= 1,
-                 "pool.n_blocks",
-                 f"{self.n_blocks} is too small (needs >= 2 with separate_kv, else >= 1)")
-        _require(
-            self.max_blocks == 0 or self.max_blocks >= self.n_blocks,
-            "pool.max_blocks",
-            f"{self.max_blocks} must be 0 (no cap) or >= pool.n_blocks ({self.n_blocks})",
-        )
+    @model_validator(mode="after")
+    def _check_sizes(self) -> PoolSection:
+        if self.n_blocks < (2 if self.separate_kv else 1):
+            raise _FieldProblem("n_blocks", f"{self.n_blocks} is too small "
+                                "(needs >= 2 with separate_kv, else >= 1)")
+        if self.max_blocks and self.max_blocks < self.n_blocks:
+            raise _FieldProblem("max_blocks", f"{self.max_blocks} must be 0 (no cap) or "
+                                f">= pool.n_blocks ({self.n_blocks})")
+        return self
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LimitsSection:
+class LimitsSection(_Section):
     """Per-request limits and the admission queue's bounds."""
 
     default_max_tokens: int = 256
-    max_tokens_cap: int = 4096
-    max_prompt_tokens: int = 8192
-    max_queue: int = 64
-    queue_timeout_s: float = 30.0
-    retry_after_s: int = 1
-    max_stop_sequences: int = 8
-    max_stop_length: int = 256
-    max_body_bytes: int = 1048576
-    stream_stall_timeout_s: float = 30.0
-    max_concurrent_per_client: int = 0
+    max_tokens_cap: int = Field(default=4096, ge=1)
+    max_prompt_tokens: int = Field(default=8192, ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    max_stop_sequences: int = Field(default=8, ge=0)
+    max_stop_length: int = Field(default=256, ge=1)
+    max_body_bytes: int = Field(default=1048576, ge=1024)
+    stream_stall_timeout_s: float = Field(default=30.0, gt=0)
+    max_concurrent_per_client: int = Field(default=0, ge=0)  # 0 = no cap
 
-    def __post_init__(self) -> None:
-        _require(self.max_tokens_cap >= 1, "limits.max_tokens_cap", "must be >= 1")
-        _require(
-            1 <= self.default_max_tokens <= self.max_tokens_cap,
-            "limits.default_max_tokens",
-            f"{self.default_max_tokens} must be in 1..limits.max_tokens_cap "
-            f"({self.max_tokens_cap})",
-        )
-        _require(self.max_prompt_tokens >= 1, "limits.max_prompt_tokens", "must be >= 1")
-        _require(self.max_queue >= 0, "limits.max_queue", "must be >= 0")
-        _require(self.queue_timeout_s > 0, "limits.queue_timeout_s", "must be > 0")
-        _require(self.retry_after_s >= 1, "limits.retry_after_s", "must be >= 1")
-        _require(self.max_stop_sequences >= 0, "limits.max_stop_sequences", "must be >= 0")
-        _require(self.max_stop_length >= 1, "limits.max_stop_length", "must be >= 1")
-        _require(self.max_body_bytes >= 1024, "limits.max_body_bytes", "must be >= 1024")
-        _require(self.stream_stall_timeout_s > 0, "limits.stream_stall_timeout_s",
-                 "must be > 0")
-        _require(self.max_concurrent_per_client >= 0, "limits.max_concurrent_per_client",
-                 "must be >= 0 (0 = no cap)")
+    @model_validator(mode="after")
+    def _check_default_fits_cap(self) -> LimitsSection:
+        if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
+            raise _FieldProblem("default_max_tokens", f"{self.default_max_tokens} must be in "
+                                f"1..limits.max_tokens_cap ({self.max_tokens_cap})")
+        return self
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SamplingSection:
-    """Sampling defaults for requests that leave a field out."""
+class SamplingSection(_Section):
+    """Sampling defaults for requests that leave a field out (0 disables top_k)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(0.0 <= self.temperature <= 2.0, "sampling.temperature", "must be in 0..2")
-        _require(0.0 < self.top_p <= 1.0, "sampling.top_p", "must be in (0, 1]")
-        _require(self.top_k >= 0, "sampling.top_k", "must be >= 0 (0 disables)")
-        _require(0.0 <= self.min_p <= 1.0, "sampling.min_p", "must be in 0..1")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BatchSection:
+class BatchSection(_Section):
     """Continuous batching: how many requests decode together and how prompts are fed in."""
 
-    max_batch_size: int = 32
-    prefill_chunk_size: int = 512
-    max_prefill_tokens_per_step: int = 2048
-
-    def __post_init__(self) -> None:
-        _require(self.max_batch_size >= 1, "batch.max_batch_size", "must be >= 1")
-        _require(self.prefill_chunk_size >= 1, "batch.prefill_chunk_size", "must be >= 1")
-        _require(self.max_prefill_tokens_per_step >= 1, "batch.max_prefill_tokens_per_step",
-                 "must be >= 1")
+    max_batch_size: int = Field(default=32, ge=1)
+    prefill_chunk_size: int = Field(default=512, ge=1)
+    max_prefill_tokens_per_step: int = Field(default=2048, ge=1)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CpuSection:
+class CpuSection(_Section):
     """CPU backend knobs (Linux): preload Debian's OpenBLAS under MLX."""
 
     optimized_blas: bool = True
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Settings:
+@dataclass(frozen=True)
+class _LoadRequest:
+    path: Path | Traversable
+    env: Mapping[str, str]
+
+
+# Set only while load_settings runs: a bare Settings() reads nothing, so it
+# is exactly the documented defaults whatever the process environment holds.
+_LOADING: contextvars.ContextVar[_LoadRequest | None] = contextvars.ContextVar(
+    "veloxquant_settings_load", default=None
+)
+
+
+class Settings(BaseSettings):
     """Every knob of the server, validated and immutable.
 
     Secrets (``admin_token``, ``api_key``) come only from the environment
     and are excluded from ``repr`` so they never reach a log line.
     """
 
-    server: ServerSection = dataclasses.field(default_factory=ServerSection)
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    pool: PoolSection = dataclasses.field(default_factory=PoolSection)
-    limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
-    sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
-    batch: BatchSection = dataclasses.field(default_factory=BatchSection)
-    cpu: CpuSection = dataclasses.field(default_factory=CpuSection)
-    admin_token: str | None = dataclasses.field(default=None, repr=False)
-    api_key: str | None = dataclasses.field(default=None, repr=False)
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    server: ServerSection = Field(default_factory=ServerSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    pool: PoolSection = Field(default_factory=PoolSection)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    batch: BatchSection = Field(default_factory=BatchSection)
+    cpu: CpuSection = Field(default_factory=CpuSection)
+    admin_token: str | None = Field(default=None, repr=False)
+    api_key: str | None = Field(default=None, repr=False)
 
     def replace(self, **sections: Any) -> Settings:
-        """Return a copy with whole sections replaced (tests build variants this way)."""
-        return dataclasses.replace(self, **sections)
+        """Return a validated copy with whole sections replaced (tests build variants this way).
+
+        Raises:
+            ConfigError: A replaced section is invalid.
+        """
+        try:
+            return type(self).model_validate({**dict(self), **sections})
+        except ValidationError as exc:
+            raise _config_error(exc) from None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """CLI overrides > ``VELOXQUANT_*`` env > TOML file (first wins)."""
+        request = _LOADING.get()
+        if request is None:
+            return (init_settings,)
+        return (
+            init_settings,
+            SectionEnvSource(settings_cls, request.env),
+            SectionTomlSource(settings_cls, request.path),
+        )
 
 
-SECTIONS: dict[str, type] = {
-    "server": ServerSection,
-    "model": ModelSection,
-    "pool": PoolSection,
-    "limits": LimitsSection,
-    "sampling": SamplingSection,
-    "batch": BatchSection,
-    "cpu": CpuSection,
+SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation
+    for name, field in Settings.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)
 }
 
 
-def _field_types(section_cls: type) -> dict[str, type]:
-    # Annotations are strings under `from __future__ import annotations`.
-    names = {"int": int, "float": float, "bool": bool, "str": str}
-    return {f.name: names[str(f.type)] for f in dataclasses.fields(section_cls)}
+class SectionTomlSource(TomlConfigSettingsSource):
+    """The TOML file; only ``[section]`` tables are allowed at the top level."""
 
-
-def _coerce(key: str, value: Any, expected: type) -> Any:
-    """Check a TOML value's type; ints are accepted where floats are expected."""
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is int and isinstance(value, bool):
-        raise ConfigError(f"config key {key!r}: expected an integer, got a boolean")
-    if not isinstance(value, expected):
-        raise ConfigError(
-            f"config key {key!r}: expected {expected.__name__}, got "
-            f"{type(value).__name__} ({value!r})"
-        )
-    return value
-
-
-def _parse_env_value(key: str, raw: str, expected: type) -> Any:
-    """Parse an environment string into the knob's type, naming the key on failure."""
-    try:
-        if expected is bool:
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if expected is int:
-            return int(raw)
-        if expected is float:
-            return float(raw)
-    except ValueError:
-        raise ConfigError(
-            f"config key {key!r} (from env {ENV_PREFIX}{key.replace('.', '_').upper()}): "
-            f"{raw!r} is not a valid {expected.__name__}"
-        ) from None
-    return raw
-
-
-def _merge_file(raw: Mapping[str, Any], merged: dict[str, dict[str, Any]]) -> None:
-    for section, table in raw.items():
-        if section not in SECTIONS:
-            raise ConfigError(
-                f"config key {section!r}: unknown section (known: {', '.join(SECTIONS)})"
-            )
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"config key {section!r}: expected a table, got {table!r}")
-        types = _field_types(SECTIONS[section])
-        for key, value in table.items():
-            full = f"{section}.{key}"
-            if key not in types:
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | Traversable) -> None:
+        super().__init__(settings_cls, toml_file=path)
+        for key in self.toml_data:
+            if key in SECRET_ENV:
+                raise ConfigError(f"config key {key!r}: secrets are read from the environment "
+                                  f"only ({SECRET_ENV[key]}), never from a file")
+            if key not in SECTIONS:
                 raise ConfigError(
-                    f"config key {full!r}: unknown key (known in [{section}]: "
-                    f"{', '.join(types)})"
+                    f"config key {key!r}: unknown section (known: {', '.join(SECTIONS)})"
                 )
-            merged[section][key] = _coerce(full, value, types[key])
 
 
-def _merge_env(env: Mapping[str, str], merged: dict[str, dict[str, Any]]) -> None:
-    """Apply ``VELOXQUANT_<SECTION>_<KEY>`` overrides; unknown keys of a known section fail."""
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name in (ADMIN_TOKEN_ENV, API_KEY_ENV):
-            continue
+class SectionEnvSource(PydanticBaseSettingsSource):
+    """``VELOXQUANT_<SECTION>_<KEY>`` variables, plus the two secrets.
+
+    A single underscore joins section and key (the names the server has
+    always read), so the section is found by prefix rather than by a nested
+    delimiter. Values are parsed to the key's type here because the section
+    models are strict.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self.env = env
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        """Unused: :meth:`__call__` maps the whole environment at once."""
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        """The environment's values as ``{section: {key: value}}`` and secrets."""
+        out: dict[str, Any] = {}
+        for secret, env_name in SECRET_ENV.items():
+            value = self.env.get(env_name)
+            if value:
+                out[secret] = value
+        for name, raw in self.env.items():
+            found = self._section_key(name)
+            if found is not None:
+                section, key = found
+                out.setdefault(section, {})[key] = self._parse(name, section, key, raw)
+        return out
+
+    @staticmethod
+    def _section_key(name: str) -> tuple[str, str] | None:
+        if not name.startswith(ENV_PREFIX):
+            return None
         rest = name[len(ENV_PREFIX):].lower()
         section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
-            continue  # other VELOXQUANT_* variables belong to the library or tools
-        key = rest[len(section) + 1:]
-        types = _field_types(SECTIONS[section])
-        if key not in types:
+            return None  # other VELOXQUANT_* variables belong to the library or tools
+        return section, rest[len(section) + 1:]
+
+    @staticmethod
+    def _parse(name: str, section: str, key: str, raw: str) -> Any:
+        fields = SECTIONS[section].model_fields
+        if key not in fields:
             raise ConfigError(
                 f"config key '{section}.{key}' (from env {name}): unknown key "
-                f"(known in [{section}]: {', '.join(types)})"
+                f"(known in [{section}]: {', '.join(fields)})"
             )
-        merged[section][key] = _parse_env_value(f"{section}.{key}", raw, types[key])
+        try:
+            return TypeAdapter(fields[key].annotation).validate_python(raw, strict=False)
+        except ValidationError as exc:
+            raise ConfigError(
+                f"config key '{section}.{key}' (from env {name}): {raw!r}: "
+                f"{exc.errors()[0]['msg']}"
+            ) from None
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    """One pydantic error as ``config key 'pool.n_blocks': what is wrong``."""
+    loc = [str(part) for part in error["loc"]]
+    problem = error.get("ctx", {}).get("error")
+    if isinstance(problem, _FieldProblem):
+        return f"config key {'.'.join([*loc, problem.field])!r}: {problem}"
+    key = ".".join(loc)
+    if error["type"] == "extra_forbidden":
+        if len(loc) == 1:
+            return f"config key {key!r}: unknown section (known: {', '.join(SECTIONS)})"
+        known = ", ".join(SECTIONS[loc[0]].model_fields)
+        return f"config key {key!r}: unknown key (known in [{loc[0]}]: {known})"
+    return f"config key {key!r}: {error['msg']} (got {error['input']!r})"
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    return ConfigError("; ".join(_describe(error) for error in exc.errors()))
 
 
 def load_settings(
@@ -311,7 +344,8 @@ def load_settings(
     """Build the settings: file, then environment, then explicit overrides (CLI).
 
     Args:
-        config_path: TOML file; ``None`` reads ``config/default.toml``.
+        config_path: TOML file; ``None`` reads the packaged default
+            (:data:`DEFAULT_CONFIG_PATH`, same as ``config/default.toml``).
         overrides: ``{"server": {"port": 9000}}``-shaped values that win over
             file and environment (the CLI flags).
         env: Environment to read; ``None`` reads ``os.environ``.
@@ -323,24 +357,15 @@ def load_settings(
         ConfigError: A missing file, unknown key, wrong type or impossible
             value, with the key named in the message.
     """
-    env = os.environ if env is None else env
     path = Path(config_path) if config_path is not None else DEFAULT_CONFIG_PATH
-    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    token = _LOADING.set(_LoadRequest(path, os.environ if env is None else env))
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        return Settings(**{name: dict(values) for name, values in (overrides or {}).items()})
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-    _merge_file(raw, merged)
-    _merge_env(env, merged)
-    for section, values in (overrides or {}).items():
-        types = _field_types(SECTIONS[section])
-        for key, value in values.items():
-            merged[section][key] = _coerce(f"{section}.{key}", value, types[key])
-    sections = {name: SECTIONS[name](**values) for name, values in merged.items()}
-    return Settings(
-        **sections,
-        admin_token=env.get(ADMIN_TOKEN_ENV) or None,
-        api_key=env.get(API_KEY_ENV) or None,
-    )
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+    finally:
+        _LOADING.reset(token)

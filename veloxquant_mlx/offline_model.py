@@ -39,8 +39,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "models"
-"""Where :func:`ensure_model` builds by default: ``models/`` at the repository root."""
+from veloxquant_mlx.paths import models_dir
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -311,7 +310,9 @@ def ensure_model(
     Args:
         preset: ``"tiny"`` (a few MB, for tests) or ``"small"`` (~57 M
             parameters, for benchmarks).
-        root: Folder holding the models; defaults to :data:`DEFAULT_ROOT`.
+        root: Folder holding the models; defaults to
+            :func:`veloxquant_mlx.paths.models_dir` (``VELOXQUANT_HOME`` or the
+            user cache), never the installed package.
         seed: Seed for the random weights.
         force: Rebuild even when a current folder exists.
 
@@ -322,7 +323,7 @@ def ensure_model(
         ValueError: For an unknown preset.
     """
     spec = _preset(preset)
-    root = Path(root) if root is not None else DEFAULT_ROOT
+    root = Path(root) if root is not None else models_dir()
     target = root / spec.name
     if not force and _is_current(target, spec, seed):
         return target

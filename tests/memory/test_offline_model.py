@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import platformdirs
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
@@ -23,6 +24,7 @@ from veloxquant_mlx.offline_model import (
     ensure_model,
     fingerprint,
 )
+from veloxquant_mlx.paths import models_dir
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = {
@@ -31,10 +33,18 @@ FILES = {
 }
 
 
-def test_default_root_is_models_at_the_repo_root(tiny_model_path):
-    assert offline_model.DEFAULT_ROOT == REPO / "models"
-    assert tiny_model_path == REPO / "models" / "tiny"
+def test_default_root_is_the_models_dir_outside_the_source_tree(tiny_model_path):
+    assert tiny_model_path == models_dir() / "tiny"
+    assert REPO not in tiny_model_path.parents
+    assert Path(offline_model.__file__).parent.parent not in tiny_model_path.parents
     assert FILES <= {p.name for p in tiny_model_path.iterdir()}
+
+
+def test_models_dir_follows_veloxquant_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VELOXQUANT_HOME", str(tmp_path / "home"))
+    assert models_dir() == tmp_path / "home" / "models"
+    monkeypatch.delenv("VELOXQUANT_HOME")
+    assert models_dir() == Path(platformdirs.user_cache_dir("veloxquant-mlx")) / "models"
 
 
 def test_tiny_config_is_a_small_gqa_llama_in_float32(tiny_model_path, tiny_model):

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from server.__main__ import parse_args, settings_from_args
-from server.settings import DEFAULT_CONFIG_PATH, ConfigError, Settings, load_settings
+from server.settings import (
+    DEFAULT_CONFIG_PATH,
+    MODEL_PRESETS,
+    SECTIONS,
+    ConfigError,
+    Settings,
+    load_settings,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,13 +30,17 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_default_file_has_every_knob_and_loads_to_defaults():
     settings = load_settings(env={})
-    assert settings == Settings()  # the file documents exactly the dataclass defaults
+    assert settings == Settings()  # the file documents exactly the model defaults
     text = DEFAULT_CONFIG_PATH.read_text()
-    for section in ("server", "model", "pool", "limits", "sampling", "cpu"):
-        fields = dataclasses.fields(getattr(settings, section))
-        for f in fields:
-            assert f"\n{f.name} =" in text, f"{section}.{f.name} missing from default.toml"
+    for section in ("server", "model", "pool", "limits", "sampling", "batch", "cpu"):
+        for name in SECTIONS[section].model_fields:
+            assert f"\n{name} =" in text, f"{section}.{name} missing from default.toml"
 
+
+def test_packaged_default_is_the_documented_copy():
+    documented = (REPO / "config" / "default.toml").read_bytes()
+    assert DEFAULT_CONFIG_PATH.read_bytes() == documented
+    assert "server" in Path(str(DEFAULT_CONFIG_PATH)).parts  # package data, not the repo
 
 @pytest.mark.parametrize(
     ("toml", "key"),
@@ -46,6 +57,9 @@ def test_default_file_has_every_knob_and_loads_to_defaults():
         ("[sampling]\ntop_p = 0\n", "sampling.top_p"),
         ("[model]\ndtype = \"int3\"\n", "model.dtype"),
         ("[limits]\nqueue_timeout_s = 0\n", "limits.queue_timeout_s"),
+        ("[model]\nmax_dequantized_bytes = -1\n", "model.max_dequantized_bytes"),
+        ("[model]\npreset = \"huge\"\n", "model.preset"),
+        ("api_key = \"in-a-file\"\n", "api_key"),  # secrets come from the env only
     ],
 )
 def test_bad_config_names_the_key(tmp_path, toml, key):
@@ -79,6 +93,46 @@ def test_bad_env_names_the_key(env, key):
     assert key in str(info.value)
 
 
+def test_every_key_reads_its_single_underscore_env_name():
+    env = {"VELOXQUANT_MODEL_MAX_DEQUANTIZED_BYTES": "1048576", "VELOXQUANT_MODEL_PRESET": "tiny",
+           "VELOXQUANT_POOL_N_BLOCKS": "100", "VELOXQUANT_SERVER_LOG_LEVEL": "debug",
+           "VELOXQUANT_SAMPLING_TOP_P": "0.5", "VELOXQUANT_SERVER_REQUEST_LOG": "off"}
+    settings = load_settings(env=env)
+    assert (settings.model.max_dequantized_bytes, settings.model.preset) == (1048576, "tiny")
+    assert (settings.pool.n_blocks, settings.server.log_level) == (100, "debug")
+    assert (settings.sampling.top_p, settings.server.request_log) == (0.5, False)
+
+
+def test_sources_merge_per_key(tmp_path):
+    """A section set in several places keeps each key from its highest source."""
+    path = write(tmp_path, "[pool]\nblock_size = 8\nn_blocks = 10\nseparate_kv = true\n")
+    settings = load_settings(path, env={"VELOXQUANT_POOL_N_BLOCKS": "20"},
+                             overrides={"pool": {"separate_kv": False}})
+    assert (settings.pool.block_size, settings.pool.n_blocks, settings.pool.separate_kv) == (
+        8, 20, False)
+
+
+def test_process_env_is_read_only_by_load_settings(monkeypatch):
+    monkeypatch.setenv("VELOXQUANT_SERVER_PORT", "9100")
+    assert load_settings().server.port == 9100
+    assert Settings().server.port == 8000  # a bare Settings() is the documented defaults
+
+
+def test_presets_and_new_model_keys():
+    assert MODEL_PRESETS == ("smollm2", "tiny", "small")
+    assert Settings().model.preset == "smollm2"
+    assert Settings().model.max_dequantized_bytes == 0
+    for preset in MODEL_PRESETS:
+        assert load_settings(env={}, overrides={"model": {"preset": preset}}).model.preset == preset
+
+
+def test_replace_validates_and_names_the_key():
+    settings = Settings().replace(pool={"n_blocks": 64})
+    assert settings.pool.n_blocks == 64 and settings.server == Settings().server
+    with pytest.raises(ConfigError, match="'pool.max_blocks'"):
+        Settings().replace(pool={"n_blocks": 64, "max_blocks": 8})
+
+
 def test_unrelated_env_vars_are_ignored():
     settings = load_settings(env={"VELOXQUANT_BLAS_PRELOADED": "/x", "VELOXQUANT_NO_BLAS": "1"})
     assert settings == Settings()
@@ -88,9 +142,9 @@ def test_secrets_come_from_env_and_stay_out_of_repr():
     settings = load_settings(env={"VELOXQUANT_ADMIN_TOKEN": "s3cret", "VELOXQUANT_API_KEY": "k"})
     assert settings.admin_token == "s3cret" and settings.api_key == "k"
     assert "s3cret" not in repr(settings)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         settings.admin_token = "other"  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(ValidationError, match="frozen"):
         settings.pool.n_blocks = 1  # type: ignore[misc]
 
 

@@ -1,5 +1,11 @@
 """Block-pool memory for KV caches.
 
+``PooledKVCache`` wraps one of VeloxQuant's own compressing caches
+(``veloxquant_mlx.cache``) and only accounts its appends in the pool, while
+``PoolBackedKVCache`` is a drop-in for mlx-lm's plain ``KVCache`` (pass it to
+``mlx_lm.generate``) that keeps uncompressed keys and values and draws its
+growth from the pool (``PoolBackedBatchKVCache`` is its batched form).
+
 The bookkeeping half (``PoolConfig``, ``Block``, ``AllocationStats``,
 ``BlockPoolAllocator``) is plain Python and imports without MLX. The
 MLX-backed pieces load on first use, so ``import veloxquant_mlx.memory``

@@ -43,20 +43,20 @@ from mlx_lm.models import cache as _mlx_cache
 from veloxquant_mlx.exceptions import VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.leases import OwnerLease, lease_for, release_lease
+from veloxquant_mlx.memory.pool_kv_common import (
+    DEFAULT_BUFFER_STEP,
+    ContiguousKVBuffer,
+    allocate_kv,
+    check_positive,
+    format_of,
+    free_past,
+    mark_used,
+    require_plain_kv_model,
+    tokens_to_grow,
+)
 
-DEFAULT_BUFFER_STEP = 256
-"""Buffer growth chunk in tokens; mlx-lm's stock ``KVCache.step``."""
 
-_FORMAT_OF_DTYPE = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
-
-
-def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-class PoolBackedKVCache(_mlx_cache._BaseCache):
+class PoolBackedKVCache(ContiguousKVBuffer):
     """mlx-lm ``KVCache`` replacement that accounts its memory in a block pool.
 
     Returns bit-for-bit what the stock ``KVCache`` returns for the same calls.
@@ -89,7 +89,7 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         buffer_step: int = DEFAULT_BUFFER_STEP,
     ) -> None:
         self._detach()
-        self.buffer_step = _check_positive("buffer_step", buffer_step)
+        self.buffer_step = check_positive("buffer_step", buffer_step)
         self.attach(pool, owner, step=step)
 
     def _detach(self) -> None:
@@ -127,7 +127,7 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
                 "this PoolBackedKVCache is already attached to a pool; "
                 "build a new cache for another request"
             )
-        self.step = _check_positive("step", step if step is not None else pool.config.block_size)
+        self.step = check_positive("step", step if step is not None else pool.config.block_size)
         self.pool = pool
         self.owner = owner
         self._block_size = pool.config.block_size
@@ -162,41 +162,16 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         if end > len(self._k_blocks) * bs:
             self._grow_to(end, self.keys.dtype if self.keys is not None else mx.float16)
         else:
-            keep = -(-end // bs)
-            if keep < len(self._k_blocks):
-                surplus = self._k_blocks[keep:] + self._v_blocks[keep:]
-                del self._k_blocks[keep:], self._v_blocks[keep:]
-                self.pool.free(surplus)
-        self._mark_used(0, end)
+            free_past(self.pool, self._k_blocks, self._v_blocks, -(-end // bs))
+        mark_used(self._k_blocks, self._v_blocks, 0, end, bs)
 
     def _grow_to(self, end: int, dtype: mx.Dtype) -> None:
         """Allocate whole ``step`` chunks until the held blocks cover ``end`` tokens."""
         held = len(self._k_blocks) * self._block_size
-        n_tokens = -(-(end - held) // self.step) * self.step
-        self._grow_blocks(n_tokens, _FORMAT_OF_DTYPE.get(dtype, str(dtype)))
-
-    def _grow_blocks(self, n_tokens: int, fmt: str) -> None:
-        pool, owner = self.pool, self.owner
-        k_new = pool.allocate("k", n_tokens, owner, format=fmt)
-        try:
-            v_new = pool.allocate("v", n_tokens, owner, format=fmt)
-        except BaseException:
-            pool.free(k_new)  # all-or-nothing across the two streams
-            raise
+        k_new, v_new = allocate_kv(self.pool, self.owner, tokens_to_grow(end, held, self.step),
+                                   format_of(dtype))
         self._k_blocks.extend(k_new)
         self._v_blocks.extend(v_new)
-
-    def _mark_used(self, start: int, end: int) -> None:
-        """Set ``n_used`` of every held block from the one holding ``start`` on."""
-        bs = self._block_size
-        for i in range(start // bs, len(self._k_blocks)):
-            used = min(max(end - i * bs, 0), bs)
-            kb, vb = self._k_blocks[i], self._v_blocks[i]
-            # Only write on change: the setter takes the pool's lock.
-            if kb.n_used != used:
-                kb.n_used = used
-            if vb.n_used != used:
-                vb.n_used = used
 
     def release(self) -> None:
         """Return every block of this cache's owner to the pool.
@@ -238,11 +213,8 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
         k_blocks = self._k_blocks
         if end > len(k_blocks) * bs:
             self._grow_to(end, keys.dtype)
-        if self.keys is None or end > self.keys.shape[2]:
-            self._grow_buffer(prev, keys, values)
+        self._write_columns(prev, end, keys, values, self.buffer_step)
         self.offset = end
-        self.keys[..., prev:end, :] = keys
-        self.values[..., prev:end, :] = values
         last = (end - 1) // bs
         if prev // bs == last and last + 1 == len(k_blocks):
             # Decode fast path: only the last held block changes.
@@ -250,24 +222,8 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
             k_blocks[last].n_used = used
             self._v_blocks[last].n_used = used
         else:
-            self._mark_used(prev, end)
+            mark_used(k_blocks, self._v_blocks, prev // bs, end, bs)
         return self.keys_and_values()
-
-    def _grow_buffer(self, prev: int, keys: mx.array, values: mx.array) -> None:
-        """Extend the buffers by whole ``buffer_step`` chunks covering the new tokens."""
-        batch, heads, n, k_dim = keys.shape
-        extra = -(-n // self.buffer_step) * self.buffer_step
-        new_k = mx.zeros((batch, heads, extra, k_dim), keys.dtype)
-        new_v = mx.zeros((batch, heads, extra, values.shape[3]), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-            return
-        if prev < self.keys.shape[2]:
-            # Drop stale rows past offset first (after a trim): never carry them.
-            self.keys = self.keys[..., :prev, :]
-            self.values = self.values[..., :prev, :]
-        self.keys = mx.concatenate([self.keys, new_k], axis=2)
-        self.values = mx.concatenate([self.values, new_v], axis=2)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """The live keys and values, ``[..., :offset, :]`` of the buffers."""
@@ -302,7 +258,7 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
     def meta_state(self, v) -> None:
         step, buffer_step = (int(x) for x in v)
         self.step = step or None
-        self.buffer_step = _check_positive("buffer_step", buffer_step)
+        self.buffer_step = check_positive("buffer_step", buffer_step)
 
     @classmethod
     def from_state(cls, state, meta_state=None) -> PoolBackedKVCache:
@@ -316,10 +272,6 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
             obj.meta_state = meta_state
         obj.state = state
         return obj
-
-    def is_trimmable(self) -> bool:
-        """Always True: trimming only moves ``offset`` back."""
-        return True
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (at most ``offset``); frees surplus blocks.
@@ -338,17 +290,6 @@ class PoolBackedKVCache(_mlx_cache._BaseCache):
     def size(self) -> int:
         """Tokens in the cache."""
         return self.offset
-
-    def empty(self) -> bool:
-        """True until the first ``update_and_fetch`` (or a state with arrays)."""
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the key and value buffers (live rows plus growth room)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
     def make_mask(self, *args, **kwargs):
         """The attention mask for the next ``N`` tokens, as the stock cache makes it."""
@@ -407,14 +348,8 @@ def build_pooled_caches(
             than a plain ``KVCache`` for some layer (sliding-window, SSM, ...);
             the message names the first such layer and its cache type.
     """
-    if hasattr(model, "make_cache"):
-        for index, stock in enumerate(model.make_cache()):
-            if type(stock) is not _mlx_cache.KVCache:
-                raise ValueError(
-                    f"layer {index} of this model needs a {type(stock).__name__}, which "
-                    "PoolBackedKVCache cannot replace; use mlx_lm's make_prompt_cache(model) "
-                    "for this model"
-                )
+    require_plain_kv_model(model, "PoolBackedKVCache",
+                           "use mlx_lm's make_prompt_cache(model) for this model")
     return [PoolBackedKVCache(pool, owner, step) for _ in range(len(model.layers))]
 
 

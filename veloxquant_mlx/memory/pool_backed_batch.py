@@ -40,9 +40,18 @@ from mlx_lm.models.base import create_causal_mask
 
 from veloxquant_mlx.exceptions import VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.memory.pool_backed import DEFAULT_BUFFER_STEP, PoolBackedKVCache
-
-_FORMAT_OF_DTYPE = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+from veloxquant_mlx.memory.pool_backed import PoolBackedKVCache
+from veloxquant_mlx.memory.pool_kv_common import (
+    DEFAULT_BUFFER_STEP,
+    ContiguousKVBuffer,
+    allocate_kv,
+    check_positive,
+    format_of,
+    free_past,
+    mark_used,
+    require_plain_kv_model,
+    tokens_to_grow,
+)
 
 
 @dataclass(slots=True)
@@ -59,7 +68,7 @@ class RowBlocks:
     v: list[Block] = field(default_factory=list)
 
 
-class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
+class PoolBackedBatchKVCache(ContiguousKVBuffer):
     """mlx-lm ``BatchKVCache`` whose rows account their tokens in a shared pool.
 
     Args:
@@ -87,11 +96,8 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
         pads = [0] * len(owners) if left_padding is None else [int(p) for p in left_padding]
         if len(pads) != len(owners):
             raise ValueError(f"left_padding has {len(pads)} entries for {len(owners)} owners")
-        grow = pool.config.block_size if step is None else step
-        if isinstance(grow, bool) or not isinstance(grow, int) or grow < 1:
-            raise ValueError(f"step must be a positive int, got {grow!r}")
         self.pool = pool
-        self.grow_step = grow
+        self.grow_step = check_positive("step", pool.config.block_size if step is None else step)
         self._bs = pool.config.block_size
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -122,27 +128,21 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
                 this call are returned and no row changes.
         """
         bs, pool = self._bs, self.pool
-        fmt = _FORMAT_OF_DTYPE.get(dtype, str(dtype))
+        fmt = format_of(dtype)
         taken: list[tuple[RowBlocks, int]] = []
         try:
             for i, row in enumerate(self.rows):
                 need = self.real_tokens(i)
                 held = len(row.k) * bs
                 if need > held:
-                    n = -(-(need - held) // self.grow_step) * self.grow_step
-                    k_new = pool.allocate("k", n, row.owner, format=fmt)
-                    try:
-                        v_new = pool.allocate("v", n, row.owner, format=fmt)
-                    except BaseException:
-                        pool.free(k_new)
-                        raise
+                    k_new, v_new = allocate_kv(pool, row.owner,
+                                               tokens_to_grow(need, held, self.grow_step), fmt)
                     taken.append((row, len(row.k)))
                     row.k.extend(k_new)
                     row.v.extend(v_new)
         except BaseException:
             for row, keep in taken:
-                pool.free(row.k[keep:] + row.v[keep:])
-                del row.k[keep:], row.v[keep:]
+                free_past(pool, row.k, row.v, keep)
             raise
         for i, row in enumerate(self.rows):
             self._settle(row, self.real_tokens(i))
@@ -150,20 +150,10 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
     def _settle(self, row: RowBlocks, tokens: int) -> None:
         """Free whole blocks past ``tokens`` and set ``n_used`` of the changed blocks."""
         bs = self._bs
-        keep = -(-tokens // bs)
-        if tokens < row.tokens and keep < len(row.k):
+        if tokens < row.tokens:
             # Shrunk (trim): give back every block past the real tokens.
-            self.pool.free(row.k[keep:] + row.v[keep:])
-            del row.k[keep:], row.v[keep:]
-        start = min(row.tokens, tokens) // bs
-        for b in range(start, len(row.k)):
-            used = min(max(tokens - b * bs, 0), bs)
-            kb, vb = row.k[b], row.v[b]
-            # Only write on change: the setter takes the pool's lock.
-            if kb.n_used != used:
-                kb.n_used = used
-            if vb.n_used != used:
-                vb.n_used = used
+            free_past(self.pool, row.k, row.v, -(-tokens // bs))
+        mark_used(row.k, row.v, min(row.tokens, tokens) // bs, tokens, bs)
         row.tokens = tokens
 
     def _free_rows(self, rows: Sequence[RowBlocks]) -> None:
@@ -196,25 +186,9 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
         except BaseException:
             self._idx = prev
             raise
-        if self.keys is None or self._idx > self.keys.shape[2]:
-            self._grow_buffer(prev, keys, values)
+        self._write_columns(prev, self._idx, keys, values, self.step)
         self.offset = self.offset + n
-        self.keys[..., prev: self._idx, :] = keys
-        self.values[..., prev: self._idx, :] = values
         return self.keys_and_values()
-
-    def _grow_buffer(self, prev: int, keys: mx.array, values: mx.array) -> None:
-        batch, heads, n, k_dim = keys.shape
-        extra = -(-n // self.step) * self.step
-        new_k = mx.zeros((batch, heads, extra, k_dim), keys.dtype)
-        new_v = mx.zeros((batch, heads, extra, values.shape[3]), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-            return
-        if prev < self.keys.shape[2]:
-            self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-        self.keys = mx.concatenate([self.keys, new_k], axis=2)
-        self.values = mx.concatenate([self.values, new_v], axis=2)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """Every written column of every row (padding included)."""
@@ -380,10 +354,6 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
             "PoolBackedBatchKVCache state cannot be set; build rows with make_batch_caches() "
             "and join them with extend()")
 
-    def is_trimmable(self) -> bool:
-        """Always True: trimming moves every row's end back."""
-        return True
-
     def trim(self, n: int) -> int:
         """Forget the last ``n`` columns of every row; frees the blocks no row needs."""
         n = min(self._idx, n)
@@ -396,17 +366,6 @@ class PoolBackedBatchKVCache(_mlx_cache._BaseCache):
     def size(self) -> int:
         """Columns written (the longest row plus its padding)."""
         return self._idx
-
-    def empty(self) -> bool:
-        """True until the first ``update_and_fetch``."""
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the key and value buffers (padding and growth room included)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -434,13 +393,8 @@ def make_batch_caches(
     Raises:
         ValueError: The model needs a cache other than a plain ``KVCache`` in some layer.
     """
-    if hasattr(model, "make_cache"):
-        for index, stock in enumerate(model.make_cache()):
-            if type(stock) is not _mlx_cache.KVCache:
-                raise ValueError(
-                    f"layer {index} of this model needs a {type(stock).__name__}, which "
-                    "PoolBackedBatchKVCache cannot replace; this model cannot be batched "
-                    "on the pool")
+    require_plain_kv_model(model, "PoolBackedBatchKVCache",
+                           "this model cannot be batched on the pool")
     rows = [owners] if isinstance(owners, int) else list(owners)
     return [PoolBackedBatchKVCache(pool, rows, left_padding, step)
             for _ in range(len(model.layers))]

@@ -1,0 +1,303 @@
+"""The real default model (SmolLM2-135M-Instruct) served three ways, side by side.
+
+- ours: ``python -m server --model smollm2`` (the GGUF converted once, then on
+  CPU dequantized to float32 by ``model.dtype = "auto"``);
+- llama.cpp's ``llama-server`` on the very same GGUF (built by
+  ``../shared/peers/build_llama_server.sh``, started by ``serve_llama_server.sh``:
+  2 threads, 16 continuous-batching slots);
+- ``mlx_lm.server`` on our MLX conversion of the GGUF (4-bit weights as stored:
+  mlx-lm cannot read GGUF itself).
+
+Same load shape as ``benchmark_server.py``: streaming completions of ~64-token
+prompts cut from the offline corpus, 64 new tokens, greedy, at each
+concurrency level, in rounds where the servers take turns going first and no
+server sees a prompt twice. ``mlx_lm.server`` runs fewer requests per level
+(``--peer-requests``): on quantized CPU weights it is ~20x slower, and its
+figures are rates, so fewer requests change their noise, not their meaning.
+
+Then ``profile_decode`` times where a decode step goes on our model (model
+forward, its matmuls alone, attention alone, sampling) at batch 1 and 16, so
+the next speed step is chosen from data.
+
+Usage::
+
+    .venv/bin/python benchmark_scripts/benchmark_real_model.py [--concurrency 1 16]
+
+Writes ``figures/real_model/results.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_server import (  # noqa: E402
+    Running,
+    free_port,
+    git_revision,
+    make_prompts,
+    peak_rss_mb,
+    process_cpu_s,
+    stop_server,
+    wait_up,
+)
+from server_load import run_requests, summarize  # noqa: E402
+
+from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers"
+DEFAULT_OUT = ROOT / "figures" / "real_model" / "results.json"
+OURS, LLAMA, MLX_LM = "veloxquant", "llama-server", "mlx_lm.server"
+# Ours over each peer: tok/s at least this (issue 11).
+TARGETS = {LLAMA: {"c16": 0.8, "c1": 0.2}, MLX_LM: {"c16": 5.0, "c1": 5.0}}
+
+
+def llama_server_binary(explicit: str | None) -> str:
+    """The llama-server binary: given, or built (once, cached) by the peers script."""
+    if explicit:
+        return explicit
+    out = subprocess.run(["bash", str(PEERS / "build_llama_server.sh")], check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def commands(gguf: Path, folder: Path, port: int, llama_bin: str) -> dict[str, list[str]]:
+    """The command line that starts each server on ``port``."""
+    py = sys.executable
+    return {
+        OURS: [py, "-m", "server", "--model", "smollm2", "--port", str(port),
+               "--log-level", "warning"],
+        LLAMA: ["bash", str(PEERS / "serve_llama_server.sh"), str(port), str(gguf),
+                "--log-disable"],
+        MLX_LM: [py, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
+                 "--log-level", "WARNING"],
+    }
+
+
+def start(name: str, gguf: Path, folder: Path, env: dict[str, str], llama_bin: str) -> Running:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
+    log_file = log_path.open("w")
+    proc_env = {**env, "LLAMA_SERVER": llama_bin}
+    proc = subprocess.Popen(commands(gguf, folder, port, llama_bin)[name], cwd=ROOT,
+                            env=proc_env, stdout=log_file, stderr=log_file, text=True)
+    wait_up(base, proc, timeout=300)
+    # mlx_lm.server treats an unknown model id as a hub id: name its own folder.
+    model_id = str(folder) if name == MLX_LM else "smollm2"
+    if name == OURS:
+        import httpx
+
+        model_id = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    return Running(name, proc, base, model_id, log_path, log_file)
+
+
+def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namespace) -> dict:
+    """Each level in ``args.rounds`` rounds; the first server rotates every round."""
+    out: dict[str, list[dict]] = {s.name: [] for s in servers}
+    offset = 0
+    for c in args.concurrency:
+        got: dict[str, list] = {s.name: [] for s in servers}
+        wall = dict.fromkeys(got, 0.0)
+        cpu = dict.fromkeys(got, 0.0)
+        for rnd in range(args.rounds):
+            k = rnd % len(servers)
+            for s in servers[k:] + servers[:k]:
+                n = max(args.peer_requests, c) if s.name == MLX_LM else args.requests
+                batch = prompts[offset: offset + n]
+                offset += n
+                cpu0 = process_cpu_s(s.proc.pid)
+                results, seconds = asyncio.run(run_requests(
+                    s.base, s.model_id, batch, c, n, args.max_tokens, args.time_limit))
+                cpu[s.name] += process_cpu_s(s.proc.pid) - cpu0
+                got[s.name] += results
+                wall[s.name] += seconds
+        for s in servers:
+            level = summarize(c, got[s.name], wall[s.name]).as_dict()
+            level["server_cpu_ms_per_token"] = round(
+                1000 * cpu[s.name] / max(level["generated_tokens"], 1), 2)
+            out[s.name].append(level)
+            print(f"  {s.name:14s} c={c:<3d} {level['tok_per_s']:8.1f} tok/s "
+                  f"ttft p50 {level['ttft_p50_s']}s p99 {level['ttft_p99_s']}s "
+                  f"errors {level['errors']} {level['error_samples'][:1]}", flush=True)
+    return out
+
+
+def ratios_over(ours: dict, peer: dict) -> dict:
+    """Ours over a peer per level: tok/s (higher is better) and TTFT (lower is better)."""
+    out = {}
+    for a, b in zip(ours, peer, strict=True):
+        def ratio(key, a=a, b=b):
+            return round(a[key] / b[key], 3) if a[key] and b[key] else None
+        out[f"c{a['concurrency']}"] = {"tok_per_s": ratio("tok_per_s"),
+                                       "ttft_p50": ratio("ttft_p50_s"),
+                                       "ttft_p99": ratio("ttft_p99_s")}
+    return out
+
+
+def targets(ratios: dict) -> dict:
+    """Each tok/s target with the measured ratio and whether it was met."""
+    out = {}
+    for peer, levels in TARGETS.items():
+        for level, minimum in levels.items():
+            value = ratios[peer].get(level, {}).get("tok_per_s")
+            out[f"{level}_tok_per_s_over_{peer}_min"] = {
+                "target": minimum, "measured": value,
+                "met": None if value is None else value >= minimum}
+    return out
+
+
+_PROFILE = r"""
+import json, sys, time
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from server.model_loader import load_model
+from server.settings import load_settings
+
+loaded = load_model(load_settings(None, overrides={"model": {"path": "smollm2"}}, env={}).model)
+model = loaded.model
+args = model.args
+n_ctx, reps = int(sys.argv[1]), 20
+heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+head_dim = args.hidden_size // heads
+
+def timed(fn):
+    mx.eval(fn())
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    return 1000 * (time.perf_counter() - t0) / reps
+
+rows = {}
+for batch in (1, 16):
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, args.vocab_size, (batch, n_ctx))
+    mx.eval(model(prompt, cache=cache))
+    token = mx.random.randint(0, args.vocab_size, (batch, 1))
+    def step():
+        out = model(token, cache=cache)
+        for c in cache:  # keep the context length fixed across repetitions
+            c.offset -= 1
+        return out
+    weights = [m.weight for _, m in model.named_modules() if type(m).__name__ == "Linear"]
+    if args.tie_word_embeddings:  # the LM head is the embedding matrix
+        weights.append(model.model.embed_tokens.weight)
+    inputs = {w.shape[1]: mx.random.normal((batch, w.shape[1])) for w in weights}
+    def matmuls():
+        return [inputs[w.shape[1]] @ w.T for w in weights]
+    q = mx.random.normal((batch, heads, 1, head_dim))
+    k = mx.random.normal((batch, kv_heads, n_ctx, head_dim))
+    def attention():
+        return [mx.fast.scaled_dot_product_attention(q, k, k, scale=head_dim ** -0.5)
+                for _ in range(args.num_hidden_layers)]
+    logits = mx.random.normal((batch, args.vocab_size))
+    def sampling():
+        return mx.random.categorical(logits * 1.25)
+    rows[f"batch_{batch}"] = {"model_step_ms": round(timed(step), 2),
+                              "matmuls_ms": round(timed(matmuls), 2),
+                              "attention_ms": round(timed(attention), 2),
+                              "sampling_ms": round(timed(sampling), 2)}
+print(json.dumps({"context_tokens": n_ctx, "weights": loaded.weights, "ms_per_step": rows}))
+"""
+
+
+def profile_decode(env: dict[str, str], n_ctx: int) -> dict:
+    """Time one decode step and its parts on our model, in a child process."""
+    out = subprocess.run([sys.executable, "-c", _PROFILE, str(n_ctx)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def where_time_goes(profile: dict, ours_levels: list[dict]) -> dict:
+    """Per generated token: the model step vs what the server adds (Python, HTTP)."""
+    out = {}
+    for level in ours_levels:
+        c = level["concurrency"]
+        row = profile["ms_per_step"].get(f"batch_{16 if c >= 16 else 1}")
+        if not row or not level["tok_per_s"]:
+            continue
+        per_step_served = 1000 * min(c, 16) / level["tok_per_s"]
+        out[f"c{c}"] = {"served_ms_per_step": round(per_step_served, 2),
+                        "model_step_ms": row["model_step_ms"],
+                        "outside_model_ms": round(per_step_served - row["model_step_ms"], 2)}
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--requests", type=int, default=32, help="requests per level and round")
+    p.add_argument("--peer-requests", type=int, default=4,
+                   help="mlx_lm.server's requests per level and round (at least c)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--time-limit", type=float, default=240.0)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--llama-server", help="llama-server binary (default: build/find it)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    from veloxquant_mlx.gguf import convert_gguf, smollm2_gguf_path
+    from veloxquant_mlx.paths import models_dir
+
+    gguf = smollm2_gguf_path()
+    folder = convert_gguf(gguf, models_dir())
+    llama_bin = llama_server_binary(args.llama_server)
+    env = child_env(preload=True)
+    env["PYTHONPATH"] = str(ROOT)
+    n_prompts = sum(args.requests * 2 + max(args.peer_requests, c) for c in args.concurrency)
+    prompts = make_prompts(folder, n_prompts * args.rounds + 2, args.prompt_tokens)
+    servers: list[Running] = []
+    try:
+        for name in (OURS, LLAMA, MLX_LM):
+            servers.append(start(name, gguf, folder, env, llama_bin))
+        for s in servers:  # warm-up, not measured
+            asyncio.run(run_requests(s.base, s.model_id, prompts[-2:], 1, 2, 8, 120))
+        levels = run_levels(servers, prompts[:-2], args)
+        rss = {s.name: peak_rss_mb(s.proc.pid) for s in servers}
+    finally:
+        logs = {s.name: stop_server(s) for s in servers}
+    ratios = {peer: ratios_over(levels[OURS], levels[peer]) for peer in (LLAMA, MLX_LM)}
+    profile = profile_decode(env, args.prompt_tokens + args.max_tokens // 2)
+    result = {
+        "benchmark": "benchmark_scripts/benchmark_real_model.py",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "revision": git_revision(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "model": {"gguf": gguf.name, "mlx_folder_for_mlx_lm": folder.name},
+        "load": {"prompt_tokens_target": args.prompt_tokens, "max_tokens": args.max_tokens,
+                 "temperature": 0.0, "streaming": True, "concurrency": args.concurrency,
+                 "requests_per_level_per_round": args.requests,
+                 "mlx_lm_requests_per_level_per_round": f"max({args.peer_requests}, c)",
+                 "rounds": args.rounds, "order": "first server rotates each round"},
+        "servers": {s.name: {"levels": levels[s.name], "peak_rss_mib": rss[s.name],
+                             "log_tail": logs[s.name][-600:]} for s in servers},
+        "ratios_ours_over": ratios,
+        "targets": targets(ratios),
+        "decode_profile": profile,
+        "where_time_goes": where_time_goes(profile, levels[OURS]),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"ratios_ours_over": ratios, "targets": result["targets"],
+                      "decode_profile": profile, "where_time_goes": result["where_time_goes"]},
+                     indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

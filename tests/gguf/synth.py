@@ -1,0 +1,175 @@
+"""Build tiny synthetic GGUF files with the ``gguf`` package (llama.cpp's own writer).
+
+The weights are random and written as they would be *stored* in a GGUF file
+(q/k rows already in llama.cpp's interleaved-RoPE order), so the reference
+forward in :mod:`tests.gguf.reference` can run them with llama.cpp semantics
+without knowing anything about the converter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.quants import quantize
+from tokenizers import pre_tokenizers
+
+Q = gguf.GGMLQuantizationType
+
+HIDDEN, FFN, N_LAYERS, N_HEAD, N_HEAD_KV = 64, 128, 2, 4, 2
+HEAD_DIM = HIDDEN // N_HEAD
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+USER_DEFINED = ["<tool>"]
+# Merges over the byte-level alphabet ("Ġ" is the byte-level space).
+MERGES = [
+    "h e", "l l", "o Ġ", "Ġ t", "Ġt he", "i n", "e r", "Ġ w", "o r", "he ll",
+    "hell o", "Ġw or", "Ġwor l", "Ġworl d", "a t", "Ġ a", "o n", "r e", "Ġ i", "Ġi n",
+]  # fmt: skip
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """Tokens, llama.cpp token types and merges of the small test vocabulary."""
+    tokens = list(SPECIALS) + sorted(pre_tokenizers.ByteLevel.alphabet())
+    for merge in MERGES:
+        left, right = merge.split(" ")
+        assert left in tokens and right in tokens, merge
+        tokens.append(left + right)
+    tokens += USER_DEFINED
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS) - 1) + [4]
+    return tokens, types, list(MERGES)
+
+
+@dataclass
+class Spec:
+    """What to write: the default type of matrices, per-tensor overrides, layout."""
+
+    default_type: str = "F32"
+    overrides: dict[str, str] = field(default_factory=dict)
+    arch: str = "llama"
+    tied: bool = True
+    tokenizer_model: str = "gpt2"
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, type_name: str) -> None:
+    """Write ``data`` (float32) as ggml type ``type_name``."""
+    if type_name == "F32":
+        writer.add_tensor(name, data.astype(np.float32))
+    elif type_name == "F16":
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        writer.add_tensor(name, quantize(data, Q[type_name]), raw_dtype=Q[type_name])
+
+
+def _matrices(vocab: int, spec: Spec) -> dict[str, tuple[int, int]]:
+    """Name -> (rows, cols) of every matrix in the model."""
+    shapes = {"token_embd.weight": (vocab, HIDDEN)}
+    if not spec.tied:
+        shapes["output.weight"] = (vocab, HIDDEN)
+    kv = N_HEAD_KV * HEAD_DIM
+    for i in range(N_LAYERS):
+        shapes |= {
+            f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.attn_k.weight": (kv, HIDDEN),
+            f"blk.{i}.attn_v.weight": (kv, HIDDEN),
+            f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
+            f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+            f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
+        }
+    return shapes
+
+
+def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types, merges) -> None:
+    writer.add_block_count(N_LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(vocab))
+    writer.add_tokenizer_model(spec.tokenizer_model)
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(vocab)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML)
+
+
+def write_model(path: Path, spec: Spec, seed: int = 0) -> Path:
+    """Write a 2-layer model (hidden 64, 4 heads / 2 KV heads) to ``path``."""
+    rng = np.random.default_rng(seed)
+    vocab, types, merges = vocabulary()
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    _write_metadata(writer, spec, vocab, types, merges)
+    for name, (rows, cols) in _matrices(len(vocab), spec).items():
+        scale = 1.0 if name == "token_embd.weight" else cols**-0.5
+        data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        _add_tensor(writer, name, data, spec.overrides.get(name, spec.default_type))
+    norms = ["output_norm.weight"]
+    norms += [f"blk.{i}.{n}.weight" for i in range(N_LAYERS) for n in ("attn_norm", "ffn_norm")]
+    for name in norms:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    if spec.arch == "qwen2":
+        kv_rows = N_HEAD_KV * HEAD_DIM
+        for i in range(N_LAYERS):
+            for proj, rows in (("q", HIDDEN), ("k", kv_rows), ("v", kv_rows)):
+                bias = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.attn_{proj}.bias", bias)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_minimal(path: Path, arch: str = "llama", tensors: dict | None = None, **kv) -> Path:
+    """A small file with given raw tensors ``{name: (uint8/float array, type name)}``."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in kv.items():
+        writer.add_string(key, value)
+    for name, (data, type_name) in (tensors or {}).items():
+        if type_name in ("F32", "F16"):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=Q[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# The synthetic variants the logits test runs, by id.
+VARIANTS = {
+    "F32": Spec("F32", tied=False),
+    "F16": Spec("F16"),
+    "BF16": Spec("BF16"),
+    "Q8_0": Spec("Q8_0"),
+    "Q4_0": Spec("Q4_0"),
+    "Q4_1": Spec("Q4_1"),
+    "mixed": Spec(
+        "Q4_0",
+        overrides={
+            "token_embd.weight": "Q4_1",
+            "output.weight": "F16",
+            "blk.0.ffn_down.weight": "Q8_0",
+            "blk.1.attn_v.weight": "BF16",
+            "blk.1.attn_k.weight": "F32",
+        },
+        tied=False,
+    ),
+    "qwen2-Q8_0": Spec("Q8_0", arch="qwen2"),
+}

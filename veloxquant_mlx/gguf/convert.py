@@ -1,0 +1,78 @@
+"""``convert_gguf``: a GGUF file in, an mlx-lm model folder out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .cache import build_atomically, file_sha256
+from .config import build_config
+from .errors import GGUFError
+from .header import GGUFHeader
+from .tokenizer import write_tokenizer_files
+from .validate import arch_spec, inspect_gguf, tensor_type_counts
+from .weights import load_gguf_tensors, save_weights, to_mlx_lm
+
+# Bumped when the folder layout changes; recorded in gguf_source.json.
+CONVERTER_VERSION = 1
+
+
+def _write_folder(header: GGUFHeader, sha256: str, folder: Path) -> None:
+    """Fill ``folder`` with config, tokenizer files and weights."""
+    spec = arch_spec(header)
+    config = build_config(header, spec)
+    generation = write_tokenizer_files(header, folder)
+    config.update(generation)  # eos/bos ids, also read by mlx-lm from config.json
+    weights = to_mlx_lm(load_gguf_tensors(header), header, spec, config)
+    save_weights(weights, folder)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    source = {
+        "source": str(header.path),
+        "sha256": sha256,
+        "architecture": header.architecture,
+        "tensor_types": tensor_type_counts(header),
+        "converter_version": CONVERTER_VERSION,
+    }
+    (folder / "gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
+
+
+def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
+    """Convert a GGUF model to an mlx-lm folder, cached by file content.
+
+    The folder is ``cache_root/gguf/<sha256[:16]>``; when it exists it is
+    returned at once. Quantized weights stay quantized (Q4_0/Q4_1 as 4-bit,
+    Q8_0 as 8-bit MLX affine, group size 32). ``mlx_lm.load(str(folder))``
+    loads the result.
+
+    Args:
+        gguf_path: The ``.gguf`` file.
+        cache_root: Root of the cache; created if needed.
+
+    Returns:
+        The model folder.
+
+    Raises:
+        GGUFError: The file cannot be read or converted. Nothing is left
+            under ``cache_root`` in that case.
+    """
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise GGUFError(path, "does not exist or is not a file")
+    try:
+        sha256 = file_sha256(path)
+    except OSError as exc:
+        raise GGUFError(path, f"cannot be read ({exc.strerror or exc})") from exc
+    target = Path(cache_root) / "gguf" / sha256[:16]
+    if target.is_dir():
+        return target
+    header = inspect_gguf(path)  # every check that needs no tensor data, before any write
+
+    def build(folder: Path) -> None:
+        try:
+            _write_folder(header, sha256, folder)
+        except GGUFError:
+            raise
+        except Exception as exc:  # one error type for callers, whatever failed below
+            raise GGUFError(path, f"conversion failed: {type(exc).__name__}: {exc}") from exc
+
+    return build_atomically(target, build)

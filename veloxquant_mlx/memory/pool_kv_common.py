@@ -1,0 +1,172 @@
+"""Pieces shared by the single-request and the batched pool-backed mlx-lm caches.
+
+Both :class:`~veloxquant_mlx.memory.pool_backed.PoolBackedKVCache` and
+:class:`~veloxquant_mlx.memory.pool_backed_batch.PoolBackedBatchKVCache` keep
+keys and values in one contiguous buffer (attention needs it) and account
+the real tokens in the shared pool as paired ``"k"``/``"v"`` blocks. This
+module holds what they do the same way: the buffer (:class:`ContiguousKVBuffer`),
+the paired allocation, the ``n_used`` bookkeeping and the model check.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlx_cache
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+DEFAULT_BUFFER_STEP = 256
+"""Buffer growth chunk in tokens; mlx-lm's stock ``KVCache.step``."""
+
+_FORMAT_OF_DTYPE = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+
+
+def format_of(dtype: mx.Dtype) -> str:
+    """The pool's block ``format`` tag for a key/value dtype (``"fp16"``, ...)."""
+    return _FORMAT_OF_DTYPE.get(dtype, str(dtype))
+
+
+def check_positive(name: str, value: object) -> int:
+    """Return ``value`` if it is a positive int (bools excluded).
+
+    Raises:
+        ValueError: Otherwise, naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def require_plain_kv_model(model, cache_name: str, advice: str) -> None:
+    """Refuse a model whose own ``make_cache()`` wants something other than ``KVCache``.
+
+    Args:
+        model: An mlx-lm model.
+        cache_name: The pool-backed cache class that would replace the stock one.
+        advice: What the caller should do instead (ends the message).
+
+    Raises:
+        ValueError: Naming the first layer that needs another cache type
+            (sliding-window, SSM, ...).
+    """
+    if not hasattr(model, "make_cache"):
+        return
+    for index, stock in enumerate(model.make_cache()):
+        if type(stock) is not _mlx_cache.KVCache:
+            raise ValueError(
+                f"layer {index} of this model needs a {type(stock).__name__}, which "
+                f"{cache_name} cannot replace; {advice}"
+            )
+
+
+def tokens_to_grow(need: int, held: int, step: int) -> int:
+    """Tokens to allocate so ``held`` covers ``need``, in whole ``step`` chunks."""
+    return -(-(need - held) // step) * step
+
+
+def allocate_kv(
+    pool: BlockPoolAllocator, owner: int, n_tokens: int, fmt: str
+) -> tuple[list[Block], list[Block]]:
+    """Allocate ``n_tokens`` on both the ``"k"`` and the ``"v"`` stream, or neither.
+
+    Raises:
+        BlockPoolExhaustedError: One stream did not fit; nothing stays allocated.
+    """
+    k_new = pool.allocate("k", n_tokens, owner, format=fmt)
+    try:
+        v_new = pool.allocate("v", n_tokens, owner, format=fmt)
+    except BaseException:
+        pool.free(k_new)
+        raise
+    return k_new, v_new
+
+
+def free_past(pool: BlockPoolAllocator, k: list[Block], v: list[Block], keep: int) -> None:
+    """Give back every block from index ``keep`` on, on both streams (in place)."""
+    if keep < len(k):
+        pool.free(k[keep:] + v[keep:])
+        del k[keep:], v[keep:]
+
+
+def mark_used(k: list[Block], v: list[Block], first: int, tokens: int, block_size: int) -> None:
+    """Set ``n_used`` of blocks ``first..`` so they hold exactly ``tokens`` tokens."""
+    for i in range(first, len(k)):
+        used = min(max(tokens - i * block_size, 0), block_size)
+        kb, vb = k[i], v[i]
+        # Only write on change: the setter takes the pool's lock.
+        if kb.n_used != used:
+            kb.n_used = used
+        if vb.n_used != used:
+            vb.n_used = used
+
+
+def grow_buffer(
+    old_keys: mx.array | None,
+    old_values: mx.array | None,
+    prev: int,
+    keys: mx.array,
+    values: mx.array,
+    step: int,
+) -> tuple[mx.array, mx.array]:
+    """The key/value buffers extended by whole ``step`` chunks covering ``keys``.
+
+    Rows past ``prev`` (stale after a trim) are dropped before extending, so
+    they are never carried over. Growing by a chunk rather than by the new
+    tokens keeps appends from copying the whole buffer every step.
+
+    Args:
+        old_keys: Current key buffer (``B, H, S, D``), or None when empty.
+        old_values: Current value buffer, or None when empty.
+        prev: Columns in use before this append.
+        keys: The keys being appended (their shape sizes the new chunk).
+        values: The values being appended.
+        step: Growth chunk in columns.
+
+    Returns:
+        The new ``(keys, values)`` buffers.
+    """
+    batch, heads, n, k_dim = keys.shape
+    extra = -(-n // step) * step
+    new_k = mx.zeros((batch, heads, extra, k_dim), keys.dtype)
+    new_v = mx.zeros((batch, heads, extra, values.shape[3]), values.dtype)
+    if old_keys is None:
+        return new_k, new_v
+    if prev < old_keys.shape[2]:
+        old_keys, old_values = old_keys[..., :prev, :], old_values[..., :prev, :]
+    return (mx.concatenate([old_keys, new_k], axis=2),
+            mx.concatenate([old_values, new_v], axis=2))
+
+
+class ContiguousKVBuffer(_mlx_cache._BaseCache):
+    """Keys and values in one contiguous buffer each, grown in whole chunks.
+
+    Subclasses set ``keys``/``values`` to None (empty) in their constructor
+    and write new columns with :meth:`_write_columns`.
+    """
+
+    keys: mx.array | None
+    values: mx.array | None
+
+    def _write_columns(self, prev: int, end: int, keys: mx.array, values: mx.array,
+                       step: int) -> None:
+        """Store ``keys``/``values`` in columns ``prev:end``, growing the buffer by ``step``."""
+        if self.keys is None or end > self.keys.shape[2]:
+            self.keys, self.values = grow_buffer(self.keys, self.values, prev, keys, values,
+                                                 step)
+        self.keys[..., prev:end, :] = keys
+        self.values[..., prev:end, :] = values
+
+    def is_trimmable(self) -> bool:
+        """Always True: trimming only moves the end of the written columns back."""
+        return True
+
+    def empty(self) -> bool:
+        """True until the first append (or a state with arrays)."""
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers (growth room and any padding included)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
