@@ -268,8 +268,11 @@ def _merge(total: LoadResult, part: LoadResult) -> None:
 
 
 def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
-         warmup_requests: int, log_path: Path, rounds: int = 1) -> dict:
+         warmup_requests: int, log_path: Path, rounds: int = 1, model: str = "tiny") -> dict:
     """Run the whole soak against a fresh server process; return the report.
+
+    ``model`` is the server's ``--model`` (the tiny random model by default: the
+    soak checks bookkeeping and memory over many requests, not text quality).
 
     The main load runs in ``rounds`` equal rounds with the server's RSS sampled
     after each (idle), so a long run shows whether memory levels off.
@@ -278,7 +281,7 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
     rss_rounds: list[float] = []
     mlx_rounds: list[dict[str, float]] = []  # MLX allocator memory after each round
     t0 = time.monotonic()
-    with ServerProcess(log_path) as server:
+    with ServerProcess(log_path, ["--model", model]) as server:
         warm = asyncio.run(run_load(server.base_url, warmup_requests, concurrency, seed + 1,
                                     time_budget_s))
         before, _ = wait_idle(server.base_url)
@@ -314,7 +317,7 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
     }
     return {
         "config": {"requests": n_requests, "rounds": rounds, "concurrency": concurrency,
-                   "seed": seed,
+                   "seed": seed, "model": model,
                    "time_budget_s": time_budget_s, "warmup_requests": warmup_requests,
                    "kind_weights": KINDS, "max_tokens": "1..64 (400 for cut requests)",
                    "prompt_words": "1..300"},
@@ -365,11 +368,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="split the load in rounds, sampling RSS after each")
     parser.add_argument("--time-budget", type=float, default=600.0,
                         help="seconds after which no new request starts")
+    parser.add_argument("--model", default="tiny", help="the server's --model")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         report = soak(args.requests, args.concurrency, args.seed, args.time_budget,
-                      args.warmup, Path(tmp) / "server.log", args.rounds)
+                      args.warmup, Path(tmp) / "server.log", args.rounds, args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"checks": report["checks"], "rss": report["rss"],

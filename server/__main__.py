@@ -54,14 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from server.model_loader import ModelNotFoundError, resolve_model_path
+    from server.model_loader import ModelSourceError, resolve_model_path
 
-    if settings.model.path:
-        try:
-            resolve_model_path(settings.model)
-        except ModelNotFoundError as exc:
-            print(f"veloxquant-serve: {exc}", file=sys.stderr)
-            return 2
+    # Find (build or convert) the model before serving, so a bad source stops
+    # start-up with one line and exit code 2 instead of a server that is never ready.
+    try:
+        resolve_model_path(settings.model)
+    except ModelSourceError as exc:
+        print(f"veloxquant-serve: {exc}", file=sys.stderr)
+        return 2
     from server import request_log
     from server.app import create_app
     from server.serve import serve

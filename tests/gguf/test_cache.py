@@ -8,6 +8,7 @@ import time
 
 from tests.gguf import synth
 from veloxquant_mlx.gguf import convert_gguf
+from veloxquant_mlx.gguf.convert import CONVERTER_VERSION
 
 
 def _snapshot(folder):
@@ -18,7 +19,7 @@ def test_second_convert_reuses_folder(synthetic_files, tmp_path):
     path = synthetic_files["Q4_0"]
     first = convert_gguf(path, tmp_path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert first == tmp_path / "gguf" / digest[:16]
+    assert first == tmp_path / "gguf" / f"{digest[:16]}-v{CONVERTER_VERSION}"
     assert json.loads((first / "gguf_source.json").read_text())["sha256"] == digest
     expected_files = {
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

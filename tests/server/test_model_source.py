@@ -39,3 +39,46 @@ def test_an_uncached_repo_id_says_only_local_paths_load_offline(tmp_path: Path):
     assert out.returncode != 0
     assert "ModelNotFoundError" in out.stderr
     assert "not in the local Hugging Face cache" in out.stderr
+
+
+def _serve(args: list[str], home: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VELOXQUANT_")}
+    env.update({"VELOXQUANT_HOME": str(home), "PYTHONPATH": str(REPO),
+                "VELOXQUANT_NO_BLAS_PRELOAD": "1"})
+    return subprocess.run([sys.executable, "-m", "server", "--port", "0", *args], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=home)
+
+
+def test_a_bad_gguf_stops_start_up_with_one_line_and_writes_nothing(tmp_path: Path):
+    from tests.gguf import synth
+
+    good = synth.write_model(tmp_path / "good.gguf", synth.Spec("Q8_0"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    home = tmp_path / "home"
+    home.mkdir()
+    out = _serve(["--model", str(cut)], home)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(cut) in lines[0] and "truncated" in lines[0], out.stderr
+    models = home / "models"
+    assert not models.exists() or not any(models.rglob("*"))
+
+
+def test_a_gguf_file_converts_once_into_the_models_cache(tmp_path: Path, monkeypatch):
+    from server.model_loader import resolve_model_path
+    from server.settings import ModelSection
+    from tests.gguf import synth
+
+    monkeypatch.setenv("VELOXQUANT_HOME", str(tmp_path / "home"))
+    gguf = synth.write_model(tmp_path / "m.gguf", synth.Spec("Q4_1"))
+    folder = resolve_model_path(ModelSection(path=str(gguf)))
+    assert folder.parent == tmp_path / "home" / "models" / "gguf"
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert resolve_model_path(ModelSection(path=str(gguf))) == folder
+
+
+def test_a_missing_gguf_says_so(tmp_path: Path):
+    out = _serve(["--model", str(tmp_path / "nope.gguf")], tmp_path)
+    assert out.returncode == 2
+    assert "nope.gguf" in out.stderr and "does not exist" in out.stderr

@@ -49,7 +49,7 @@ def smollm2_server() -> Iterator[LiveServer]:
 def test_greedy_answers_name_the_fact(smollm2_server: LiveServer, question, expected):
     import httpx
 
-    body = {"model": "smollm2", "temperature": 0, "max_tokens": 32,
+    body = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
             "messages": [{"role": "user", "content": question}]}
     resp = httpx.post(smollm2_server.base_url + "/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text

@@ -1,6 +1,6 @@
 """Content-addressed cache folders, filled atomically.
 
-A converted model lives in ``cache_root/gguf/<sha256[:16]>``. It is built in a
+A converted model lives in ``cache_root/gguf/<key>``. It is built in a
 temporary folder beside that path and renamed into place only when complete,
 so a folder that exists is always whole (a crash mid-way leaves no half
 model that a later start would trust), and a failed build leaves nothing.

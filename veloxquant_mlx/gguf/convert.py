@@ -13,7 +13,8 @@ from .tokenizer import write_tokenizer_files
 from .validate import arch_spec, inspect_gguf, tensor_type_counts
 from .weights import load_gguf_tensors, save_weights, to_mlx_lm
 
-# Bumped when the folder layout changes; recorded in gguf_source.json.
+# Bumped when the folder layout changes; part of the cache key, so a newer converter
+# never trusts an older one's folder.
 CONVERTER_VERSION = 1
 
 
@@ -39,8 +40,8 @@ def _write_folder(header: GGUFHeader, sha256: str, folder: Path) -> None:
 def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     """Convert a GGUF model to an mlx-lm folder, cached by file content.
 
-    The folder is ``cache_root/gguf/<sha256[:16]>``; when it exists it is
-    returned at once. Quantized weights stay quantized (Q4_0/Q4_1 as 4-bit,
+    The folder is ``cache_root/gguf/<sha256[:16]>-v<converter version>``;
+    when it exists it is returned at once. Quantized weights stay quantized (Q4_0/Q4_1 as 4-bit,
     Q8_0 as 8-bit MLX affine, group size 32). ``mlx_lm.load(str(folder))``
     loads the result.
 
@@ -62,7 +63,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
         sha256 = file_sha256(path)
     except OSError as exc:
         raise GGUFError(path, f"cannot be read ({exc.strerror or exc})") from exc
-    target = Path(cache_root) / "gguf" / sha256[:16]
+    target = Path(cache_root) / "gguf" / f"{sha256[:16]}-v{CONVERTER_VERSION}"
     if target.is_dir():
         return target
     header = inspect_gguf(path)  # every check that needs no tensor data, before any write
