@@ -1,6 +1,6 @@
 """Bounded streaming load against an OpenAI-compatible server (loopback).
 
-Shared by ``benchmark_server.py`` (and meant for the soak test of issue 7):
+Shared by the server benchmarks (``benchmark_server.py``, ``benchmark_real_model.py``):
 ``run_requests`` sends ``n_requests`` streaming completions with at most
 ``concurrency`` in flight, stops launching new ones after ``time_limit_s``,
 and measures each request on the client side: time to first token (first

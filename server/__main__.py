@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     except ModelSourceError as exc:
         print(f"veloxquant-serve: {exc}", file=sys.stderr)
         return 2
-    from server import request_log
-    from server.app import create_app
-    from server.serve import serve
+    from server.http import request_log
+    from server.http.app import create_app
+    from server.http.serve import serve
 
     request_log.configure(settings.server.request_log)
     log.info("settings: %r", settings)  # secrets are excluded from the repr
-    # SIGTERM drains (server/serve.py); a non-loopback bind without an API key warns.
+    # SIGTERM drains (server/http/serve.py); a non-loopback bind without an API key warns.
     serve(create_app(settings), settings)
     return 0
 

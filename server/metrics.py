@@ -1,23 +1,21 @@
-"""Server metrics on a private prometheus-client registry, plus the pool's own text.
+"""Server metrics on a private prometheus-client registry.
 
-``/metrics`` serves ``pool.stats.to_prometheus()`` (names
-``veloxquant_block_pool_*``) followed by this registry (names
-``veloxquant_*`` outside that prefix), so the page has no duplicate names.
+``/metrics`` renders this one registry. Besides the counters and histograms
+the engine and the routes record, two collectors read their values at
+scrape time: :class:`PoolCollector` (the pool's own counters, under the
+names ``pool.stats.to_prometheus()`` uses: ``veloxquant_block_pool_*``) and
+:class:`EngineCollector` (running/waiting, orphaned blocks, MLX memory).
 The registry is private to each app, so tests can build many apps.
-Engine-derived gauges (running/waiting, orphaned blocks, MLX memory) are read
-at scrape time by :class:`EngineCollector` instead of being pushed per token.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-
-from server import request_log
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
@@ -25,11 +23,22 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+class RequestEndListener(Protocol):
+    """Told of every request end the engine records (the request log is one)."""
+
+    def finished(self, state: Any, reason: Any, kv_blocks: int, failure: Any) -> None:
+        """A request that ran ended."""
+
+    def rejected(self, request: Any, reason: Any) -> None:
+        """A request was refused or dropped before it ran."""
+
+
 class ServerMetrics:
     """Counters and histograms the routes and the engine record into.
 
     Every method is thread-safe (prometheus-client locks its values); the
     engine calls :meth:`token` once per generated token, so it stays tiny.
+    Request ends are also passed to each of :attr:`listeners`.
     """
 
     def __init__(self) -> None:
@@ -66,6 +75,7 @@ class ServerMetrics:
                                     "Requests decoded together per batched model call.",
                                     buckets=BATCH_BUCKETS, registry=r)
         self._memory: dict[str, int] = {}
+        self.listeners: list[RequestEndListener] = []
 
     # -- recorded by the engine thread ---------------------------------------
 
@@ -86,23 +96,26 @@ class ServerMetrics:
         """One batched decode step ran over ``rows`` requests."""
         self.batch_size.observe(rows)
 
-    def finished(self, state: Any, reason: Any, kv_blocks: int, status: int | None = None
-                 ) -> None:
-        """A running request ended (any reason) holding at most ``kv_blocks``.
+    def finished(self, state: Any, reason: Any, kv_blocks: int, failure: Any = None) -> None:
+        """A running request ended holding at most ``kv_blocks``.
 
-        Also writes its request-end log line (``status``: the HTTP status of
-        an error end, 500 when not given).
+        Args:
+            state: The engine's RequestState.
+            reason: Its FinishReason.
+            kv_blocks: The most blocks it held.
+            failure: The Reason of an ``error`` end.
         """
         self.finished_requests.labels(reason=reason.value).inc()
         self.latency.observe(time.monotonic() - state.submitted_at)
         self.blocks_per_request.observe(kv_blocks)
-        request_log.finished(state, reason.value, kv_blocks, status)
+        for listener in self.listeners:
+            listener.finished(state, reason, kv_blocks, failure)
 
-    def rejected(self, reason: str, request: Any = None, status: int | None = None) -> None:
-        """A request was refused or dropped before running (logged when ``request`` is given)."""
-        self.rejections.labels(reason=reason).inc()
-        if request is not None:
-            request_log.rejected(request, reason, status or 400)
+    def rejected(self, reason: Any, request: Any) -> None:
+        """A request (a GenerationRequest) was refused or dropped before running."""
+        self.rejections.labels(reason=reason.value).inc()
+        for listener in self.listeners:
+            listener.rejected(request, reason)
 
     def set_memory(self, snapshot: dict[str, int]) -> None:
         """Latest MLX allocator counters (sampled by the engine thread)."""
@@ -162,9 +175,36 @@ def orphaned_blocks(pool: Any, live_requests: Callable[[], dict[int, str]]) -> i
     return sum(pool.n_blocks_held(o) for o in owners if o not in live)
 
 
-def render(pool: Any, metrics: ServerMetrics) -> bytes:
-    """The whole /metrics page: pool text, then the registry."""
-    pool_text = pool.stats.to_prometheus().encode()
-    if not pool_text.endswith(b"\n"):
-        pool_text += b"\n"
-    return pool_text + generate_latest(metrics.registry)
+# The families AllocationStats.to_prometheus() writes, in its order:
+# (name after the prefix, kind, help, AllocationStats.as_dict() key).
+POOL_FAMILIES = (
+    ("blocks_in_use", "gauge", "Blocks currently checked out", "blocks_in_use"),
+    ("blocks_total", "gauge", "Blocks the pool manages", "n_blocks"),
+    ("fragmentation", "gauge", "Share of blocks allocated but not full", "fragmentation"),
+    ("peak_blocks_in_use", "gauge", "High-water mark of blocks in use", "peak_blocks_in_use"),
+    ("allocations_total", "counter", "Blocks handed out", "n_allocations"),
+    ("frees_total", "counter", "Blocks returned", "n_frees"),
+    ("reused_total", "counter", "Blocks handed out again after a free", "n_reused"),
+    ("exhausted_total", "counter", "Blocks requested by failed allocations", "n_exhausted"),
+    ("grown_total", "counter", "Blocks added by growth", "n_grown"),
+    ("retired_total", "counter", "Blocks removed by shrink", "n_retired"),
+)
+
+
+class PoolCollector:
+    """The pool's counters, read from one consistent stats snapshot per scrape.
+
+    Args:
+        pool: The shared pool (anything with ``stats.snapshot()``).
+        prefix: Metric name prefix, as ``AllocationStats.to_prometheus`` takes it.
+    """
+
+    def __init__(self, pool: Any, prefix: str = "veloxquant_block_pool") -> None:
+        self.pool = pool
+        self.prefix = prefix
+
+    def collect(self):
+        stats = self.pool.stats.snapshot().as_dict()
+        for name, kind, doc, key in POOL_FAMILIES:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"{self.prefix}_{name}", doc, value=stats[key])

@@ -74,7 +74,7 @@ def run_server(settings: Settings, engine: Any = None) -> Iterator[LiveServer]:
     """Serve ``create_app(settings, engine)`` with uvicorn in a thread."""
     import uvicorn
 
-    from server.app import create_app
+    from server.http.app import create_app
 
     port = free_port()
     app = create_app(settings, engine)

@@ -1,4 +1,4 @@
-"""A fake engine for route tests: same interface as server.engine.Engine, no model.
+"""A fake engine for route tests: same interface as server.engine.engine.Engine, no model.
 
 It answers each submitted request from a script chosen by the prompt text,
 on a real (tiny) block pool so pool-facing routes see real numbers.
@@ -9,13 +9,14 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from server.generation import (
+from server.engine.protocol import (
     Admitted,
     ChatPrompt,
     Failed,
     Finished,
     FinishReason,
     GenerationRequest,
+    Reason,
     Rejected,
     TokenEvent,
     Usage,
@@ -71,17 +72,17 @@ class FakeEngine:
             if isinstance(prompt, ChatPrompt) else "")
         put = request.channel.put
         if "REJECT429" in text:
-            put(Rejected(429, "busy", "queue_full", retry_after=3))
+            put(Rejected(Reason.QUEUE_FULL, "busy"))
             return
         if "REJECT400" in text:
-            put(Rejected(400, "too large for the pool", "context_length_exceeded", "max_tokens"))
+            put(Rejected(Reason.TOO_LARGE, "too large for the pool", "max_tokens"))
             return
         put(Admitted(owner=1, prompt_tokens=3, reserved_blocks=2))
         if "SILENT" in text:
             return
         put(TokenEvent("Hello", 1))
         if "FAIL" in text:
-            put(Failed("RuntimeError: injected", Usage(3, 1, 2)))
+            put(Failed(Reason.MODEL_ERROR, "RuntimeError: injected", Usage(3, 1, 2)))
             return
         put(TokenEvent(" world", 2))
         put(Finished(FinishReason.LENGTH, Usage(3, 2, 2)))

@@ -125,7 +125,7 @@ def test_sigterm_grace_period_bounds_the_drain(tiny_model_path, tmp_path):
     ("0.0.0.0", None, True), ("192.168.1.20", None, True), ("0.0.0.0", "k", False),
 ])
 def test_non_loopback_bind_without_key_warns(host, key, warns):
-    from server.serve import bind_warning
+    from server.http.serve import bind_warning
     from tests.server.conftest import make_settings
 
     settings = make_settings(env={"VELOXQUANT_API_KEY": key} if key else None,

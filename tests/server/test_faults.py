@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.metrics import ServerMetrics
 from server.model_loader import load_model
 from tests.server.conftest import LiveServer, make_settings, run_server

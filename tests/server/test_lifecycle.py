@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.metrics import ServerMetrics
 from tests.server.conftest import ADMIN_TOKEN, LiveServer, make_settings, run_server
 

@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import create_app
+from server.http.app import create_app
 from tests.server.conftest import ADMIN_TOKEN, make_settings
 from tests.server.fakes import FakeEngine
 
@@ -159,7 +159,9 @@ def test_404_and_405_are_openai_shaped(client):
 def test_engine_rejections_map_to_status(client):
     resp = client.post(COMPLETIONS, json={"prompt": "REJECT429"})
     err = assert_error(resp, 429)
-    assert err["type"] == "rate_limit_error" and resp.headers["Retry-After"] == "3"
+    assert err["code"] == "queue_full"
+    # Retry-After comes from limits.retry_after_s (config/default.toml: 1).
+    assert err["type"] == "rate_limit_error" and resp.headers["Retry-After"] == "1"
     resp = client.post(COMPLETIONS, json={"prompt": "REJECT429", "stream": True})
     assert_error(resp, 429)  # refused before any stream byte is sent
     err = assert_error(client.post(COMPLETIONS, json={"prompt": "REJECT400"}), 400, "max_tokens")
@@ -271,3 +273,14 @@ def test_api_key_guards_inference_routes_only():
         assert ok.status_code == 200
         assert c.get("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
+
+
+def test_pool_families_match_the_library_text(client, engine):
+    """/metrics exports the pool under the names and values of pool.stats.to_prometheus()."""
+    engine.pool.allocate("k", 40, owner=9)
+    engine.pool.free(engine.pool.blocks_for(9)[:1])
+    library = {s.name: s.value
+               for f in text_string_to_metric_families(engine.pool.stats.to_prometheus())
+               for s in f.samples}
+    page = parse_metrics(client.get("/metrics").text)
+    assert library and {name: page[name] for name in library} == library

@@ -1,4 +1,4 @@
-"""A sampler fault must not outlive its request (found by fuzzing).
+"""A sampler fault must not outlive its request.
 
 mlx-lm's samplers are compiled with MLX's global PRNG state as an input and
 output; one that raised mid-trace (top_k past the vocabulary did) left that
@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import apply_top_k
 
-from server.sampling import reset_random_state
+from server.engine.sampling import reset_random_state
 from tests.server.conftest import LiveServer
 
 

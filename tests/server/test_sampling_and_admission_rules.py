@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.sampling import StopMatcher
-from server.scheduler import CapacityPlanner
+from server.engine.capacity import CapacityPlanner
+from server.engine.output import StopMatcher
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 

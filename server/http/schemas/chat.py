@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.schemas.common import SamplingFields
+from server.http.schemas.common import SamplingFields
 
 
 class ChatMessage(BaseModel):

@@ -37,9 +37,9 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, description="Only 1 is supported.")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    # Bounded: a penalty near 0 divides logits into inf (a 500 found by fuzzing).
+    # Bounded: a penalty near 0 divides logits into inf.
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
-    # OpenAI's range; a bias of 1e308 made the log-probabilities NaN (found by fuzzing).
+    # OpenAI's range; a far larger bias makes the log-probabilities NaN.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

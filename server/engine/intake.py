@@ -5,7 +5,7 @@ Failures become :class:`RequestRejected` carrying the event the client gets.
 
 from __future__ import annotations
 
-from server.generation import ChatPrompt, Rejected, SamplingParams
+from server.engine.protocol import ChatPrompt, Reason, Rejected, SamplingParams
 from server.model_loader import LoadedModel
 
 
@@ -17,11 +17,15 @@ class RequestRejected(Exception):
         self.event = event
 
 
+def _vocab_size(loaded: LoadedModel) -> int | None:
+    return getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+
+
 def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -> list[int]:
     """Prompt ids for text, token ids or chat messages (rendered with the chat template).
 
     Raises:
-        RequestRejected: (400) the prompt cannot be tokenized or has ids out of the vocabulary.
+        RequestRejected: The prompt cannot be tokenized or has ids out of the vocabulary.
     """
     tokenizer = loaded.tokenizer
     try:
@@ -32,32 +36,31 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
             return list(ids)
         if isinstance(prompt, str):
             return list(tokenizer.encode(prompt))
-        vocab = loaded.model.args.vocab_size if hasattr(
-            loaded.model, "args") else None
+        vocab = _vocab_size(loaded)
         if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
         return list(prompt)
     except Exception as exc:
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
-        raise RequestRejected(Rejected(400, f"cannot tokenize the {param}: {exc}",
-                                       "invalid_prompt", param)) from None
+        raise RequestRejected(Rejected(Reason.INVALID_PROMPT,
+                                       f"cannot tokenize the {param}: {exc}", param)) from None
 
 
 def check_token_params(loaded: LoadedModel, params: SamplingParams) -> None:
     """Reject ``logit_bias`` token ids outside the model's vocabulary.
 
-    They index the logits directly; an id past the end would make MLX read
-    and write out of bounds (a crash of the whole server, found by fuzzing),
-    and a negative one would silently bias a token counted from the end.
+    They index the logits directly: an id past the end makes MLX read and
+    write out of bounds (a crash of the whole process), and a negative one
+    would silently bias a token counted from the end.
 
     Raises:
-        RequestRejected: (400) with the first offending id.
+        RequestRejected: With the first offending id.
     """
-    vocab = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+    vocab = _vocab_size(loaded)
     if vocab is None:
         return
     for token, _ in params.logit_bias:
         if not 0 <= token < vocab:
             raise RequestRejected(Rejected(
-                400, f"logit_bias token id {token} is not in this model's vocabulary "
-                f"(0..{vocab - 1})", "invalid_value", "logit_bias"))
+                Reason.INVALID_VALUE, f"logit_bias token id {token} is not in this model's "
+                f"vocabulary (0..{vocab - 1})", "logit_bias"))

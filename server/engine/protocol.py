@@ -6,6 +6,9 @@ one :class:`Admitted` (or one :class:`Rejected`), then :class:`TokenEvent`
 records, then exactly one :class:`Finished` (or :class:`Failed`). The channel
 hops threads with ``loop.call_soon_threadsafe`` so the engine never touches
 the event loop's data structures directly.
+
+Refusals and failures carry a :class:`Reason`; what a reason means to an
+HTTP client (status, ``Retry-After``) is decided by the HTTP layer alone.
 """
 
 from __future__ import annotations
@@ -23,7 +26,21 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS token or a stop sequence
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # the client went away or gave up (never sent to a client)
-    ERROR = "error"  # the model raised
+    ERROR = "error"  # it failed (see the Reason of its Failed event)
+
+
+class Reason(str, enum.Enum):
+    """Why the engine refused, dropped or failed a request (the value is the error code)."""
+
+    EMPTY_PROMPT = "empty_prompt"  # the prompt tokenizes to nothing
+    INVALID_PROMPT = "invalid_prompt"  # cannot be tokenized, or ids outside the vocabulary
+    INVALID_VALUE = "invalid_value"  # a sampling value the model cannot take (logit_bias id)
+    TOO_LARGE = "context_length_exceeded"  # over the prompt limit, or could never fit the pool
+    QUEUE_FULL = "queue_full"  # no capacity now and the waiting queue is at its bound
+    QUEUE_TIMEOUT = "queue_timeout"  # waited past limits.queue_timeout_s
+    CANCELLED_WAITING = "cancelled_waiting"  # the client left while the request waited
+    SHUTTING_DOWN = "shutting_down"  # the engine is stopping
+    MODEL_ERROR = "generation_failed"  # the model raised while running this request
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +121,17 @@ class Admitted:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The request was refused before running (size, queue full, wait timeout)."""
+    """The request was refused before running (size, queue full, wait timeout, stopping).
 
-    status: int
+    Attributes:
+        reason: Why.
+        message: What went wrong and how to fix it.
+        param: The request field at fault, if any.
+    """
+
+    reason: Reason
     message: str
-    code: str
     param: str | None = None
-    retry_after: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +172,14 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The model raised while generating this request; other requests go on."""
+    """The request ended without finishing (model error, or the engine stopping).
 
+    Other requests go on after a model error.
+    """
+
+    reason: Reason
     message: str
     usage: Usage | None = None
-    status: int = 500
 
 
 Event = Admitted | Rejected | TokenEvent | Finished | Failed

@@ -7,22 +7,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.errors import InvalidRequestError
-from server.generation import Finished, TokenEvent, TokenLogprob
-from server.routes.common import (
-    ClientGone,
-    GenerationCall,
-    check_model,
-    get_engine,
-    new_id,
-    resolve_params,
-    sse_stream,
-)
-from server.schemas import CompletionRequest
+from server.engine.protocol import Finished, TokenEvent, TokenLogprob
+from server.http.errors import CLIENT_CLOSED, InvalidRequestError
+from server.http.routes.call import ClientGone, GenerationCall, get_engine
+from server.http.routes.params import check_model, new_id, resolve_params
+from server.http.routes.sse import SSE_HEADERS, sse_stream
+from server.http.schemas import CompletionRequest
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _prompt(body: CompletionRequest) -> str | list[int]:
@@ -74,7 +66,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     try:
         await call.start()
     except ClientGone:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     base = {"id": call.request.request_id, "object": "text_completion",
             "created": call.created, "model": engine.model_name}
     if body.stream:
@@ -84,7 +76,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     try:
         out = await call.collect()
     except ClientGone:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     choice: dict[str, Any] = {"index": 0, "text": "".join(out.text_parts), "logprobs": None,
                               "finish_reason": out.finished.reason.value}
     if want_logprobs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from server.schemas.common import SamplingFields
+from server.http.schemas.common import SamplingFields
 
 
 class CompletionRequest(SamplingFields):

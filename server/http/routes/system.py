@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
 
-from server.errors import error_body
-from server.metrics import render
+from server.http.auth import require_metrics_key
+from server.http.errors import UnavailableError, error_response
 
 router = APIRouter()
 models_router = APIRouter()
@@ -24,9 +25,7 @@ async def health(request: Request) -> JSONResponse:
                              "running": running, "waiting": waiting})
     reason = getattr(engine, "load_error", None)
     message = f"model failed to load: {reason}" if reason else "model loading or engine stopped"
-    retry = str(request.app.state.settings.limits.retry_after_s)
-    return JSONResponse(error_body(message, "server_error", None, "unavailable"),
-                        status_code=503, headers={"Retry-After": retry})
+    return error_response(UnavailableError(message), request.app.state.settings)
 
 
 @models_router.get("/v1/models")
@@ -40,9 +39,8 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_metrics_key)])
 async def metrics(request: Request) -> Response:
     """Pool counters and server metrics in the Prometheus text format."""
-    state = request.app.state
-    return Response(render(state.engine.pool, state.metrics),
+    return Response(generate_latest(request.app.state.metrics.registry),
                     media_type=PROMETHEUS_CONTENT_TYPE)

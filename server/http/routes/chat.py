@@ -7,19 +7,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.errors import InvalidRequestError
-from server.generation import ChatPrompt, Finished, TokenEvent, TokenLogprob
-from server.routes.common import (
-    ClientGone,
-    GenerationCall,
-    check_model,
-    get_engine,
-    new_id,
-    resolve_params,
-    sse_stream,
-)
-from server.routes.completions import SSE_HEADERS
-from server.schemas import ChatCompletionRequest
+from server.engine.protocol import ChatPrompt, Finished, TokenEvent, TokenLogprob
+from server.http.errors import CLIENT_CLOSED, InvalidRequestError
+from server.http.routes.call import ClientGone, GenerationCall, get_engine
+from server.http.routes.params import check_model, new_id, resolve_params
+from server.http.routes.sse import SSE_HEADERS, sse_stream
+from server.http.schemas import ChatCompletionRequest
 
 router = APIRouter()
 
@@ -60,7 +53,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     try:
         await call.start()
     except ClientGone:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     base = {"id": call.request.request_id, "created": call.created, "model": engine.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -69,7 +62,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     try:
         out = await call.collect()
     except ClientGone:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     logprobs = None
     if body.logprobs:
         logprobs = {"content": [_logprob_entry(r) for r in out.logprobs]}

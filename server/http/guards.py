@@ -1,15 +1,16 @@
-"""HTTP-level guards, one pure ASGI middleware: body size, /metrics key, drain, stalled streams.
+"""HTTP-level guards, one pure ASGI middleware: drain, per-client cap, body size, stalls.
 
 Pure ASGI (not ``BaseHTTPMiddleware``) so streaming bodies pass through
 untouched and the routes' client-disconnect detection keeps working.
 
 - **Body size.** A ``Content-Length`` over ``limits.max_body_bytes`` is
-  answered 413 before the body is read; a chunked body that grows past it
-  is cut off with 413 while being read.
-- **/metrics key.** With ``server.metrics_require_key`` and an API key
-  configured, ``GET /metrics`` wants ``Authorization: Bearer <key>``.
+  answered 413 before the body is read, on any route; a chunked body that
+  grows past it is cut off with 413 while being read. (Starlette's
+  ``RequestBodyLimitMiddleware`` / FastAPI's ``max_body_size`` do the same
+  but need releases newer than this project's ``fastapi>=0.110`` floor, and
+  answer a plain-text 413 on routes that never read their body.)
 - **Drain.** Once :class:`DrainState` is draining (SIGTERM, see
-  :mod:`server.serve`), new requests get 503 with ``Retry-After`` and
+  :mod:`server.http.serve`), new requests get 503 with ``Retry-After`` and
   ``/health`` reports 503 so balancers stop routing; requests already in
   flight go on. ``DrainState.inflight`` counts them.
 - **Per-client cap.** With ``limits.max_concurrent_per_client`` > 0, a client
@@ -26,8 +27,6 @@ untouched and the routes' client-disconnect detection keeps working.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -35,7 +34,13 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.http.errors import (
+    APIError,
+    OverloadedError,
+    RequestTooLargeError,
+    UnavailableError,
+    error_response,
+)
 from server.settings import Settings
 
 log = logging.getLogger("veloxquant.server")
@@ -67,28 +72,6 @@ class DrainState:
     def done(self) -> bool:
         """Draining and nothing left in flight, or the grace period is over."""
         return self.draining and (self.inflight == 0 or time.monotonic() >= self.deadline)
-
-
-class StalledClient(Exception):
-    """A response send did not complete within the stall timeout."""
-
-
-async def _reply(send: Send, status: int, body: dict, headers: dict[str, str] | None = None
-                 ) -> None:
-    raw = json.dumps(body).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": raw, "more_body": False})
-
-
-def _bearer_ok(scope: Scope, key: str) -> bool:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, given = value.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(
-                given.strip().encode(), key.encode())
-    return False
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -124,22 +107,9 @@ class Guards:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        retry = {"Retry-After": str(self.settings.limits.retry_after_s)}
-        if self.drain.draining and path != "/metrics":
-            await _reply(send, 503, error_body(
-                "the server is shutting down and takes no new requests; retry on another "
-                "instance", "server_error", None, "shutting_down"), retry)
-            return
-        if path == "/metrics" and self.settings.server.metrics_require_key \
-                and self.settings.api_key and not _bearer_ok(scope, self.settings.api_key):
-            await _reply(send, 401, error_body(
-                "missing or wrong API key for /metrics (Authorization: Bearer ...); "
-                "server.metrics_require_key is on", "authentication_error", None,
-                "invalid_api_key"))
-            return
-        length = _content_length(scope)
-        if length is not None and length > self.max_body:
-            await _reply(send, 413, self._too_large(length))
+        refusal = self._refusal(scope, path)
+        if refusal is not None:
+            await error_response(refusal, self.settings)(scope, receive, send)
             return
         if path in OPEN_PATHS:
             await self.app(scope, receive, send)
@@ -147,12 +117,6 @@ class Guards:
         client = None
         if self.per_client and path in GENERATION_PATHS:
             client = (scope.get("client") or ("?", 0))[0]
-            if self.by_client.get(client, 0) >= self.per_client:
-                await _reply(send, 429, error_body(
-                    f"{self.per_client} requests from this client are already in flight "
-                    "(limits.max_concurrent_per_client); wait for one to finish",
-                    "rate_limit_error", None, "too_many_concurrent_requests"), retry)
-                return
             self.by_client[client] = self.by_client.get(client, 0) + 1
         self.drain.inflight += 1
         try:
@@ -164,11 +128,28 @@ class Guards:
                 if left:
                     self.by_client[client] = left
 
-    def _too_large(self, length: int | None) -> dict:
+    def _refusal(self, scope: Scope, path: str) -> APIError | None:
+        """The error to answer before the app runs, if any."""
+        if self.drain.draining and path != "/metrics":
+            return UnavailableError("the server is shutting down and takes no new requests; "
+                                    "retry on another instance", code="shutting_down")
+        length = _content_length(scope)
+        if length is not None and length > self.max_body:
+            return self._too_large(length)
+        if self.per_client and path in GENERATION_PATHS:
+            client = (scope.get("client") or ("?", 0))[0]
+            if self.by_client.get(client, 0) >= self.per_client:
+                return OverloadedError(
+                    f"{self.per_client} requests from this client are already in flight "
+                    "(limits.max_concurrent_per_client); wait for one to finish",
+                    code="too_many_concurrent_requests")
+        return None
+
+    def _too_large(self, length: int | None) -> RequestTooLargeError:
         got = f"{length} bytes" if length is not None else "a larger body"
-        return error_body(f"request body too large: {got}, at most limits.max_body_bytes="
-                          f"{self.max_body}; shorten the prompt or messages",
-                          "invalid_request_error", None, "request_too_large")
+        return RequestTooLargeError(f"request body too large: {got}, at most "
+                                    f"limits.max_body_bytes={self.max_body}; shorten the "
+                                    "prompt or messages")
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the app with a counting ``receive`` and a stall-aware ``send``."""
@@ -186,7 +167,7 @@ class Guards:
                 received += len(message.get("body", b""))
                 if received > max_body:
                     # Rendered in the OpenAI shape by the app's HTTPException handler.
-                    raise HTTPException(413, self._too_large(None)["error"]["message"])
+                    raise HTTPException(413, self._too_large(None).message)
             return message
 
         async def guarded_send(message: Message) -> None:

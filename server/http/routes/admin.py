@@ -1,48 +1,17 @@
-"""Operator routes behind ``Authorization: Bearer $VELOXQUANT_ADMIN_TOKEN``.
-
-No token configured -> 403 (the routes are off, never open); a missing or
-wrong token -> 401. Tokens are compared in constant time. The optional API
-key of the inference routes (``VELOXQUANT_API_KEY``) is checked here too.
-"""
+"""Operator routes behind ``Authorization: Bearer $VELOXQUANT_ADMIN_TOKEN`` (see auth.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+from server.http.auth import require_admin
+from server.http.errors import UnavailableError
 
 HISTORY_SHOWN = 16
-
-
-def _bearer_matches(request: Request, token: str) -> bool:
-    """Constant-time check of ``Authorization: Bearer <token>``."""
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                              token.encode())
-
-
-def require_api_key(request: Request) -> None:
-    """Dependency of the inference routes: with ``VELOXQUANT_API_KEY`` set, demand it."""
-    key = request.app.state.settings.api_key
-    if key and not _bearer_matches(request, key):
-        raise AuthenticationError("missing or wrong API key (Authorization: Bearer ...)")
-
-
-def require_admin(request: Request) -> None:
-    """Dependency: let the request through only with the configured admin token."""
-    token = request.app.state.settings.admin_token
-    if not token:
-        raise PermissionDeniedError(
-            "admin routes are disabled: set VELOXQUANT_ADMIN_TOKEN in the server's "
-            "environment to enable them")
-    if not _bearer_matches(request, token):
-        raise AuthenticationError("missing or wrong admin token (Authorization: Bearer ...)")
-
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -87,7 +56,7 @@ async def admin_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
     """Retire free blocks; blocks running requests hold or reserved are never touched."""
     engine = request.app.state.engine
     if not engine.is_ready:
-        raise InvalidRequestError("the engine is not running yet", status=503)
+        raise UnavailableError("the engine is not running yet")
     retired, floors = await asyncio.wrap_future(engine.shrink(body.stream, body.target_free))
     return {"retired": retired, "kept_free": floors,
             "stats": engine.pool.stats.snapshot().as_dict()}

@@ -1,85 +1,84 @@
-"""Per-request sampling, logits processing, stop strings and log-probabilities.
+"""Postprocessing of sampled tokens: detokenize, stop strings, limits, events.
 
-Runs on the engine thread only (it builds MLX graphs). Each request gets its
-own sampler closure; a request with a ``seed`` carries its own PRNG key, so
-its draws do not depend on which other requests share the engine.
+Runs on the engine thread after each model call. The runner hands back bare
+token ids (and, when asked for, the distribution each was drawn from); here
+they become the client-facing :class:`~server.engine.protocol.TokenEvent`
+records, and a request is marked finished when it hits an end token, a stop
+string or ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-)
 
-from server.generation import SamplingParams, TokenLogprob, TopLogprob
+from server.engine.protocol import FinishReason, TokenEvent, TokenLogprob, TopLogprob
 
-Sampler = Callable[[mx.array], mx.array]
+if TYPE_CHECKING:
+    from server.engine.request_state import RequestState
 
 
-def build_sampler(params: SamplingParams) -> Sampler:
-    """Build the token sampler of one request (argmax when temperature is 0).
+class OutputProcessor:
+    """Turns each sampled token of a request into the event its client gets.
 
     Args:
-        params: The request's resolved sampling settings.
-
-    Returns:
-        A function from log-probabilities ``(1, vocab)`` to a token ``(1,)``.
+        tokenizer: The model's tokenizer (``decode`` for log-probability texts).
     """
-    if params.temperature == 0.0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        # top_k at or past the vocabulary keeps every token: a no-op, not an
-        # error (mlx-lm's apply_top_k raises there; fuzzing made that a 500).
-        filters.append(lambda x: apply_top_k(x, params.top_k)
-                       if params.top_k < x.shape[-1] else x)
-    inv_temp = 1.0 / params.temperature
-    # A seeded request owns its key: interleaving with others must not change its draws.
-    key = [mx.random.key(params.seed)] if params.seed is not None else None
 
-    def sample(logprobs: mx.array) -> mx.array:
-        for keep in filters:
-            logprobs = keep(logprobs)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode: Callable[[list[int]], str] = tokenizer.decode
 
-    return sample
+    def accept(self, state: RequestState, token: int,
+               logprobs: mx.array | None) -> TokenEvent | None:
+        """Account for one generated token; set ``state.finish`` when the request is done.
 
+        Args:
+            state: The request.
+            token: The sampled token id.
+            logprobs: The ``(vocab,)`` log-probabilities it was drawn from, when
+                the client asked for them.
 
-def reset_random_state() -> None:
-    """Give MLX's global PRNG a fresh state after a failed step.
+        Returns:
+            The event to send (None when nothing is to be sent for this token,
+            e.g. the end token).
+        """
+        now = time.monotonic()
+        if state.first_token_at is None:
+            state.first_token_at = now
+        state.prev_token_at = state.last_token_at
+        state.last_token_at = now
+        state.generated += 1
+        if token in state.eos_ids:
+            state.finish = FinishReason.STOP
+            state.ended_on_eos = True
+            return None
+        params = state.request.params
+        logprob = None
+        if params.logprobs and logprobs is not None:
+            logprob = token_logprob(logprobs, token, params.top_logprobs, self.decode)
+        state.detokenizer.add_token(token)
+        text, hit = state.stop.feed(state.detokenizer.last_segment)
+        if hit:
+            state.finish = FinishReason.STOP
+        elif state.generated >= state.max_tokens:
+            state.finish = FinishReason.LENGTH
+        return TokenEvent(text, token, logprob)
 
-    mlx-lm's samplers are ``mx.compile``d with the global random state as an
-    input and output; one that raises mid-trace leaves that state as an array
-    with no primitive, and every later unseeded draw in the process fails
-    ("eval an array without a primitive"). Reseeding restores it; unseeded
-    requests promise no particular stream, and seeded ones carry their own key.
-    """
-    mx.random.seed(secrets.randbits(63))
-
-
-def build_logits_processors(params: SamplingParams) -> list[Callable]:
-    """mlx-lm logits processors for penalties and logit bias (empty when unused)."""
-    return make_logits_processors(
-        logit_bias=dict(params.logit_bias) or None,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-    )
+    @staticmethod
+    def final_text(state: RequestState) -> str:
+        """Text still held back (detokenizer tail, partial stop match) at a normal end."""
+        if state.tail_flushed or state.finish is None:
+            return ""
+        state.tail_flushed = True
+        if state.finish is FinishReason.STOP and not state.ended_on_eos:
+            return ""  # a stop string matched: everything after it is dropped
+        state.detokenizer.finalize()
+        text, hit = state.stop.feed(state.detokenizer.last_segment)
+        return text if hit else text + state.stop.flush()
 
 
 def token_logprob(

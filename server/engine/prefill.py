@@ -24,8 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.request_state import RequestState
-from server.sampling import Sampler
+from server.engine.sampling import Sampler
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache, make_batch_caches
 
@@ -43,7 +42,9 @@ class Row:
     """One request's place in prefill and decode.
 
     Attributes:
-        state: The engine's record of the request.
+        owner: The request's owner id (its blocks in every layer are checked out under it).
+        prompt_ids: The prompt tokens.
+        want_logprobs: Hand back the distribution each token was drawn from.
         sampler: Draws a token from ``(1, vocab)`` log-probabilities.
         processors: mlx-lm logits processors (penalties, logit bias).
         greedy: Temperature 0 and no processors: batch-wide argmax applies.
@@ -53,7 +54,9 @@ class Row:
         pending: The row's current input token was not sent to the client yet.
     """
 
-    state: RequestState
+    owner: int
+    prompt_ids: list[int]
+    want_logprobs: bool
     sampler: Sampler
     processors: list[Callable]
     greedy: bool
@@ -89,19 +92,19 @@ class PrefillGroup:
         the request that causes it.
         """
         take = 1
-        width = len(waiting[0].state.prompt_ids)
-        while take < len(waiting) and waiting[0].state.owner not in solo:
-            if waiting[take].state.owner in solo:
+        width = len(waiting[0].prompt_ids)
+        while take < len(waiting) and waiting[0].owner not in solo:
+            if waiting[take].owner in solo:
                 break
-            w = max(width, len(waiting[take].state.prompt_ids))
+            w = max(width, len(waiting[take].prompt_ids))
             if (take + 1) * w > max_tokens:
                 break
             take, width = take + 1, w
         rows = waiting[:take]
         del waiting[:take]
-        pads = [width - len(r.state.prompt_ids) for r in rows]
-        caches = make_batch_caches(model, pool, [r.state.owner for r in rows], pads)
-        prompts = [[0] * p + r.state.prompt_ids for p, r in zip(pads, rows, strict=True)]
+        pads = [width - len(r.prompt_ids) for r in rows]
+        caches = make_batch_caches(model, pool, [r.owner for r in rows], pads)
+        prompts = [[0] * p + r.prompt_ids for p, r in zip(pads, rows, strict=True)]
         return cls(rows, caches, prompts, width)
 
     def advance(self, model: Any, chunk: int, budget: int) -> tuple[int, mx.array | None]:

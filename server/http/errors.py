@@ -2,8 +2,12 @@
 
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` is
 the body of every non-2xx answer: our own :class:`APIError` subclasses,
-FastAPI's request validation errors, Starlette's 404/405, invalid JSON, and
-(as a last resort, logged as a bug) any unexpected exception.
+FastAPI's request validation errors, Starlette's 404/405/413, invalid JSON,
+and (as a last resort, logged as a bug) any unexpected exception.
+
+This module alone decides what the engine's reasons mean to an HTTP client
+(:func:`engine_error`, :func:`status_of`, :func:`end_status`) and when an
+answer carries ``Retry-After`` (:func:`error_response`: every 429 and 503).
 """
 
 from __future__ import annotations
@@ -16,9 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.engine.protocol import Failed, FinishReason, Reason, Rejected
+from server.settings import Settings
 from veloxquant_mlx.exceptions import VeloxQuantError
 
 log = logging.getLogger("veloxquant.server")
+
+# Not a registered status: what the request log and the request counter record
+# for a request whose client left before its answer (nginx's convention).
+CLIENT_CLOSED = 499
 
 
 class APIError(Exception):
@@ -30,22 +40,14 @@ class APIError(Exception):
         type: OpenAI error type (``invalid_request_error``, ...).
         param: The request field at fault, if any.
         code: A short machine-readable code.
-        headers: Extra response headers (``Retry-After``).
     """
 
     status = 400
     type = "invalid_request_error"
     code: str | None = None
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        status: int | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -53,7 +55,6 @@ class APIError(Exception):
             self.code = code
         if status is not None:
             self.status = status
-        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         """The JSON body of this error."""
@@ -64,10 +65,11 @@ class InvalidRequestError(APIError):
     """The request is malformed or asks for something impossible (400)."""
 
 
-class RequestTooLargeError(InvalidRequestError):
-    """Prompt plus max_tokens could never fit the pool or the limits (400)."""
+class RequestTooLargeError(APIError):
+    """The request body is over ``limits.max_body_bytes`` (413)."""
 
-    code = "context_length_exceeded"
+    status = 413
+    code = "request_too_large"
 
 
 class AuthenticationError(APIError):
@@ -87,7 +89,7 @@ class PermissionDeniedError(APIError):
 
 
 class OverloadedError(APIError):
-    """No capacity now: the waiting queue is full or the wait timed out (429)."""
+    """No capacity now: the waiting queue is full, the wait timed out, a per-client cap (429)."""
 
     status = 429
     type = "rate_limit_error"
@@ -95,7 +97,7 @@ class OverloadedError(APIError):
 
 
 class UnavailableError(APIError):
-    """The model is not loaded or the engine is stopped (503)."""
+    """The model is not loaded, the engine is stopped, or the server drains (503)."""
 
     status = 503
     type = "server_error"
@@ -110,6 +112,46 @@ class GenerationError(APIError):
     code = "generation_failed"
 
 
+# What each engine reason is to a client; the reason's value is the error code.
+_ENGINE_ERRORS: dict[Reason, type[APIError]] = {
+    Reason.EMPTY_PROMPT: InvalidRequestError,
+    Reason.INVALID_PROMPT: InvalidRequestError,
+    Reason.INVALID_VALUE: InvalidRequestError,
+    Reason.TOO_LARGE: InvalidRequestError,
+    Reason.QUEUE_FULL: OverloadedError,
+    Reason.QUEUE_TIMEOUT: OverloadedError,
+    Reason.SHUTTING_DOWN: UnavailableError,
+    Reason.MODEL_ERROR: GenerationError,
+}
+# Statuses whose answer tells the client when to come back.
+_RETRY_STATUSES = frozenset({OverloadedError.status, UnavailableError.status})
+
+
+def engine_error(event: Rejected | Failed) -> APIError:
+    """The error a client gets for a request the engine refused or failed."""
+    cls = _ENGINE_ERRORS[event.reason]
+    message = event.message
+    if event.reason is Reason.MODEL_ERROR:
+        message = f"generation failed: {message}"
+    return cls(message, param=getattr(event, "param", None), code=event.reason.value)
+
+
+def status_of(reason: Reason) -> int:
+    """The HTTP status a request refused or failed for ``reason`` is answered with."""
+    if reason is Reason.CANCELLED_WAITING:
+        return CLIENT_CLOSED
+    return _ENGINE_ERRORS[reason].status
+
+
+def end_status(finish: FinishReason, failure: Reason | None = None) -> int:
+    """The HTTP status of a request that ran and ended with ``finish``."""
+    if finish is FinishReason.CANCELLED:
+        return CLIENT_CLOSED
+    if finish is FinishReason.ERROR:
+        return status_of(failure or Reason.MODEL_ERROR)
+    return 200
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -117,9 +159,17 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    """Render an :class:`APIError` as a JSON response."""
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def error_response(exc: APIError, settings: Settings) -> JSONResponse:
+    """Render an :class:`APIError`; every 429 and 503 carries ``Retry-After``."""
+    return _json(exc.body(), exc.status, settings)
+
+
+def _json(body: dict[str, Any], status: int, settings: Settings,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if status in _RETRY_STATUSES:
+        headers["Retry-After"] = str(settings.limits.retry_after_s)
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -148,12 +198,24 @@ _STATUS_TYPES = {
 }
 
 
+def _http_message(request: Request, status: int, detail: Any) -> str:
+    if status == 404:
+        return (f"no route {request.method} {request.url.path}; see GET /v1/models, "
+                "POST /v1/completions, POST /v1/chat/completions")
+    if status == 405:
+        return f"method {request.method} is not allowed on {request.url.path}"
+    return str(detail)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception family to the OpenAI error shape."""
 
+    def settings_of(request: Request) -> Settings:
+        return request.app.state.settings
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, settings_of(request))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -165,16 +227,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
-        if status == 404:
-            message = f"no route {request.method} {request.url.path}; see GET /v1/models, " \
-                      "POST /v1/completions, POST /v1/chat/completions"
-        elif status == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        else:
-            message = str(exc.detail)
-        body = error_body(message, _STATUS_TYPES.get(status, "invalid_request_error"),
-                          None, str(status))
-        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+        body = error_body(_http_message(request, status, exc.detail),
+                          _STATUS_TYPES.get(status, "invalid_request_error"), None, str(status))
+        return _json(body, status, settings_of(request), getattr(exc, "headers", None))
 
     @app.exception_handler(VeloxQuantError)
     async def _library(_: Request, exc: VeloxQuantError) -> JSONResponse:

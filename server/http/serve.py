@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from server.guards import DrainState
+from server.http.guards import DrainState
 from server.settings import Settings
 
 log = logging.getLogger("veloxquant.server")
@@ -57,7 +57,7 @@ class DrainingServer(uvicorn.Server):
 
     Args:
         config: The uvicorn config (its app is ours).
-        drain: The drain state the app's :class:`~server.guards.Guards` obeys.
+        drain: The drain state the app's :class:`~server.http.guards.Guards` obeys.
         grace_s: How long in-flight requests may take after SIGTERM.
         engine: Stopped when the grace period runs out, so the requests left
             end with a 503 instead of a cut connection.

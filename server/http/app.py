@@ -15,10 +15,12 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import install_error_handlers
-from server.guards import DrainState, Guards
-from server.metrics import EngineCollector, ServerMetrics
-from server.routes import admin, chat, completions, system
+from server.http import request_log
+from server.http.auth import require_api_key
+from server.http.errors import CLIENT_CLOSED, install_error_handlers
+from server.http.guards import DrainState, Guards
+from server.http.routes import admin, chat, completions, system
+from server.metrics import EngineCollector, PoolCollector, ServerMetrics
 from server.settings import Settings
 
 
@@ -37,7 +39,7 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 499  # nothing sent: the client left first
+        status = CLIENT_CLOSED  # nothing sent: the client left first
 
         async def counting_send(message: Message) -> None:
             nonlocal status
@@ -69,11 +71,13 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
         ``state.metrics`` set.
     """
     if engine is None:
-        from server.engine import Engine
+        from server.engine.engine import Engine  # imports MLX: only when serving for real
 
         engine = Engine(settings, ServerMetrics())
     metrics: ServerMetrics = getattr(engine, "metrics", None) or ServerMetrics()
+    metrics.registry.register(PoolCollector(engine.pool))
     metrics.registry.register(EngineCollector(engine, metrics))
+    metrics.listeners.append(request_log.RequestLog())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -94,14 +98,15 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.started_at = int(time.time())
     install_error_handlers(app)
-    # /health and /metrics stay open; the inference routes need the API key when one is set.
-    guarded = [Depends(admin.require_api_key)]
+    # /health stays open, /metrics too unless server.metrics_require_key; the inference
+    # routes need the API key when one is set.
+    guarded = [Depends(require_api_key)]
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(chat.router, dependencies=guarded)
     app.include_router(system.models_router, dependencies=guarded)
     app.include_router(system.router)
     app.include_router(admin.router)
-    # Body size, /metrics key, SIGTERM drain and stalled streams (server/guards.py);
+    # SIGTERM drain, per-client cap, body size and stalled streams (server/http/guards.py);
     # added first so RequestCounter, outside it, counts what the guards answer too.
     app.state.drain = DrainState()
     app.add_middleware(Guards, settings=settings, drain=app.state.drain)

@@ -1,0 +1,371 @@
+"""The generation engine: the one thread that owns the model and all MLX work.
+
+Routes call :meth:`Engine.submit` (thread-safe, non-blocking); the engine
+thread answers through each request's
+:class:`~server.engine.protocol.EventChannel`. One loop, one thread::
+
+    while running:
+        intake   inbox -> scheduler.intake (refused, or waiting)
+        step()   schedule: expire waiting requests, admit what fits (scheduler)
+                 run:      prefill new requests within the step's token budget,
+                           then decode every running request in ONE model call (runner)
+                 postprocess: detokenize, stop strings, limits, events (output);
+                           finished requests leave the runner and are released
+
+Every exit path (done, stop, length, model error, cancellation, shutdown)
+goes through :meth:`Engine._end`, in the step that ended the request: its
+rows leave the runner (blocks back to the pool), then the scheduler retires
+its owner, then the client hears.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from server.engine.output import OutputProcessor
+from server.engine.protocol import (
+    Admitted,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Reason,
+    Rejected,
+    Usage,
+)
+from server.engine.request_state import RequestState
+from server.engine.runner import ModelRunner, RunOutput, memory_snapshot
+from server.engine.sampling import reset_random_state
+from server.engine.scheduler import Scheduler
+from server.metrics import ServerMetrics
+from server.model_loader import LoadedModel, load_model
+from server.settings import Settings
+from veloxquant_mlx.cpu_backend import describe_backend
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+
+log = logging.getLogger("veloxquant.server")
+
+# Called on the engine thread with a request's state right before each model
+# call of that request; raising fails that request only (fault injection in tests).
+FaultHook = Callable[[RequestState], None]
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+@dataclass(slots=True)
+class _Command:
+    """Work to run on the engine thread between steps (admin operations)."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+def make_pool(settings: Settings) -> BlockPoolAllocator:
+    """Build the shared pool from the ``[pool]`` settings."""
+    p = settings.pool
+    return BlockPoolAllocator(
+        PoolConfig(
+            block_size=p.block_size,
+            n_blocks=p.n_blocks,
+            separate_kv=p.separate_kv,
+            grow_on_exhaustion=p.grow_on_exhaustion,
+            max_blocks=p.max_blocks or None,
+        )
+    )
+
+
+class Engine:
+    """Owns the model thread, the scheduler, the runner and the shared pool.
+
+    Args:
+        settings: Server settings.
+        metrics: Where to record request metrics (a private registry).
+        loader: Loads the model on the engine thread (tests may pass their own).
+        fault_hook: Optional per-step hook, see :data:`FaultHook`.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: ServerMetrics | None = None,
+        *,
+        loader: Callable[[Any], LoadedModel] = load_model,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = make_pool(settings)
+        self.metrics = metrics or ServerMetrics()
+        self._loader = loader
+        self.fault_hook = fault_hook
+        self._inbox: queue.SimpleQueue[GenerationRequest | _Command | None] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loaded: LoadedModel | None = None
+        self.load_error: str | None = None
+        self.scheduler: Scheduler | None = None
+        self.runner: ModelRunner | None = None
+        self.output: OutputProcessor | None = None
+        self._memory_at = 0.0
+
+    # -- lifecycle (any thread) -----------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; the model loads on it."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="veloxquant-engine", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (or failed to); True when ready."""
+        self._ready.wait(timeout)
+        return self.is_ready
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; running and waiting requests are told the server is stopping."""
+        self._stopping.set()
+        self._inbox.put(None)  # wake an idle loop
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        """Model loaded and the engine thread alive and not stopping."""
+        return (
+            self.loaded is not None
+            and self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopping.is_set()
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The served model id (empty before load)."""
+        return self.loaded.name if self.loaded else ""
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request for the engine thread (never blocks)."""
+        self._inbox.put(request)
+
+    def run_on_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between two steps; returns its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Command(fn, future))
+        return future
+
+    def shrink(self, stream: str, target_free: int) -> concurrent.futures.Future:
+        """Retire free blocks, never below what running requests have reserved.
+
+        Runs on the engine thread so no admission happens in between.
+
+        Args:
+            stream: "k", "v" or "kv" ("kv" on a split pool shrinks both).
+            target_free: Free blocks to leave per stream.
+
+        Returns:
+            A future of ``(retired, floors)``: blocks retired and, per stream,
+            the free blocks kept for running requests' reservations.
+        """
+        return self.run_on_engine(lambda: self._shrink(stream, target_free))
+
+    def _shrink(self, stream: str, target_free: int) -> tuple[int, dict[str, int]]:
+        streams = self.pool.config.streams
+        targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
+        outstanding = self.scheduler.outstanding()
+        retired = 0
+        floors = {}
+        for name in targets:
+            floors[name] = max(target_free, outstanding.get(name, 0))
+            retired += self.pool.shrink(name, floors[name])
+        return retired, floors
+
+    def live_requests(self) -> dict[int, str]:
+        """Owner id -> request id of every request holding (or about to hold) blocks."""
+        return self.scheduler.live_requests() if self.scheduler else {}
+
+    def queue_depths(self) -> tuple[int, int]:
+        """(running, waiting) request counts."""
+        return self.scheduler.depths() if self.scheduler else (0, 0)
+
+    # -- the loop (engine thread) ---------------------------------------------
+
+    def _run(self) -> None:
+        if not self._load():
+            return
+        try:
+            while not self._stopping.is_set():
+                idle = not self.scheduler.running
+                self._intake(timeout=0.05 if idle else 0.0)
+                self.step()
+                self._sample_memory(force=idle)
+        except Exception:  # a bug in the loop itself: fail everything cleanly
+            log.exception("engine loop crashed")
+        finally:
+            self._shutdown()
+
+    def _load(self) -> bool:
+        try:
+            loaded = self._loader(self.settings.model)
+            self.scheduler = Scheduler(self.settings, self.pool, loaded, self.metrics)
+            self.runner = ModelRunner(loaded.model, self.pool,
+                                      self.settings.batch.prefill_chunk_size)
+            self.output = OutputProcessor(loaded.tokenizer)
+            self.loaded = loaded
+            # The one start-up line that says what the server computes with.
+            log.info("model %s loaded (%d layers; %s); backend: %s", loaded.name,
+                     loaded.n_layers, loaded.weights or "weights as stored",
+                     describe_backend(loaded.dtype))
+        except Exception as exc:  # the server reports it on /health and exits
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("model load failed: %s", self.load_error)
+            return False
+        finally:
+            self._ready.set()
+        return True
+
+    def _intake(self, timeout: float) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Command):
+                _run_command(item)
+            elif item is not None:
+                self.scheduler.intake(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def step(self) -> None:
+        """schedule -> run -> postprocess: prefill within the token budget, then one decode."""
+        self.scheduler.expire()
+        for state in self.scheduler.admit():
+            self._start(state)
+        if not self.scheduler.running:
+            return
+        self._end(self.scheduler.cancelled(), FinishReason.CANCELLED)
+        hook = self._row_hook if self.fault_hook is not None else None
+        self._postprocess(self.runner.prefill(self.settings.batch.max_prefill_tokens_per_step,
+                                              hook))
+        decoded = self.runner.decode(hook)
+        self._postprocess(decoded)
+        if decoded.rows:
+            self.metrics.batch_step(decoded.rows)
+
+    def _row_hook(self, owner: int) -> None:
+        self.fault_hook(self.scheduler.running[owner])
+
+    def _start(self, state: RequestState) -> None:
+        try:
+            self.runner.add(state.owner, state.prompt_ids, state.request.params)
+        except Exception as exc:
+            log.exception("request %s failed to start", state.request_id)
+            self._end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
+                      f"generation failed to start: {exc}")
+            return
+        self.metrics.admitted(time.monotonic() - state.submitted_at, len(state.prompt_ids))
+        state.request.channel.put(Admitted(state.owner, len(state.prompt_ids),
+                                           state.reservation.total))
+
+    def _postprocess(self, out: RunOutput) -> None:
+        """Tokens to events; requests that finished or failed end, together."""
+        failed = {f.owner for f in out.failed}
+        running = self.scheduler.running
+        done = []
+        for sampled in out.tokens:
+            state = running.get(sampled.owner)
+            if state is None or sampled.owner in failed:
+                continue
+            event = self.output.accept(state, sampled.token, sampled.logprobs)
+            self.metrics.token(state)
+            if event is not None and (event.text or event.logprob is not None):
+                state.request.channel.put(event)
+            if state.finish is not None:
+                done.append(state)
+        self._end(done)  # they leave the runner together (one filter of each layer)
+        if out.failed:
+            reset_random_state()  # a failure inside a compiled sampler poisons it
+        for failure in out.failed:
+            state, exc = running[failure.owner], failure.error
+            log.error("model error in request %s: %s: %s", state.request_id,
+                      type(exc).__name__, exc)
+            self._end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
+                      f"{type(exc).__name__}: {exc}", held=failure.held)
+
+    def _end(self, states: list[RequestState], reason: FinishReason | None = None,
+             failure: Reason | None = None, message: str = "", held: int = 0) -> None:
+        """End requests: rows out of the runner, owners retired, then the clients hear.
+
+        Args:
+            states: The requests.
+            reason: How they ended (None: each one's own ``finish``).
+            failure: Why, for ``FinishReason.ERROR``.
+            message: What to tell the client of a failure.
+            held: Blocks a request held when the runner already dropped it.
+        """
+        if not states:
+            return
+        peaks: dict[int, int] = {}
+        try:
+            if self.runner is not None:
+                peaks = self.runner.remove(s.owner for s in states)
+        finally:
+            for state in states:
+                kv_blocks = self.scheduler.release(
+                    state, max(held, peaks.get(state.owner, 0)))
+                self._notify_end(state, reason or state.finish, failure, message, kv_blocks)
+
+    def _notify_end(self, state: RequestState, reason: FinishReason, failure: Reason | None,
+                    message: str, kv_blocks: int) -> None:
+        usage = Usage(len(state.prompt_ids), state.generated, kv_blocks)
+        if reason is FinishReason.ERROR:
+            failure = failure or Reason.MODEL_ERROR
+            state.request.channel.put(Failed(failure, message or "generation failed", usage))
+        else:
+            tail = ""
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                state.finish = reason
+                tail = self.output.final_text(state)
+            state.request.channel.put(Finished(reason, usage, tail))
+        self.metrics.finished(state, reason, kv_blocks, failure)
+
+    def _sample_memory(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._memory_at > 0.5:
+            self._memory_at = now
+            self.metrics.set_memory(memory_snapshot())
+
+    def _shutdown(self) -> None:
+        self._end(list(self.scheduler.running.values()), FinishReason.ERROR,
+                  Reason.SHUTTING_DOWN, SHUTTING_DOWN)
+        self.runner.close()
+        stopping = Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN)
+        self.scheduler.reject_waiting(stopping)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Command):
+                item.future.set_exception(RuntimeError("the engine stopped"))
+            elif item is not None:
+                item.channel.put(stopping)
+
+
+def _run_command(command: _Command) -> None:
+    if not command.future.set_running_or_notify_cancel():
+        return
+    try:
+        command.future.set_result(command.fn())
+    except Exception as exc:
+        command.future.set_exception(exc)

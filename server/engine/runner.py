@@ -1,0 +1,316 @@
+"""The model runner: prefill and batched decode over pool-held KV (engine thread only).
+
+It speaks in owner ids, token ids and sampling parameters; it knows nothing
+of text, stop strings or clients (that is :mod:`server.engine.output`).
+
+Every running request is a :class:`~server.engine.prefill.Row`. A row first
+*prefills*: with the requests that start in the same step it forms a
+:class:`~server.engine.prefill.PrefillGroup` whose prompts run through the
+model together, in chunks, into multi-row pool-backed caches (blocks under
+each request's own owner). Each row's first token is sampled as soon as its
+group's prompts are in, so time to first token does not wait for the decode
+batch. The group then *joins* the decode batch at the next step boundary.
+Each :meth:`ModelRunner.decode` decodes every joined row in ONE model call::
+
+    step k:   feed  inputs (token t_k of each row)  -> logits -> sample t_k+1 (lazy)
+              async_eval(t_k+1)                         # the device starts on step k
+              read  t_k (ready since step k-1)  -> handed back for postprocessing
+    rows that finished leave (remove -> filter): their blocks return to the pool now
+
+Reading ``t_k`` while ``t_k+1`` computes keeps Python's per-token work off
+the model's critical path, as mlx-lm's ``generate_step`` does for one
+stream. A row's KV never exceeds ``prompt + max_tokens`` tokens (the last
+token is fed once before the row is seen to finish), which is what the
+admission reservation covers.
+
+Each row samples with its own settings (temperature, top-p/k, min-p, seed,
+penalties, logit bias); when every row is greedy with no processors the
+whole batch samples with one ``argmax``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from server.engine.prefill import PrefillGroup, Row
+from server.engine.protocol import SamplingParams
+from server.engine.sampling import build_logits_processors, build_sampler
+from veloxquant_mlx.memory import BlockPoolAllocator
+from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache
+
+# Called with a row's owner right before each model call that row takes part in;
+# raising fails that row alone (fault injection in tests).
+RowHook = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A token a model call produced for a row.
+
+    Attributes:
+        owner: The row's owner id.
+        token: The token id.
+        logprobs: The ``(vocab,)`` log-probabilities it was drawn from (None
+            unless the row asked for them).
+    """
+
+    owner: int
+    token: int
+    logprobs: mx.array | None
+
+
+@dataclass(frozen=True, slots=True)
+class RowFailure:
+    """A row whose model work raised; it has already left the runner.
+
+    Attributes:
+        owner: The row's owner id.
+        error: What was raised.
+        held: Blocks the row held just before it left.
+    """
+
+    owner: int
+    error: Exception
+    held: int
+
+
+@dataclass(slots=True)
+class RunOutput:
+    """What one prefill or decode pass produced.
+
+    Attributes:
+        tokens: Sampled tokens, at most one per row.
+        failed: Rows whose model work raised.
+        rows: Rows in the batched decode call (0: no call, or a prefill pass).
+    """
+
+    tokens: list[Sampled] = field(default_factory=list)
+    failed: list[RowFailure] = field(default_factory=list)
+    rows: int = 0
+
+
+def memory_snapshot() -> dict[str, int]:
+    """MLX allocator counters in bytes (active, cache, peak)."""
+    return {
+        "active": int(mx.get_active_memory()),
+        "cache": int(mx.get_cache_memory()),
+        "peak": int(mx.get_peak_memory()),
+    }
+
+
+class ModelRunner:
+    """Prefilling rows, joining rows and the decode batch.
+
+    Args:
+        model: The mlx-lm model.
+        pool: The shared pool the rows' caches draw from.
+        prefill_chunk_size: Most prompt columns per prefill model call.
+    """
+
+    def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.chunk = prefill_chunk_size
+        self.prefilling: list[Row] = []  # added, prefill not started
+        self.group: PrefillGroup | None = None  # prefill in progress
+        self.joining: list[PrefillGroup] = []  # prefilled, joining at the next decode
+        self.rows: list[Row] = []
+        self.caches: list[PoolBackedBatchKVCache] | None = None
+        self.inputs: mx.array | None = None
+        self._solo: set[int] = set()  # owners that prefill alone (see PrefillGroup.form)
+
+    # -- rows in and out -------------------------------------------------------
+
+    def add(self, owner: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request for prefill (no model work yet)."""
+        processors = build_logits_processors(params)
+        row = Row(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
+                  greedy=params.temperature == 0.0 and not processors)
+        if processors:
+            row.history = mx.array(prompt_ids)
+        self.prefilling.append(row)
+
+    def remove(self, owners: Iterable[int]) -> dict[int, int]:
+        """Take rows out wherever they are; their blocks of every layer go back now.
+
+        Owners the runner does not hold are ignored, so removing twice is harmless.
+
+        Returns:
+            Owner -> blocks it held just before leaving.
+        """
+        gone = set(owners)
+        held = {owner: self.pool.n_blocks_held(owner) for owner in gone}
+        self._solo -= gone
+        self.prefilling = [r for r in self.prefilling if r.owner not in gone]
+        for group in ([self.group] if self.group else []) + self.joining:
+            keep = [i for i, r in enumerate(group.rows) if r.owner not in gone]
+            if len(keep) < len(group.rows):
+                group.keep(keep)
+        if self.group is not None and not self.group.rows:
+            self.group = None
+        self.joining = [g for g in self.joining if g.rows]
+        keep = [i for i, r in enumerate(self.rows) if r.owner not in gone]
+        if len(keep) < len(self.rows):
+            self._filter(keep)
+        return held
+
+    def _filter(self, keep: list[int]) -> None:
+        """Keep decode rows ``keep``; the others' blocks go back to the pool."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            for cache in self.caches:
+                cache.release()
+            self.caches, self.inputs = None, None
+            return
+        for cache in self.caches:
+            cache.filter(keep)
+        self.inputs = self.inputs[mx.array(keep, dtype=mx.int32)]
+
+    def close(self) -> None:
+        """Wait for model work still in flight, e.g. the last decode's lookahead.
+
+        Called when the engine stops, so no MLX work runs while the process exits.
+        """
+        mx.synchronize()
+
+    # -- prefill -----------------------------------------------------------------
+
+    def prefill(self, budget: int, hook: RowHook | None = None) -> RunOutput:
+        """Prefill within ``budget`` prompt tokens; sample each finished group's first tokens.
+
+        An error in a group's model call restarts its rows alone (nothing was
+        handed back for them yet); a lone row whose call raises fails.
+        """
+        out = RunOutput()
+        left = budget
+        while left > 0 and (self.group is not None or self.prefilling):
+            if self.group is None:
+                self.group = PrefillGroup.form(self.prefilling, self.model, self.pool,
+                                               budget, self._solo)
+            group = self.group
+            self._run_hooks(group.rows, hook, out)
+            if self.group is None:
+                continue  # every row of the group failed in its hook
+            try:
+                used, logits = group.advance(self.model, self.chunk, left)
+                first = self._first_tokens(group, logits) if logits is not None else None
+            except Exception as exc:
+                self._prefill_failed(group, exc, out)
+                continue
+            left -= used
+            if first is not None:
+                self.group = None
+                self.joining.append(group)
+                out.tokens += first
+        return out
+
+    def _run_hooks(self, rows: list[Row], hook: RowHook | None, out: RunOutput) -> None:
+        if hook is None:
+            return
+        for row in list(rows):
+            try:
+                hook(row.owner)
+            except Exception as exc:
+                self._fail([row.owner], exc, out)
+
+    def _prefill_failed(self, group: PrefillGroup, exc: Exception, out: RunOutput) -> None:
+        """A lone row fails; a group's rows restart their prefill alone."""
+        if len(group.rows) == 1:
+            self._fail([group.rows[0].owner], exc, out)
+            return
+        for cache in group.caches:
+            cache.release()
+        self._solo.update(r.owner for r in group.rows)
+        self.prefilling[:0] = group.rows
+        self.group = None
+
+    def _fail(self, owners: list[int], exc: Exception, out: RunOutput) -> None:
+        held = self.remove(owners)
+        out.failed += [RowFailure(owner, exc, held[owner]) for owner in owners]
+
+    def _first_tokens(self, group: PrefillGroup, logits: mx.array) -> list[Sampled]:
+        """Sample every row's first token (one evaluation for the group)."""
+        drawn = [self._sample_one(row, logits[i: i + 1]) for i, row in enumerate(group.rows)]
+        mx.eval(drawn)
+        tokens = mx.concatenate([token for token, _ in drawn]).tolist()
+        out = []
+        for row, (token, logprobs), value in zip(group.rows, drawn, tokens, strict=True):
+            row.first = token
+            out.append(Sampled(row.owner, value, logprobs[0] if row.want_logprobs else None))
+        return out
+
+    def _sample_one(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array]:
+        for processor in row.processors:
+            logits = processor(row.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return row.sampler(logprobs), logprobs
+
+    # -- decode ------------------------------------------------------------------
+
+    def decode(self, hook: RowHook | None = None) -> RunOutput:
+        """Join prefilled groups, then decode every row in one model call.
+
+        An error in that call fails every row in it.
+        """
+        out = RunOutput()
+        self._run_hooks(self.rows + [r for g in self.joining for r in g.rows], hook, out)
+        out.rows = len(self.rows) + sum(len(g.rows) for g in self.joining)
+        try:
+            out.tokens = self._decode_step()
+        except Exception as exc:
+            self._fail([row.owner for row in self.rows], exc, out)
+            out.rows = 0
+        return out
+
+    def _join(self) -> None:
+        """Move prefilled groups into the batch (a step boundary)."""
+        for group in self.joining:
+            first = mx.concatenate([row.first for row in group.rows])
+            if self.caches is None:
+                self.caches, self.inputs = group.caches, first
+            else:
+                for batch_layer, group_layer in zip(self.caches, group.caches, strict=True):
+                    batch_layer.extend(group_layer)
+                self.inputs = mx.concatenate([self.inputs, first])
+            for row in group.rows:
+                row.first, row.pending = None, False
+            self.rows += group.rows
+        self.joining = []
+
+    def _decode_step(self) -> list[Sampled]:
+        """One batched model call; returns the tokens that became ready, one per row at most."""
+        self._join()
+        if not self.rows:
+            return []
+        current = self.inputs
+        logits = self.model(current[:, None], cache=self.caches)[:, -1, :]
+        nxt, logprobs = self._sample(logits, current)
+        mx.async_eval(nxt, logprobs)
+        tokens = current.tolist()
+        out = []
+        for i, row in enumerate(self.rows):
+            if row.pending:
+                out.append(Sampled(row.owner, tokens[i], row.logprobs))
+            row.pending = True
+            if row.want_logprobs:
+                row.logprobs = logprobs[i]
+        self.inputs = nxt
+        return out
+
+    def _sample(self, logits: mx.array, current: mx.array) -> tuple[mx.array, mx.array]:
+        """Next token of every row, each with its own settings; and the log-probabilities."""
+        if all(r.greedy for r in self.rows):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1), logprobs
+        tokens, rows_lp = [], []
+        for i, row in enumerate(self.rows):
+            if row.processors:
+                row.history = mx.concatenate([row.history, current[i: i + 1]])
+            token, lp = self._sample_one(row, logits[i: i + 1])
+            tokens.append(token.astype(mx.uint32))
+            rows_lp.append(lp)
+        return mx.concatenate(tokens), mx.concatenate(rows_lp)

@@ -1,0 +1,211 @@
+"""The scheduler: intake, the waiting and running queues, expiry, admission.
+
+Runs on the engine thread. It is the one owner of a request's lifetime:
+
+    submit -> intake()  tokenize, size checks  -> refused (Rejected) or waiting
+    waiting -> expire()  cancelled or past limits.queue_timeout_s -> dropped / Rejected
+    waiting -> admit()   first come first served, while the batch has room and
+                         the pool can hold the reservation (server.engine.capacity):
+                         a fresh owner id, registered on the pool -> running
+    running -> release() the owner is retired on the pool (its blocks went back
+                         when its rows left the runner) -> gone
+
+:meth:`admit` is the only place an owner is registered and :meth:`release`
+the only place one is retired; everything else reads :attr:`running`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from server.engine.capacity import CapacityPlanner, Reservation
+from server.engine.intake import RequestRejected, check_token_params, tokenize_prompt
+from server.engine.output import StopMatcher
+from server.engine.protocol import GenerationRequest, Reason, Rejected
+from server.engine.request_state import PendingRequest, RequestState
+from server.metrics import ServerMetrics
+from server.model_loader import LoadedModel
+from server.settings import Settings
+from veloxquant_mlx.memory import BlockPoolAllocator
+
+
+class Scheduler:
+    """Waiting and running requests, and who may run next.
+
+    Args:
+        settings: Server settings (``limits`` and ``batch.max_batch_size``).
+        pool: The shared pool.
+        loaded: The loaded model (tokenizer, vocabulary, layer count).
+        metrics: Where refusals and admissions are recorded.
+
+    Invariant: an owner is in :attr:`running` exactly while it is registered
+    on the pool (registered right after it is listed, retired right before
+    it is unlisted), so an owner holding blocks is always a listed one.
+    """
+
+    def __init__(self, settings: Settings, pool: BlockPoolAllocator, loaded: LoadedModel,
+                 metrics: ServerMetrics) -> None:
+        self.limits = settings.limits
+        self.max_batch_size = settings.batch.max_batch_size
+        self.pool = pool
+        self.loaded = loaded
+        self.metrics = metrics
+        self.planner = CapacityPlanner(pool, loaded.n_layers)
+        self.waiting: deque[PendingRequest] = deque()
+        self.running: dict[int, RequestState] = {}  # owner -> state; written under _lock
+        self._lock = threading.Lock()
+        self._owners = itertools.count(1)
+
+    # -- read from any thread ----------------------------------------------------
+
+    def live_requests(self) -> dict[int, str]:
+        """Owner id -> request id of every running request."""
+        with self._lock:
+            return {owner: state.request_id for owner, state in self.running.items()}
+
+    def depths(self) -> tuple[int, int]:
+        """(running, waiting) request counts."""
+        return len(self.running), len(self.waiting)
+
+    # -- intake --------------------------------------------------------------------
+
+    def intake(self, request: GenerationRequest) -> None:
+        """Queue a submitted request, or refuse it at once (too large, queue full)."""
+        try:
+            prompt_ids = tokenize_prompt(self.loaded, request.prompt)
+            check_token_params(self.loaded, request.params)
+            need = self._check_size(request, prompt_ids)
+            if len(self.waiting) >= self.limits.max_queue and not (
+                    self._has_room() and self._fits_now(need)):
+                raise RequestRejected(Rejected(
+                    Reason.QUEUE_FULL, f"server busy: {len(self.waiting)} requests already "
+                    f"wait for KV capacity (limits.max_queue={self.limits.max_queue}); "
+                    "retry later"))
+        except RequestRejected as exc:
+            self.reject(request, exc.event)
+            return
+        now = time.monotonic()
+        self.waiting.append(PendingRequest(request, prompt_ids, need, now,
+                                           now + self.limits.queue_timeout_s))
+
+    def reject(self, request: GenerationRequest, event: Rejected) -> None:
+        """Refuse a request that never ran."""
+        self.metrics.rejected(event.reason, request)
+        request.channel.put(event)
+
+    def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise RequestRejected(Rejected(Reason.EMPTY_PROMPT,
+                                           "the prompt is empty (0 tokens)", "prompt"))
+        if n_prompt > self.limits.max_prompt_tokens:
+            raise RequestRejected(Rejected(
+                Reason.TOO_LARGE, f"prompt has {n_prompt} tokens, more than "
+                f"limits.max_prompt_tokens={self.limits.max_prompt_tokens}; shorten the prompt",
+                "prompt"))
+        n_tokens = n_prompt + request.params.max_tokens
+        need = self.planner.reservation(n_tokens)
+        if not self._fits_now(need):
+            why = self.planner.never_fits(need, n_tokens)
+            if why is not None:
+                raise RequestRejected(Rejected(Reason.TOO_LARGE, why, "max_tokens"))
+        return need
+
+    # -- expiry and admission ------------------------------------------------------
+
+    def expire(self) -> None:
+        """Drop waiting requests whose client left; refuse those past their deadline."""
+        if not self.waiting:
+            return
+        now = time.monotonic()
+        keep: deque[PendingRequest] = deque()
+        for pending in self.waiting:
+            if pending.request.cancelled.is_set():
+                self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request)
+            elif now >= pending.deadline:
+                self.reject(pending.request, Rejected(
+                    Reason.QUEUE_TIMEOUT, "no KV capacity within limits.queue_timeout_s="
+                    f"{self.limits.queue_timeout_s}s; retry later"))
+            else:
+                keep.append(pending)
+        self.waiting = keep
+
+    def admit(self) -> Iterator[RequestState]:
+        """Move waiting requests to running, first come first served, while they fit.
+
+        Yields:
+            Each admitted request, its owner registered on the pool.
+        """
+        if not self.waiting:
+            return
+        outstanding = self.outstanding()
+        while self.waiting and self._has_room():
+            head = self.waiting[0]
+            if not self.planner.fits_now(head.reservation, outstanding):
+                break
+            self.waiting.popleft()
+            for stream, blocks in head.reservation.per_stream.items():
+                outstanding[stream] = outstanding.get(stream, 0) + blocks
+            yield self._register(head)
+
+    def _register(self, pending: PendingRequest) -> RequestState:
+        request, tokenizer = pending.request, self.loaded.tokenizer
+        state = RequestState(
+            request=request, owner=next(self._owners), prompt_ids=pending.prompt_ids,
+            reservation=pending.reservation, submitted_at=pending.enqueued_at,
+            detokenizer=tokenizer.detokenizer, stop=StopMatcher(request.params.stop),
+            eos_ids=frozenset(tokenizer.eos_token_ids),
+        )
+        with self._lock:
+            self.running[state.owner] = state
+        self.pool.register_owner(state.owner)
+        return state
+
+    def release(self, state: RequestState, held: int = 0) -> int:
+        """Retire a running request's owner; the one place a request leaves.
+
+        Its rows must have left the runner already, which gave its blocks
+        back; should that removal have failed half-way, whatever the owner
+        still holds is freed here, so no block outlives the request.
+
+        Args:
+            state: The request.
+            held: Blocks it held when its rows left the runner.
+
+        Returns:
+            The most blocks it held (for its usage record).
+        """
+        left = 0
+        try:
+            left = self.pool.n_blocks_held(state.owner)
+            if left:
+                self.pool.free_all(state.owner)
+            else:
+                self.pool.release_owner(state.owner)
+        finally:
+            with self._lock:
+                self.running.pop(state.owner, None)
+        return max(held, left)
+
+    def cancelled(self) -> list[RequestState]:
+        """Running requests whose client left or gave up."""
+        return [s for s in self.running.values() if s.request.cancelled.is_set()]
+
+    def outstanding(self) -> dict[str, int]:
+        """Per stream, blocks running requests reserved but do not hold yet."""
+        return self.planner.outstanding((s.owner, s.reservation) for s in self.running.values())
+
+    def _has_room(self) -> bool:
+        return len(self.running) < self.max_batch_size
+
+    def _fits_now(self, need: Reservation) -> bool:
+        return self.planner.fits_now(need, self.outstanding())
+
+    def reject_waiting(self, event: Rejected) -> None:
+        """Answer every waiting request with ``event`` (the engine is stopping)."""
+        while self.waiting:
+            self.waiting.popleft().request.channel.put(event)

@@ -1,0 +1,147 @@
+"""One generation request seen from its route: submit, wait for admission, read events.
+
+Routes never block the event loop: they submit to the engine and await the
+request's channel, polling for client disconnects while they wait. Any way a
+route exits early (client gone, error, cancellation) cancels the engine
+request, and the engine frees its blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from server.engine.protocol import (
+    Admitted,
+    EventChannel,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Rejected,
+    SamplingParams,
+    TokenEvent,
+)
+from server.http.errors import UnavailableError, engine_error
+
+# How often a waiting route checks whether its client is still there.
+DISCONNECT_POLL_S = 0.1
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def get_engine(request: Request) -> Any:
+    """The app's engine, or 503 when the model is not loaded yet."""
+    engine = request.app.state.engine
+    if not engine.is_ready:
+        raise UnavailableError("the model is not loaded yet (or failed to load); see GET /health")
+    return engine
+
+
+@dataclass(slots=True)
+class Outcome:
+    """Everything a non-streaming answer needs."""
+
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finished: Finished | None = None
+
+
+class GenerationCall:
+    """One submitted request seen from its route: admission, then events.
+
+    Args:
+        http_request: The incoming HTTP request (for disconnect polling).
+        engine: The engine to submit to.
+        prompt: Prompt text, ids or chat prompt.
+        params: Resolved sampling parameters.
+        request_id: The id returned to the client.
+    """
+
+    def __init__(self, http_request: Request, engine: Any, prompt: Any,
+                 params: SamplingParams, request_id: str) -> None:
+        self.http_request = http_request
+        self.engine = engine
+        self.request = GenerationRequest(request_id, prompt, params, EventChannel())
+        self.created = int(time.time())
+        self.admitted: Admitted | None = None
+        self._checked_at = time.monotonic()
+
+    async def _next(self) -> Any:
+        """The next event; checks the client and the engine at least every poll period.
+
+        The check runs on elapsed time, not only when the channel is quiet:
+        a request streaming tokens back-to-back must notice its client left too.
+        """
+        channel = self.request.channel
+        now = time.monotonic()
+        if now - self._checked_at >= DISCONNECT_POLL_S:
+            self._checked_at = now
+            await self._check_alive()
+        event = channel.get_nowait()
+        while event is None:
+            try:
+                event = await asyncio.wait_for(channel.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                self._checked_at = time.monotonic()
+                await self._check_alive()
+        return event
+
+    async def _check_alive(self) -> None:
+        if await self.http_request.is_disconnected():
+            raise ClientGone()
+        if not self.engine.is_ready:
+            raise UnavailableError("the generation engine stopped")
+
+    async def start(self) -> Admitted:
+        """Submit and wait for admission; cancel the request on any early exit.
+
+        Raises:
+            APIError: The engine refused the request.
+            ClientGone: The client left while waiting.
+        """
+        self.engine.submit(self.request)
+        try:
+            event = await self._next()
+        except BaseException:
+            self.request.cancel()
+            raise
+        if isinstance(event, (Rejected, Failed)):
+            raise engine_error(event)
+        self.admitted = event
+        return event
+
+    async def events(self) -> AsyncIterator[TokenEvent | Finished]:
+        """Token events, then the final :class:`Finished`; cancels on early exit.
+
+        Raises:
+            APIError: The request failed (model error, engine stopping).
+        """
+        try:
+            while True:
+                event = await self._next()
+                if isinstance(event, Failed):
+                    raise engine_error(event)
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            # Normal end: a no-op (the engine already dropped the request).
+            self.request.cancel()
+
+    async def collect(self) -> Outcome:
+        """Run to the end and gather the output (non-streaming answers)."""
+        out = Outcome()
+        async for event in self.events():
+            out.text_parts.append(event.text)
+            if isinstance(event, Finished):
+                out.finished = event
+            elif event.logprob is not None:
+                out.logprobs.append(event.logprob)
+        return out

@@ -1,0 +1,84 @@
+"""Turning a request body into the engine's sampling parameters (server defaults, limits)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from server.engine.protocol import SamplingParams
+from server.http.errors import APIError, InvalidRequestError
+from server.http.schemas.common import SamplingFields
+from server.settings import Settings
+
+
+def new_id(prefix: str) -> str:
+    """A fresh request id such as ``cmpl-3f2a...``."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def check_model(requested: str | None, engine: Any) -> None:
+    """404 when the client names a model this server does not serve."""
+    if requested and requested not in (engine.model_name, "default"):
+        raise APIError(
+            f"model {requested!r} is not served here; this server serves "
+            f"{engine.model_name!r} (see GET /v1/models)",
+            param="model", code="model_not_found", status=404,
+        )
+
+
+def resolve_params(
+    body: SamplingFields,
+    settings: Settings,
+    max_tokens: int | None,
+    *,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+) -> SamplingParams:
+    """Apply server defaults and limits to the request's sampling fields.
+
+    Raises:
+        InvalidRequestError: n > 1, too many/long stop strings, max_tokens over
+            the cap, or a bad logit_bias key.
+    """
+    limits, defaults = settings.limits, settings.sampling
+    if body.n != 1:
+        raise InvalidRequestError(f"n={body.n} is not supported: this server returns one "
+                                  "choice per request; send n separate requests", param="n")
+    stops = body.stop_list()
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidRequestError(f"{len(stops)} stop sequences given, at most "
+                                  f"{limits.max_stop_sequences} allowed", param="stop")
+    if any(len(s) > limits.max_stop_length or not s for s in stops):
+        raise InvalidRequestError(f"each stop sequence must have 1..{limits.max_stop_length} "
+                                  "characters", param="stop")
+    max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens > limits.max_tokens_cap:
+        raise InvalidRequestError(f"max_tokens={max_tokens} is over this server's cap of "
+                                  f"{limits.max_tokens_cap} (limits.max_tokens_cap)",
+                                  param="max_tokens")
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id",
+                                      param="logit_bias")
+        bias.append((int(key), float(value)))
+
+    def pick(value, default):
+        return default if value is None else value
+
+    top_k = pick(body.top_k, defaults.top_k)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=pick(body.temperature, defaults.temperature),
+        top_p=pick(body.top_p, defaults.top_p),
+        top_k=max(top_k, 0),
+        min_p=pick(body.min_p, defaults.min_p),
+        seed=body.seed,
+        stop=tuple(stops),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=body.presence_penalty or None,
+        frequency_penalty=body.frequency_penalty or None,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=tuple(bias),
+    )
