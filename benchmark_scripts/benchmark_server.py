@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mixed_load import mixed_rounds, run_mixed  # noqa: E402
 from server_load import run_requests, summarize  # noqa: E402
 
 from veloxquant_mlx.cpu_backend import OPT_OUT_ENV, child_env  # noqa: E402
@@ -285,11 +286,52 @@ def parse_args() -> argparse.Namespace:
                    help="stop launching requests in a level after this many seconds")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=None,
+                   help="default figures/server/results.json (uniform) or kv_memory.json (mixed)")
+    p.add_argument("--workload", choices=("uniform", "mixed"), default="uniform",
+                   help="mixed: rounds of 1 prompt of --long-tokens among 15 of "
+                        "--prompt-tokens, all at once (see mixed_load.py)")
+    p.add_argument("--long-tokens", type=int, default=2000)
+    p.add_argument("--kv-memory", default="",
+                   help="our pool.kv_memory (e.g. 128MiB); empty: the default pool")
     p.add_argument("--out-of-the-box", action="store_true",
                    help="start both servers from a plain environment (no shared preload); "
                         "write e.g. --out figures/server/out_of_the_box.json")
     return p.parse_args()
+
+
+def main_mixed(args: argparse.Namespace, model: Path, env: dict[str, str]) -> dict:
+    """Run the mixed-length workload on both servers; tok/s, TTFT and peak KV memory."""
+    rounds = mixed_rounds(make_prompts, model, args.rounds + 1, args.long_tokens,
+                          args.prompt_tokens)
+    ours_env = {**env, "VELOXQUANT_POOL_KV_MEMORY": args.kv_memory} if args.kv_memory else env
+    servers: list[Running] = []
+    try:
+        servers.append(start_server(OURS, model, ours_env))
+        servers.append(start_server(PEER, model, env))
+        for s in servers:  # warm-up round, not measured
+            asyncio.run(run_requests(s.base, s.model_id, rounds[0][-2:], 2, 2,
+                                     args.max_tokens, 120))
+        levels = run_mixed(servers, rounds[1:], args.max_tokens, args.time_limit)
+        text = httpx.get(servers[0].base + "/metrics").text
+        capacity = next(float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith('veloxquant_kv_bytes{kind="capacity"}'))
+    finally:
+        for s in servers:
+            stop_server(s)
+    ours, peer = levels[OURS], levels[PEER]
+    ours["kv_arena_mib"] = round(capacity / 2**20, 1)
+    ours["kv_memory_mib"] = round(ours["kv_arena_mib"] + ours["peak_rss_growth_mib"], 1)
+    peer["kv_memory_mib"] = peer["peak_rss_growth_mib"]
+    ratio = {"tok_per_s": round(ours["tok_per_s"] / peer["tok_per_s"], 3),
+             "kv_memory": round(ours["kv_memory_mib"] / peer["kv_memory_mib"], 3)}
+    return {"workload": {"long_prompt_tokens": args.long_tokens, "short_prompt_tokens":
+                         args.prompt_tokens, "short_requests": 15, "max_tokens":
+                         args.max_tokens, "rounds": args.rounds, "kv_memory": args.kv_memory
+                         or "default pool"},
+            "servers": levels, "ratios_ours_over_peer": ratio,
+            "targets": {"kv_memory_ratio_max": 0.5, "tok_per_s_ratio_min": 1.0,
+                        "met": ratio["kv_memory"] <= 0.5 and ratio["tok_per_s"] >= 1.0}}
 
 
 def main() -> int:
@@ -297,6 +339,17 @@ def main() -> int:
     model = ensure_model(args.preset)
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(ROOT)
+    if args.workload == "mixed":
+        out = args.out or DEFAULT_OUT.with_name("kv_memory.json")
+        result = {"benchmark": "benchmark_scripts/benchmark_server.py --workload mixed",
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "revision": git_revision(), "model": args.preset,
+                  **main_mixed(args, model, env)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["ratios_ours_over_peer"]), f"wrote {out}")
+        return 0
+    args.out = args.out or DEFAULT_OUT
     backend = subprocess.run([sys.executable, "-c", _BACKEND], env=env, capture_output=True,
                              text=True, check=True).stdout.strip()
     print(f"backend: {backend}", flush=True)

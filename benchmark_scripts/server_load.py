@@ -103,15 +103,20 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str,
 
 
 async def run_requests(base_url: str, model: str, prompts: list[str], concurrency: int,
-                       n_requests: int, max_tokens: int,
-                       time_limit_s: float) -> tuple[list[RequestResult], float]:
+                       n_requests: int, max_tokens: int, time_limit_s: float,
+                       keep_alive: bool = True) -> tuple[list[RequestResult], float]:
     """Send ``prompts[0..n_requests)`` with ``concurrency`` in flight; bounded in count and time.
+
+    ``keep_alive=False`` opens a fresh connection for every request.
 
     Returns:
         The per-request results and the wall time of the whole batch.
     """
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # keep_alive=False opens a connection per request: some servers (llama-server) close a
+    # kept-alive connection at times, which the client would count as an error of theirs.
+    limits = httpx.Limits(max_connections=concurrency + 4,
+                          max_keepalive_connections=20 if keep_alive else 0)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         next_index = 0
         start = time.perf_counter()

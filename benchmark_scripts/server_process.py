@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -48,10 +49,12 @@ class ServerProcess:
         env: Extra environment variables. The parent's ``VELOXQUANT_*``
             variables are dropped first so the child sees only these.
         startup_timeout_s: Longest wait for ``GET /health`` to answer 200.
+        preexec_fn: Run in the child before it execs (e.g. lower its file limit).
     """
 
     def __init__(self, log_path: Path, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0) -> None:
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -60,6 +63,7 @@ class ServerProcess:
         self.env.update(env or {})
         self.env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file as they happen
         self.startup_timeout_s = startup_timeout_s
+        self.preexec_fn = preexec_fn  # runs in the child before exec (e.g. setrlimit)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -79,7 +83,7 @@ class ServerProcess:
                "--port", str(self.port), *self.args]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

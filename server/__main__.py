@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.file_limit import import_mlx_lm
+
+    import_mlx_lm()  # first import of mlx_lm: keeps it from lowering the open-file limit
     from server.model_loader import ModelSourceError, resolve_model_path
 
     # Find (build or convert) the model before serving, so a bad source stops

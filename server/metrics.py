@@ -75,6 +75,7 @@ class ServerMetrics:
                                     "Requests decoded together per batched model call.",
                                     buckets=BATCH_BUCKETS, registry=r)
         self._memory: dict[str, int] = {}
+        self._kv: dict[str, int] = {}
         self.listeners: list[RequestEndListener] = []
 
     # -- recorded by the engine thread ---------------------------------------
@@ -117,9 +118,14 @@ class ServerMetrics:
         for listener in self.listeners:
             listener.rejected(request, reason)
 
-    def set_memory(self, snapshot: dict[str, int]) -> None:
-        """Latest MLX allocator counters (sampled by the engine thread)."""
-        self._memory = snapshot
+    def set_memory(self, snapshot: dict[str, int], kv: dict[str, int] | None = None) -> None:
+        """Latest MLX allocator counters and KV bytes (sampled together by the engine thread).
+
+        Args:
+            snapshot: MLX memory by kind (active, cache, peak).
+            kv: KV bytes by kind (in_use, reserved, workspace, capacity).
+        """
+        self._memory, self._kv = snapshot, kv or {}
 
     # -- recorded by the HTTP layer ------------------------------------------
 
@@ -130,6 +136,10 @@ class ServerMetrics:
     def memory(self) -> dict[str, int]:
         """The latest MLX memory sample (empty before the first)."""
         return dict(self._memory)
+
+    def kv_bytes(self) -> dict[str, int]:
+        """The latest KV bytes sample (empty before the first)."""
+        return dict(self._kv)
 
 
 class EngineCollector:
@@ -158,6 +168,12 @@ class EngineCollector:
         for kind, value in sorted(self.metrics.memory().items()):
             mem.add_metric([kind], value)
         yield mem
+        kv = GaugeMetricFamily("veloxquant_kv_bytes",
+                               "KV bytes: pool blocks in use, reserved by admission, the fixed "
+                               "transient workspace, pool capacity.", labels=["kind"])
+        for kind, value in sorted(self.metrics.kv_bytes().items()):
+            kv.add_metric([kind], value)
+        yield kv
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -185,7 +201,7 @@ POOL_FAMILIES = (
     ("allocations_total", "counter", "Blocks handed out", "n_allocations"),
     ("frees_total", "counter", "Blocks returned", "n_frees"),
     ("reused_total", "counter", "Blocks handed out again after a free", "n_reused"),
-    ("exhausted_total", "counter", "Blocks requested by failed allocations", "n_exhausted"),
+    ("exhausted_total", "counter", "Failed allocate() calls (pool exhausted)", "n_exhausted"),
     ("grown_total", "counter", "Blocks added by growth", "n_grown"),
     ("retired_total", "counter", "Blocks removed by shrink", "n_retired"),
 )
@@ -195,7 +211,8 @@ class PoolCollector:
     """The pool's counters, read from one consistent stats snapshot per scrape.
 
     Args:
-        pool: The shared pool (anything with ``stats.snapshot()``).
+        pool: The shared pool (anything with ``stats.snapshot()``), or a
+            function returning it (the engine sizes its pool once the model loads).
         prefix: Metric name prefix, as ``AllocationStats.to_prometheus`` takes it.
     """
 
@@ -204,7 +221,8 @@ class PoolCollector:
         self.prefix = prefix
 
     def collect(self):
-        stats = self.pool.stats.snapshot().as_dict()
+        pool = self.pool() if callable(self.pool) else self.pool
+        stats = pool.stats.snapshot().as_dict()
         for name, kind, doc, key in POOL_FAMILIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{self.prefix}_{name}", doc, value=stats[key])

@@ -33,6 +33,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from server.env_names import NON_SETTING_ENV, EnvError, clean_secret, unknown_variable
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -83,6 +85,10 @@ class ServerSection(_Section):
     request_log: bool = True
     metrics_require_key: bool = False
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    docs: bool = True
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
 
 
 class ModelSection(_Section):
@@ -103,18 +109,66 @@ class ModelSection(_Section):
     preset: ModelPreset = "smollm2"
 
 
+DEFAULT_N_BLOCKS = 16384
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2,
+               "mb": 1000**2, "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+               "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"4GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``4096`` as a positive byte count.
+
+    Raises:
+        ValueError: Not a size, an unknown unit, or not positive.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        size = int(float(number) * _BYTE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"{value!r} is not a size (examples: \"4GiB\", \"512MiB\", "
+                         "1073741824)") from None
+    if size < 1:
+        raise ValueError(f"{value!r} must be more than 0 bytes")
+    return size
+
+
 class PoolSection(_Section):
     """Sizing of the one shared block pool (see ``veloxquant_mlx.memory.PoolConfig``).
 
     ``max_blocks = 0`` means no cap on growth (only used with
     ``grow_on_exhaustion``); TOML has no null, so 0 stands in for None.
+    ``kv_memory`` sizes the pool in bytes instead of blocks (``"4GiB"``,
+    ``"512MiB"`` or a byte count; empty = use ``n_blocks``): the engine turns
+    it into ``n_blocks`` once the model's layout is known. Give one of the
+    two: a ``kv_memory`` beside an ``n_blocks`` other than its default is refused.
     """
 
     block_size: int = Field(default=16, ge=1)
-    n_blocks: int = 16384
+    n_blocks: int = DEFAULT_N_BLOCKS
+    kv_memory: str | int = ""
     separate_kv: bool = True
     grow_on_exhaustion: bool = False
     max_blocks: int = Field(default=0, ge=0)
+
+    @property
+    def kv_memory_bytes(self) -> int | None:
+        """``kv_memory`` in bytes, or None when the pool is sized by ``n_blocks``."""
+        return parse_bytes(self.kv_memory) if self.kv_memory not in ("", 0) else None
+
+    @model_validator(mode="after")
+    def _check_kv_memory(self) -> PoolSection:
+        try:
+            kv = self.kv_memory_bytes
+        except ValueError as exc:
+            raise _FieldProblem("kv_memory", str(exc)) from None
+        if kv is not None and self.n_blocks != DEFAULT_N_BLOCKS:
+            raise _FieldProblem("kv_memory", f"{self.kv_memory!r} and pool.n_blocks = "
+                                f"{self.n_blocks} both size the pool; set only one")
+        return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> PoolSection:
@@ -280,13 +334,20 @@ class SectionEnvSource(PydanticBaseSettingsSource):
         out: dict[str, Any] = {}
         for secret, env_name in SECRET_ENV.items():
             value = self.env.get(env_name)
-            if value:
-                out[secret] = value
+            if value is not None:
+                try:
+                    out[secret] = clean_secret(env_name, value)
+                except EnvError as exc:
+                    raise ConfigError(str(exc)) from None
         for name, raw in self.env.items():
+            if name in NON_SETTING_ENV or name in SECRET_ENV.values():
+                continue
             found = self._section_key(name)
             if found is not None:
                 section, key = found
                 out.setdefault(section, {})[key] = self._parse(name, section, key, raw)
+            elif name.startswith(ENV_PREFIX):
+                raise ConfigError(str(unknown_variable(name, _valid_env_names())))
         return out
 
     @staticmethod
@@ -296,7 +357,7 @@ class SectionEnvSource(PydanticBaseSettingsSource):
         rest = name[len(ENV_PREFIX):].lower()
         section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
-            return None  # other VELOXQUANT_* variables belong to the library or tools
+            return None  # a typo, unless it is one of NON_SETTING_ENV
         return section, rest[len(section) + 1:]
 
     @staticmethod
@@ -305,7 +366,8 @@ class SectionEnvSource(PydanticBaseSettingsSource):
         if key not in fields:
             raise ConfigError(
                 f"config key '{section}.{key}' (from env {name}): unknown key "
-                f"(known in [{section}]: {', '.join(fields)})"
+                f"(known in [{section}]: {', '.join(fields)}); "
+                f"{unknown_variable(name, _valid_env_names())}"
             )
         try:
             return TypeAdapter(fields[key].annotation).validate_python(raw, strict=False)
@@ -314,6 +376,13 @@ class SectionEnvSource(PydanticBaseSettingsSource):
                 f"config key '{section}.{key}' (from env {name}): {raw!r}: "
                 f"{exc.errors()[0]['msg']}"
             ) from None
+
+
+def _valid_env_names() -> list[str]:
+    """Every ``VELOXQUANT_*`` name the project reads: settings, secrets, the others."""
+    names = [f"{ENV_PREFIX}{section}_{key}".upper()
+             for section, model in SECTIONS.items() for key in model.model_fields]
+    return [*names, *SECRET_ENV.values(), *NON_SETTING_ENV]
 
 
 def _describe(error: Mapping[str, Any]) -> str:

@@ -5,7 +5,8 @@ thread answers through each request's
 :class:`~server.engine.protocol.EventChannel`. One loop, one thread::
 
     while running:
-        intake   inbox -> scheduler.intake (refused, or waiting)
+        intake   inbox (prompts tokenized by worker threads, server.engine.preparer)
+                 -> scheduler.intake (refused, or waiting)
         step()   schedule: expire waiting requests, admit what fits (scheduler)
                  run:      prefill new requests within the step's token budget,
                            then decode every running request in ONE model call (runner)
@@ -29,7 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory
+from server.engine.kv_memory import describe as describe_kv
 from server.engine.output import OutputProcessor
+from server.engine.preparer import Prepared, PromptPreparer
 from server.engine.protocol import (
     Admitted,
     Failed,
@@ -49,6 +53,7 @@ from server.model_loader import LoadedModel, load_model
 from server.settings import Settings
 from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
 
 log = logging.getLogger("veloxquant.server")
 
@@ -67,13 +72,13 @@ class _Command:
     future: concurrent.futures.Future
 
 
-def make_pool(settings: Settings) -> BlockPoolAllocator:
-    """Build the shared pool from the ``[pool]`` settings."""
+def make_pool(settings: Settings, n_blocks: int | None = None) -> BlockPoolAllocator:
+    """Build the shared pool from the ``[pool]`` settings (``n_blocks`` overrides them)."""
     p = settings.pool
     return BlockPoolAllocator(
         PoolConfig(
             block_size=p.block_size,
-            n_blocks=p.n_blocks,
+            n_blocks=n_blocks or p.n_blocks,
             separate_kv=p.separate_kv,
             grow_on_exhaustion=p.grow_on_exhaustion,
             max_blocks=p.max_blocks or None,
@@ -104,7 +109,8 @@ class Engine:
         self.metrics = metrics or ServerMetrics()
         self._loader = loader
         self.fault_hook = fault_hook
-        self._inbox: queue.SimpleQueue[GenerationRequest | _Command | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Prepared | _Command | None] = queue.SimpleQueue()
+        self._preparer: PromptPreparer | None = None
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,7 +119,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
         self.output: OutputProcessor | None = None
-        self._memory_at = 0.0
+        self.kv: KVMemory | None = None  # the arena and byte figures, once the model is loaded
 
     # -- lifecycle (any thread) -----------------------------------------------
 
@@ -152,8 +158,12 @@ class Engine:
         return self.loaded.name if self.loaded else ""
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request for the engine thread (never blocks)."""
-        self._inbox.put(request)
+        """Hand a request to the prompt workers, then the engine thread (never blocks)."""
+        preparer = self._preparer
+        if preparer is None:
+            request.channel.put(Rejected(Reason.SHUTTING_DOWN, "the model is not loaded"))
+            return
+        preparer.submit(request)
 
     def run_on_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread between two steps; returns its future."""
@@ -161,31 +171,38 @@ class Engine:
         self._inbox.put(_Command(fn, future))
         return future
 
-    def shrink(self, stream: str, target_free: int) -> concurrent.futures.Future:
+    def shrink(self, stream: str, target_free: int,
+               force: bool = False) -> concurrent.futures.Future:
         """Retire free blocks, never below what running requests have reserved.
 
-        Runs on the engine thread so no admission happens in between.
+        Runs on the engine thread so no admission happens in between. A
+        shrink that would leave the pool unable to hold one maximal request
+        (``limits.max_prompt_tokens + limits.max_tokens_cap``) is refused
+        unless ``force``; after a forced one :attr:`degraded` says why.
 
         Args:
             stream: "k", "v" or "kv" ("kv" on a split pool shrinks both).
             target_free: Free blocks to leave per stream.
+            force: Shrink even below one maximal request.
 
         Returns:
-            A future of ``(retired, floors)``: blocks retired and, per stream,
-            the free blocks kept for running requests' reservations.
+            A future of ``(retired, kept_free)``: blocks retired and, per
+            stream, the free blocks left. It raises
+            :class:`~server.engine.protocol.ShrinkRefused`.
         """
-        return self.run_on_engine(lambda: self._shrink(stream, target_free))
+        return self.run_on_engine(lambda: self._shrink(stream, target_free, force))
 
-    def _shrink(self, stream: str, target_free: int) -> tuple[int, dict[str, int]]:
-        streams = self.pool.config.streams
-        targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
-        outstanding = self.scheduler.outstanding()
-        retired = 0
-        floors = {}
-        for name in targets:
-            floors[name] = max(target_free, outstanding.get(name, 0))
-            retired += self.pool.shrink(name, floors[name])
-        return retired, floors
+    def _shrink(self, stream: str, target_free: int,
+                force: bool) -> tuple[int, dict[str, int]]:
+        retired, kept = self.scheduler.shrink(stream, target_free, force)
+        if self.scheduler.degraded:
+            log.warning("forced shrink: %s", self.scheduler.degraded)
+        return retired, kept
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the server cannot serve every valid request any more (a forced shrink), else None."""
+        return self.scheduler.degraded if self.scheduler else None
 
     def live_requests(self) -> dict[int, str]:
         """Owner id -> request id of every request holding (or about to hold) blocks."""
@@ -214,15 +231,20 @@ class Engine:
     def _load(self) -> bool:
         try:
             loaded = self._loader(self.settings.model)
+            layout = probe_kv_layout(loaded.model)
+            self.kv = self._plan_kv(layout)
             self.scheduler = Scheduler(self.settings, self.pool, loaded, self.metrics)
             self.runner = ModelRunner(loaded.model, self.pool,
-                                      self.settings.batch.prefill_chunk_size)
+                                      self.settings.batch.prefill_chunk_size, self.kv.arena)
             self.output = OutputProcessor(loaded.tokenizer)
+            self._preparer = PromptPreparer(loaded, self.settings.limits, self.metrics,
+                                            self._inbox.put)
             self.loaded = loaded
             # The one start-up line that says what the server computes with.
             log.info("model %s loaded (%d layers; %s); backend: %s", loaded.name,
                      loaded.n_layers, loaded.weights or "weights as stored",
                      describe_backend(loaded.dtype))
+            log.info("%s", describe_kv(self.kv, self.pool, layout))
         except Exception as exc:  # the server reports it on /health and exits
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
@@ -230,6 +252,13 @@ class Engine:
         finally:
             self._ready.set()
         return True
+
+    def _plan_kv(self, layout: KVLayout) -> KVMemory:
+        """Size the pool from ``pool.kv_memory`` (if set), then allocate its KV arena."""
+        blocks = blocks_for_bytes(self.settings, layout)
+        if blocks is not None:  # nothing holds blocks before the model is loaded
+            self.pool = make_pool(self.settings, blocks)
+        return build_kv_memory(self.settings, self.pool, layout)
 
     def _intake(self, timeout: float) -> None:
         try:
@@ -239,7 +268,7 @@ class Engine:
         while True:
             if isinstance(item, _Command):
                 _run_command(item)
-            elif item is not None:
+            elif isinstance(item, Prepared):
                 self.scheduler.intake(item)
             try:
                 item = self._inbox.get_nowait()
@@ -340,15 +369,17 @@ class Engine:
         self.metrics.finished(state, reason, kv_blocks, failure)
 
     def _sample_memory(self, force: bool) -> None:
-        now = time.monotonic()
-        if force or now - self._memory_at > 0.5:
-            self._memory_at = now
-            self.metrics.set_memory(memory_snapshot())
+        # Every step (a few C calls): /metrics pairs MLX memory with the pool's KV
+        # bytes of the same instant, so the two can be compared sample by sample.
+        reserved = sum(s.reservation.total for s in self.scheduler.running.values())
+        self.metrics.set_memory(memory_snapshot(), self.kv.snapshot(self.pool, reserved))
 
     def _shutdown(self) -> None:
         self._end(list(self.scheduler.running.values()), FinishReason.ERROR,
                   Reason.SHUTTING_DOWN, SHUTTING_DOWN)
         self.runner.close()
+        # Before the inbox is drained: what the workers still deliver lands there.
+        self._preparer.close()
         stopping = Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN)
         self.scheduler.reject_waiting(stopping)
         while True:
@@ -359,7 +390,7 @@ class Engine:
             if isinstance(item, _Command):
                 item.future.set_exception(RuntimeError("the engine stopped"))
             elif item is not None:
-                item.channel.put(stopping)
+                item.request.channel.put(stopping)
 
 
 def _run_command(command: _Command) -> None:

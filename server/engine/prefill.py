@@ -2,8 +2,8 @@
 
 Requests that start prefilling in the same step form a *group*: their
 prompts are left-padded to a common width and fed as one ``(rows, chunk)``
-model call per chunk, into multi-row pool-backed caches (each row's blocks
-under its own owner; padding is never accounted)::
+model call per chunk, into a multi-row paged batch (each row's blocks under its
+own owner, in the pool's KV arena; padding columns are never stored)::
 
     width 7        columns fed per call: ``chunk`` (bounded by the step budget)
     row a: . . a a a a a      left padding 2
@@ -25,8 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from server.engine.sampling import Sampler
-from veloxquant_mlx.memory import BlockPoolAllocator
-from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache, make_batch_caches
+from veloxquant_mlx.memory.kv_arena import KVArena
+from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
 
 # A group whose last chunk spans at least this many prompt positions (rows x
 # columns) feeds its last column in a call of its own: only that call's logits
@@ -70,19 +70,19 @@ class Row:
 class PrefillGroup:
     """Rows prefilling together.
 
-    Invariant: ``rows``, ``prompts`` and the rows of every cache correspond;
+    Invariant: ``rows``, ``prompts`` and the rows of ``batch`` correspond;
     ``prompts[i]`` is row ``i``'s prompt left-padded to ``width``, and
-    columns ``[0, done)`` of it are in the caches.
+    columns ``[0, done)`` of it are in the batch.
     """
 
     rows: list[Row]
-    caches: list[PoolBackedBatchKVCache]
+    batch: PagedKVBatch
     prompts: list[list[int]]
     width: int
     done: int = 0
 
     @classmethod
-    def form(cls, waiting: list[Row], model: Any, pool: BlockPoolAllocator,
+    def form(cls, waiting: list[Row], model: Any, arena: KVArena,
              max_tokens: int, solo: set[int]) -> PrefillGroup:
         """Take rows off the head of ``waiting`` (first come first served) into a group.
 
@@ -103,9 +103,9 @@ class PrefillGroup:
         rows = waiting[:take]
         del waiting[:take]
         pads = [width - len(r.prompt_ids) for r in rows]
-        caches = make_batch_caches(model, pool, [r.owner for r in rows], pads)
+        batch = make_paged_batch(model, arena, [r.owner for r in rows], pads)
         prompts = [[0] * p + r.prompt_ids for p, r in zip(pads, rows, strict=True)]
-        return cls(rows, caches, prompts, width)
+        return cls(rows, batch, prompts, width)
 
     def advance(self, model: Any, chunk: int, budget: int) -> tuple[int, mx.array | None]:
         """Feed the next columns (at most ``chunk``, about ``budget`` tokens in all).
@@ -119,20 +119,15 @@ class PrefillGroup:
         if n == left > 1 and rows * (left - 1) >= LAST_COLUMN_ALONE_MIN:
             n = left - 1
         x = mx.array([p[self.done: self.done + n] for p in self.prompts])
-        logits = model(x, cache=self.caches)
+        logits = model(x, cache=self.batch.caches)
         self.done += n
         if self.done < self.width:
-            mx.eval([(c.keys, c.values) for c in self.caches])
+            mx.eval(self.batch.arena.data)
             return n * len(self.rows), None
         return n * len(self.rows), logits[:, -1, :]
 
     def keep(self, indices: list[int]) -> None:
         """Keep only rows ``indices``; the others' blocks return to the pool now."""
-        if not indices:
-            for cache in self.caches:
-                cache.release()
-        else:
-            for cache in self.caches:
-                cache.filter(indices)
+        self.batch.filter(indices)
         self.rows = [self.rows[i] for i in indices]
         self.prompts = [self.prompts[i] for i in indices]

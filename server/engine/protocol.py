@@ -185,6 +185,14 @@ class Failed:
 Event = Admitted | Rejected | TokenEvent | Finished | Failed
 
 
+class ShrinkRefused(Exception):
+    """An admin shrink would leave the pool unable to hold one maximal request.
+
+    Raised (through the shrink's future) unless the shrink was forced; the
+    message gives the numbers and the ways out.
+    """
+
+
 class EventChannel:
     """Thread-to-asyncio channel of one request's events.
 

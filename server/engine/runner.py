@@ -6,10 +6,11 @@ of text, stop strings or clients (that is :mod:`server.engine.output`).
 Every running request is a :class:`~server.engine.prefill.Row`. A row first
 *prefills*: with the requests that start in the same step it forms a
 :class:`~server.engine.prefill.PrefillGroup` whose prompts run through the
-model together, in chunks, into multi-row pool-backed caches (blocks under
-each request's own owner). Each row's first token is sampled as soon as its
-group's prompts are in, so time to first token does not wait for the decode
-batch. The group then *joins* the decode batch at the next step boundary.
+model together, in chunks, into a multi-row paged batch (blocks under each
+request's own owner; keys and values in the pool's KV arena). Each row's
+first token is sampled as soon as its group's prompts are in, so time to
+first token does not wait for the decode batch. The group then *joins* the
+decode batch at the next step boundary.
 Each :meth:`ModelRunner.decode` decodes every joined row in ONE model call::
 
     step k:   feed  inputs (token t_k of each row)  -> logits -> sample t_k+1 (lazy)
@@ -40,7 +41,8 @@ from server.engine.prefill import PrefillGroup, Row
 from server.engine.protocol import SamplingParams
 from server.engine.sampling import build_logits_processors, build_sampler
 from veloxquant_mlx.memory import BlockPoolAllocator
-from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache
+from veloxquant_mlx.memory.kv_arena import KVArena
+from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 
 # Called with a row's owner right before each model call that row takes part in;
 # raising fails that row alone (fault injection in tests).
@@ -107,19 +109,22 @@ class ModelRunner:
 
     Args:
         model: The mlx-lm model.
-        pool: The shared pool the rows' caches draw from.
+        pool: The shared pool the rows' blocks come from.
         prefill_chunk_size: Most prompt columns per prefill model call.
+        arena: The pool's KV arena (where the blocks' keys and values live).
     """
 
-    def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int) -> None:
+    def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
+                 arena: KVArena) -> None:
         self.model = model
         self.pool = pool
+        self.arena = arena
         self.chunk = prefill_chunk_size
         self.prefilling: list[Row] = []  # added, prefill not started
         self.group: PrefillGroup | None = None  # prefill in progress
         self.joining: list[PrefillGroup] = []  # prefilled, joining at the next decode
         self.rows: list[Row] = []
-        self.caches: list[PoolBackedBatchKVCache] | None = None
+        self.batch: PagedKVBatch | None = None  # the decode batch
         self.inputs: mx.array | None = None
         self._solo: set[int] = set()  # owners that prefill alone (see PrefillGroup.form)
 
@@ -161,13 +166,10 @@ class ModelRunner:
     def _filter(self, keep: list[int]) -> None:
         """Keep decode rows ``keep``; the others' blocks go back to the pool."""
         self.rows = [self.rows[i] for i in keep]
+        self.batch.filter(keep)
         if not keep:
-            for cache in self.caches:
-                cache.release()
-            self.caches, self.inputs = None, None
+            self.batch, self.inputs = None, None
             return
-        for cache in self.caches:
-            cache.filter(keep)
         self.inputs = self.inputs[mx.array(keep, dtype=mx.int32)]
 
     def close(self) -> None:
@@ -189,7 +191,7 @@ class ModelRunner:
         left = budget
         while left > 0 and (self.group is not None or self.prefilling):
             if self.group is None:
-                self.group = PrefillGroup.form(self.prefilling, self.model, self.pool,
+                self.group = PrefillGroup.form(self.prefilling, self.model, self.arena,
                                                budget, self._solo)
             group = self.group
             self._run_hooks(group.rows, hook, out)
@@ -222,8 +224,7 @@ class ModelRunner:
         if len(group.rows) == 1:
             self._fail([group.rows[0].owner], exc, out)
             return
-        for cache in group.caches:
-            cache.release()
+        group.batch.release()
         self._solo.update(r.owner for r in group.rows)
         self.prefilling[:0] = group.rows
         self.group = None
@@ -270,11 +271,10 @@ class ModelRunner:
         """Move prefilled groups into the batch (a step boundary)."""
         for group in self.joining:
             first = mx.concatenate([row.first for row in group.rows])
-            if self.caches is None:
-                self.caches, self.inputs = group.caches, first
+            if self.batch is None:
+                self.batch, self.inputs = group.batch, first
             else:
-                for batch_layer, group_layer in zip(self.caches, group.caches, strict=True):
-                    batch_layer.extend(group_layer)
+                self.batch.extend(group.batch)
                 self.inputs = mx.concatenate([self.inputs, first])
             for row in group.rows:
                 row.first, row.pending = None, False
@@ -287,7 +287,7 @@ class ModelRunner:
         if not self.rows:
             return []
         current = self.inputs
-        logits = self.model(current[:, None], cache=self.caches)[:, -1, :]
+        logits = self.model(current[:, None], cache=self.batch.caches)[:, -1, :]
         nxt, logprobs = self._sample(logits, current)
         mx.async_eval(nxt, logprobs)
         tokens = current.tolist()

@@ -2,8 +2,10 @@
 
 Runs on the engine thread. It is the one owner of a request's lifetime:
 
-    submit -> intake()  tokenize, size checks  -> refused (Rejected) or waiting
-    waiting -> expire()  cancelled or past limits.queue_timeout_s -> dropped / Rejected
+    submit -> preparer  tokenize, prompt limits (worker threads, server.engine.preparer)
+           -> intake()  fits the pool at all? queue bound  -> refused (Rejected) or waiting
+    waiting -> expire()  cancelled or past limits.queue_timeout_s -> dropped / Rejected;
+                         can never fit after the pool shrank -> Rejected (capacity_changed)
     waiting -> admit()   first come first served, while the batch has room and
                          the pool can hold the reservation (server.engine.capacity):
                          a fresh owner id, registered on the pool -> running
@@ -23,9 +25,10 @@ from collections import deque
 from collections.abc import Iterator
 
 from server.engine.capacity import CapacityPlanner, Reservation
-from server.engine.intake import RequestRejected, check_token_params, tokenize_prompt
+from server.engine.intake import RequestRejected
 from server.engine.output import StopMatcher
-from server.engine.protocol import GenerationRequest, Reason, Rejected
+from server.engine.preparer import Prepared
+from server.engine.protocol import GenerationRequest, Reason, Rejected, ShrinkRefused
 from server.engine.request_state import PendingRequest, RequestState
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
@@ -59,6 +62,9 @@ class Scheduler:
         self.running: dict[int, RequestState] = {}  # owner -> state; written under _lock
         self._lock = threading.Lock()
         self._owners = itertools.count(1)
+        self._seen_blocks = pool.stats.n_blocks
+        # Why the pool cannot hold one maximal request since a forced shrink, else None.
+        self.degraded: str | None = None
 
     # -- read from any thread ----------------------------------------------------
 
@@ -73,11 +79,10 @@ class Scheduler:
 
     # -- intake --------------------------------------------------------------------
 
-    def intake(self, request: GenerationRequest) -> None:
-        """Queue a submitted request, or refuse it at once (too large, queue full)."""
+    def intake(self, prepared: Prepared) -> None:
+        """Queue a tokenized request, or refuse it at once (can never fit, queue full)."""
+        request, prompt_ids = prepared.request, prepared.prompt_ids
         try:
-            prompt_ids = tokenize_prompt(self.loaded, request.prompt)
-            check_token_params(self.loaded, request.params)
             need = self._check_size(request, prompt_ids)
             if len(self.waiting) >= self.limits.max_queue and not (
                     self._has_room() and self._fits_now(need)):
@@ -98,16 +103,7 @@ class Scheduler:
         request.channel.put(event)
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
-        n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise RequestRejected(Rejected(Reason.EMPTY_PROMPT,
-                                           "the prompt is empty (0 tokens)", "prompt"))
-        if n_prompt > self.limits.max_prompt_tokens:
-            raise RequestRejected(Rejected(
-                Reason.TOO_LARGE, f"prompt has {n_prompt} tokens, more than "
-                f"limits.max_prompt_tokens={self.limits.max_prompt_tokens}; shorten the prompt",
-                "prompt"))
-        n_tokens = n_prompt + request.params.max_tokens
+        n_tokens = len(prompt_ids) + request.params.max_tokens
         need = self.planner.reservation(n_tokens)
         if not self._fits_now(need):
             why = self.planner.never_fits(need, n_tokens)
@@ -115,10 +111,99 @@ class Scheduler:
                 raise RequestRejected(Rejected(Reason.TOO_LARGE, why, "max_tokens"))
         return need
 
+    # -- capacity changes ------------------------------------------------------------
+
+    def capacity_changed(self) -> None:
+        """Re-judge after the pool's size changed (shrink, growth).
+
+        Waiting requests that can no longer ever fit get 400 now rather than a
+        429 ``queue_timeout`` later; :attr:`degraded` says whether one maximal
+        request still fits.
+        """
+        self._seen_blocks = self.pool.stats.n_blocks
+        keep: deque[PendingRequest] = deque()
+        for pending in self.waiting:
+            n_tokens = len(pending.prompt_ids) + pending.request.params.max_tokens
+            why = self.planner.never_fits(pending.reservation, n_tokens)
+            if why is None:
+                keep.append(pending)
+            else:
+                self.reject(pending.request, Rejected(Reason.TOO_LARGE, why, "max_tokens"))
+        self.waiting = keep
+        why = self.maximal_request_misfit()
+        self.degraded = None if why is None else (
+            "the pool can no longer hold one maximal request (limits.max_prompt_tokens + "
+            f"limits.max_tokens_cap): {why}")
+
+    def maximal_request_misfit(self, retiring: dict[str, int] | None = None) -> str | None:
+        """Why a maximal request could not fit an otherwise idle pool, or None.
+
+        Args:
+            retiring: Per stream, free blocks a shrink is about to retire
+                (judge the pool as it will be).
+        """
+        retiring = retiring or {}
+        n_tokens = self.limits.max_prompt_tokens + self.limits.max_tokens_cap
+        need = self.planner.reservation(n_tokens)
+        config = self.pool.config
+        if config.grow_on_exhaustion and config.max_blocks is None:
+            return None  # the pool grows back without bound
+        headroom = 0
+        total = self.pool.stats.n_blocks - sum(retiring.values())
+        if config.grow_on_exhaustion:
+            headroom = max(config.max_blocks - total, 0)
+        after = {s: self.stream_capacity(s) - retiring.get(s, 0) for s in config.streams}
+        short = [s for s, n in need.per_stream.items() if n > after[s] + headroom]
+        if not short and need.total <= sum(after.values()) + headroom:
+            return None
+        stream = short[0] if short else "all"
+        have = (after[stream] if short else sum(after.values())) + headroom
+        return (f"{n_tokens} tokens need {need.per_stream.get(stream, need.total)} blocks on "
+                f"stream {stream!r}, the pool holds {have} there")
+
+    def shrink(self, stream: str, target_free: int, force: bool) -> tuple[int, dict[str, int]]:
+        """Retire free blocks down to ``target_free`` per stream; see ``Engine.shrink``.
+
+        Never below what running requests reserved and do not hold yet.
+
+        Returns:
+            ``(retired, kept_free)``: blocks retired, free blocks left per stream.
+
+        Raises:
+            ShrinkRefused: It would leave no room for one maximal request and
+                ``force`` is off.
+        """
+        streams = self.pool.config.streams
+        targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
+        outstanding = self.outstanding()
+        floors = {s: max(target_free, outstanding.get(s, 0)) for s in targets}
+        retiring = {s: max(self.pool.n_free(s) - floors[s], 0) for s in targets}
+        why = self.maximal_request_misfit(retiring)
+        if why is not None and not force and any(retiring.values()):
+            raise ShrinkRefused(
+                "shrink refused: the pool could no longer hold one maximal request "
+                f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}; keep more "
+                "free blocks, lower those limits, or pass \"force\": true")
+        retired = sum(self.pool.shrink(s, floors[s]) for s in targets)
+        self.capacity_changed()
+        return retired, {s: self.pool.n_free(s) for s in targets}
+
+    def stream_capacity(self, stream: str) -> int:
+        """Blocks ``stream`` manages now: free plus held by anyone."""
+        held = sum(1 for owner in self.pool.active_owners()
+                   for block in self.pool.blocks_for(owner) if block.stream == stream)
+        return self.pool.n_free(stream) + held
+
     # -- expiry and admission ------------------------------------------------------
 
     def expire(self) -> None:
-        """Drop waiting requests whose client left; refuse those past their deadline."""
+        """Drop waiting requests whose client left; refuse those past their deadline.
+
+        Also notices a pool whose size changed since the last look (growth, or
+        a shrink from outside the engine) and re-judges the waiting requests.
+        """
+        if self.pool.stats.n_blocks != self._seen_blocks:
+            self.capacity_changed()
         if not self.waiting:
             return
         now = time.monotonic()

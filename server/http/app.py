@@ -75,7 +75,7 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
 
         engine = Engine(settings, ServerMetrics())
     metrics: ServerMetrics = getattr(engine, "metrics", None) or ServerMetrics()
-    metrics.registry.register(PoolCollector(engine.pool))
+    metrics.registry.register(PoolCollector(lambda: engine.pool))  # sized at model load
     metrics.registry.register(EngineCollector(engine, metrics))
     metrics.listeners.append(request_log.RequestLog())
 
@@ -91,8 +91,15 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
         finally:
             engine.stop()
 
+    # redirect_slashes off: a 307 to "/v1/completions" would echo the client's Host header
+    # back as the redirect target. The docs are off with server.docs = false, and behind
+    # the API key when one is set (server.http.auth.early_refusal).
+    docs = settings.server.docs
     app = FastAPI(title="VeloxQuant-MLX", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible MLX inference on one shared KV block pool.")
+                  description="OpenAI-compatible MLX inference on one shared KV block pool.",
+                  redirect_slashes=False, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics

@@ -104,6 +104,13 @@ class UnavailableError(APIError):
     code = "unavailable"
 
 
+class ConflictError(APIError):
+    """The operation would leave the server unable to serve valid requests (409)."""
+
+    status = 409
+    code = "conflict"
+
+
 class GenerationError(APIError):
     """The model failed while generating this request (500, reported, not a crash)."""
 

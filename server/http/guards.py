@@ -3,6 +3,9 @@
 Pure ASGI (not ``BaseHTTPMiddleware``) so streaming bodies pass through
 untouched and the routes' client-disconnect detection keeps working.
 
+- **Authentication first.** The bearer checks of :mod:`server.http.auth` run
+  on the raw headers before the app, so an unauthenticated request learns
+  401/403 whatever its body holds.
 - **Body size.** A ``Content-Length`` over ``limits.max_body_bytes`` is
   answered 413 before the body is read, on any route; a chunked body that
   grows past it is cut off with 413 while being read. (Starlette's
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.http.auth import early_refusal
 from server.http.errors import (
     APIError,
     OverloadedError,
@@ -74,14 +78,19 @@ class DrainState:
         return self.draining and (self.inflight == 0 or time.monotonic() >= self.deadline)
 
 
-def _content_length(scope: Scope) -> int | None:
+def _header(scope: Scope, wanted: bytes) -> str | None:
     for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+        if name == wanted:
+            return value.decode("latin-1")
     return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 class Guards:
@@ -133,6 +142,11 @@ class Guards:
         if self.drain.draining and path != "/metrics":
             return UnavailableError("the server is shutting down and takes no new requests; "
                                     "retry on another instance", code="shutting_down")
+        # Authenticate before anything reads the body (FastAPI parses JSON before it
+        # runs the routes' auth dependencies).
+        denied = early_refusal(self.settings, path, _header(scope, b"authorization"))
+        if denied is not None:
+            return denied
         length = _content_length(scope)
         if length is not None and length > self.max_body:
             return self._too_large(length)

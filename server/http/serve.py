@@ -1,4 +1,5 @@
-"""Running the app under uvicorn: the SIGTERM drain and the insecure-bind warning.
+"""Running the app under uvicorn: the SIGTERM drain, the insecure-bind warning, and
+connection limits (server/http/connections.py; the soft open-file limit raised at start).
 
 SIGTERM (what ``docker stop``, systemd and Kubernetes send) drains instead of
 stopping at once::
@@ -24,6 +25,8 @@ from typing import Any
 
 import uvicorn
 
+from server.file_limit import raise_open_file_limit
+from server.http.connections import guarded_protocol
 from server.http.guards import DrainState
 from server.settings import Settings
 
@@ -100,13 +103,30 @@ class DrainingServer(uvicorn.Server):
             log.info("drained; exiting")
 
 
+def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn config: guarded h11 connections (header deadline, connection cap).
+
+    Args:
+        app: The app from ``create_app``.
+        settings: Server settings.
+        overrides: uvicorn.Config arguments that win (tests pick a port, a log level).
+    """
+    server = settings.server
+    kwargs: dict[str, Any] = {
+        "host": server.host, "port": server.port, "log_level": server.log_level,
+        "timeout_graceful_shutdown": CLOSE_TIMEOUT_S, "http": guarded_protocol(settings),
+        "timeout_keep_alive": server.keep_alive_timeout_s,
+    }
+    return uvicorn.Config(app, **{**kwargs, **overrides})
+
+
 def serve(app: Any, settings: Settings) -> None:
     """Serve ``app`` (from ``create_app``) until SIGTERM has drained it, or SIGINT."""
     warning = bind_warning(settings)
     if warning:
         log.warning(warning)
-    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
-                            log_level=settings.server.log_level,
-                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
-    DrainingServer(config, app.state.drain, settings.server.shutdown_grace_s,
-                   app.state.engine).run()
+    soft = raise_open_file_limit(settings.server.max_connections)
+    log.info("open-file limit %s; server.max_connections=%d, header timeout %.1fs",
+             soft, settings.server.max_connections, settings.server.header_timeout_s)
+    DrainingServer(uvicorn_config(app, settings), app.state.drain,
+                   settings.server.shutdown_grace_s, app.state.engine).run()

@@ -71,7 +71,11 @@ def test_allocation_is_all_or_nothing_and_counts_exhaustion():
     assert (err.stream, err.requested, err.free) == ("k", 3, 1)
     assert "3" in str(err) and "1 free" in str(err) and "n_blocks" in str(err)
     assert pool.n_free("k") == 1 and pool.blocks_for(2) == [] and pool.blocks_for(1) == before
-    assert pool.stats.n_exhausted == 3 and pool.stats.n_allocations == 1
+    # n_exhausted counts failed calls: this one asked for 3 blocks and adds 1.
+    assert pool.stats.n_exhausted == 1 and pool.stats.n_allocations == 1
+    with pytest.raises(BlockPoolExhaustedError):
+        pool.allocate("k", 16 * 5, owner=2)
+    assert pool.stats.n_exhausted == 2
 
 
 def test_failed_allocation_does_not_make_a_new_owner_active():

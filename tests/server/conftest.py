@@ -75,10 +75,12 @@ def run_server(settings: Settings, engine: Any = None) -> Iterator[LiveServer]:
     import uvicorn
 
     from server.http.app import create_app
+    from server.http.serve import uvicorn_config
 
     port = free_port()
     app = create_app(settings, engine)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    # The production connection handling (header deadline, connection cap, keep-alive).
+    config = uvicorn_config(app, settings, host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)

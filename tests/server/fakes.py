@@ -57,7 +57,10 @@ class FakeEngine:
     def live_requests(self) -> dict[int, str]:
         return dict(self.live)
 
-    def shrink(self, stream: str, target_free: int) -> concurrent.futures.Future:
+    degraded = None
+
+    def shrink(self, stream: str, target_free: int,
+               force: bool = False) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         streams = self.pool.config.streams if stream == "kv" else (stream,)
         future.set_result((sum(self.pool.shrink(s, target_free) for s in streams),

@@ -175,10 +175,11 @@ def test_admission_by_capacity(small_pool_server: LiveServer):
 async def _fault_scenario(base_url: str):
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
         return await asyncio.gather(
-            _complete(c, prompt="FAULT here", max_tokens=50),
+            # No EOS: a faulty request must live past the fault's second token.
+            _complete(c, prompt="FAULT here", max_tokens=50, logit_bias=NO_EOS),
             _complete(c, prompt="fine", max_tokens=30),
             c.post("/v1/completions", json={"prompt": "FAULT stream", "max_tokens": 50,
-                                            "stream": True}),
+                                            "stream": True, "logit_bias": NO_EOS}),
         )
 
 
@@ -207,8 +208,9 @@ async def _shrink_while_generating(base_url: str) -> dict:
             lines = resp.aiter_lines()
             await lines.__anext__()
             view = (await c.get("/admin/pool", headers=auth)).json()
-            shrink = (await c.post("/admin/shrink", json={"stream": "kv", "target_free": 0},
-                                   headers=auth)).json()
+            # Forced: a pool this small can no longer hold one maximal request.
+            shrink = (await c.post("/admin/shrink", headers=auth,
+                                   json={"stream": "kv", "target_free": 0, "force": True})).json()
             after = (await c.get("/admin/pool", headers=auth)).json()
             rest = [line async for line in lines if line]
     return {"view": view, "shrink": shrink, "after": after, "rest": rest}

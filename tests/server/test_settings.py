@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +11,14 @@ import pytest
 from pydantic import ValidationError
 
 from server.__main__ import parse_args, settings_from_args
+from server.env_names import NON_SETTING_ENV
 from server.settings import (
     DEFAULT_CONFIG_PATH,
     MODEL_PRESETS,
     SECTIONS,
     ConfigError,
     Settings,
+    _valid_env_names,
     load_settings,
 )
 
@@ -133,9 +136,50 @@ def test_replace_validates_and_names_the_key():
         Settings().replace(pool={"n_blocks": 64, "max_blocks": 8})
 
 
-def test_unrelated_env_vars_are_ignored():
-    settings = load_settings(env={"VELOXQUANT_BLAS_PRELOADED": "/x", "VELOXQUANT_NO_BLAS": "1"})
-    assert settings == Settings()
+def test_non_setting_project_env_vars_are_accepted():
+    env = {name: "1" for name in NON_SETTING_ENV} | {"PATH": "/bin", "OTHER_TOOL_X": "1"}
+    assert load_settings(env=env) == Settings()
+
+
+@pytest.mark.parametrize("name,closest", [
+    ("VELOXQUANT_LIMIT_MAX_QUEUE", "VELOXQUANT_LIMITS_MAX_QUEUE"),  # section misspelt
+    ("VELOXQUANT_POOL_NBLOCKS", "VELOXQUANT_POOL_N_BLOCKS"),  # key misspelt
+    ("VELOXQUANT_NO_BLAS", "VELOXQUANT_NO_BLAS_PRELOAD"),  # a non-setting one misspelt
+    ("VELOXQUANT_API_KYE", "VELOXQUANT_API_KEY"),
+])
+def test_env_typos_stop_start_up_naming_the_closest_name(name, closest):
+    with pytest.raises(ConfigError) as info:
+        load_settings(env={name: "0"})
+    assert name in str(info.value) and f"did you mean {closest}?" in str(info.value)
+
+
+def test_every_veloxquant_env_name_in_the_code_is_known():
+    """A new VELOXQUANT_* variable read anywhere must be a setting or in NON_SETTING_ENV."""
+    valid = set(_valid_env_names())
+    found = set()
+    for folder in ("server", "veloxquant_mlx", "scripts", "benchmark_scripts"):
+        for path in (REPO / folder).rglob("*.py"):
+            found |= set(re.findall(r"VELOXQUANT_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    found |= set(re.findall(r"VELOXQUANT_[A-Z0-9_]*[A-Z0-9]", (REPO / "setup.py").read_text()))
+    placeholders = {"VELOXQUANT_SECTION_KEY"}
+    assert found - valid - placeholders == set()
+
+
+def test_the_typo_stops_a_real_start_up():
+    proc = _serve(env_extra={"VELOXQUANT_LIMIT_MAX_QUEUE": "0"})
+    assert proc.returncode == 2
+    assert "VELOXQUANT_LIMIT_MAX_QUEUE" in proc.stderr
+    assert "VELOXQUANT_LIMITS_MAX_QUEUE" in proc.stderr
+
+
+def test_secrets_are_stripped_and_must_be_printable_ascii():
+    settings = load_settings(env={"VELOXQUANT_API_KEY": "k3y\n",
+                                  "VELOXQUANT_ADMIN_TOKEN": "  adm1n\t"})
+    assert (settings.api_key, settings.admin_token) == ("k3y", "adm1n")
+    for name in ("VELOXQUANT_API_KEY", "VELOXQUANT_ADMIN_TOKEN"):
+        for bad in ("", " \n", "t\u00f6ken", "a\x00b"):
+            with pytest.raises(ConfigError, match=name):
+                load_settings(env={name: bad})
 
 
 def test_secrets_come_from_env_and_stay_out_of_repr():
@@ -180,3 +224,11 @@ def test_hub_ids_are_refused_offline():
     proc = _serve("--model", "mlx-community/Llama-3.2-1B-Instruct-4bit")
     assert proc.returncode == 2
     assert "only local paths load offline" in proc.stderr.lower()
+
+
+@pytest.mark.parametrize("env", [{"VELOXQUANT_ADMIN_TOKEN": "t\u00f6ken"},
+                                 {"VELOXQUANT_API_KEY": " \n"}])
+def test_a_bad_secret_stops_a_real_start_up_naming_the_variable(env):
+    proc = _serve(env_extra=env)
+    assert proc.returncode == 2
+    assert next(iter(env)) in proc.stderr

@@ -151,7 +151,7 @@ class BlockPoolAllocator:
             c.n_blocks += gap
             c.n_grown += gap
             return
-        c.n_exhausted += needed
+        c.n_exhausted += 1  # failed allocate() calls, not blocks (the seed page's definition)
         self._record(c)
         detail = ""
         if self.config.grow_on_exhaustion:

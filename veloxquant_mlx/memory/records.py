@@ -96,7 +96,9 @@ STAT_FIELDS = (
 
 
 class AllocationStats:
-    """Running counters of a pool. Every counter counts blocks, not calls.
+    """Running counters of a pool. Every counter counts blocks, not calls, except
+    ``n_exhausted``: failed ``allocate()`` calls (one per call, however many
+    blocks it asked for).
 
     Fields (constructor arguments in this order): n_blocks, n_allocations,
     n_frees, n_reused, n_exhausted, n_grown, n_retired, peak_blocks_in_use,
@@ -186,7 +188,7 @@ class AllocationStats:
             ("allocations_total", "counter", "Blocks handed out", self.n_allocations),
             ("frees_total", "counter", "Blocks returned", self.n_frees),
             ("reused_total", "counter", "Blocks handed out again after a free", self.n_reused),
-            ("exhausted_total", "counter", "Blocks requested by failed allocations",
+            ("exhausted_total", "counter", "Failed allocate() calls (pool exhausted)",
              self.n_exhausted),
             ("grown_total", "counter", "Blocks added by growth", self.n_grown),
             ("retired_total", "counter", "Blocks removed by shrink", self.n_retired),

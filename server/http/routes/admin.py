@@ -8,8 +8,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.engine.protocol import ShrinkRefused
 from server.http.auth import require_admin
-from server.http.errors import UnavailableError
+from server.http.errors import ConflictError, UnavailableError
 
 HISTORY_SHOWN = 16
 
@@ -17,11 +18,16 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
 class ShrinkRequest(BaseModel):
-    """Retire free blocks of a stream down to ``target_free`` free ones."""
+    """Retire free blocks of a stream down to ``target_free`` free ones.
 
-    model_config = ConfigDict(extra="forbid")
+    ``force`` allows a shrink below one maximal request (``/health`` then
+    reports ``degraded``). Strict types: ``"5"`` is not a count.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
     stream: Literal["k", "v", "kv"]
     target_free: int = Field(..., ge=0)
+    force: bool = False
 
 
 def pool_view(request: Request) -> dict[str, Any]:
@@ -34,7 +40,8 @@ def pool_view(request: Request) -> dict[str, Any]:
     config = pool.config
     return {
         "stats": pool.stats.snapshot().as_dict(),
-        "config": {"block_size": config.block_size, "n_blocks": config.n_blocks,
+        # n_blocks: the pool's size now (after shrinks and growth), not the start-up size.
+        "config": {"block_size": config.block_size, "n_blocks": pool.stats.n_blocks,
                    "separate_kv": config.separate_kv,
                    "grow_on_exhaustion": config.grow_on_exhaustion,
                    "max_blocks": config.max_blocks},
@@ -42,7 +49,24 @@ def pool_view(request: Request) -> dict[str, Any]:
         "history": [snap.as_dict() for snap in list(history)[-HISTORY_SHOWN:]],
         "owners": [{"owner": owner, "request_id": live.get(owner), "blocks": n}
                    for owner, n in sorted(held.items())],
+        **kv_view(engine, request.app.state.metrics),
     }
+
+
+def kv_view(engine: Any, metrics: Any) -> dict[str, int | None]:
+    """KV bytes: per block, in use (live), reserved (last engine step), workspace (fixed).
+
+    None before the model is loaded (the arena is laid out for the model).
+    """
+    kv = getattr(engine, "kv", None)
+    if kv is None:
+        return dict.fromkeys(("kv_bytes_per_block", "kv_bytes_in_use", "kv_bytes_reserved",
+                              "kv_workspace_bytes"))
+    sample = metrics.kv_bytes() if metrics is not None else {}
+    return {"kv_bytes_per_block": kv.bytes_per_block,
+            "kv_bytes_in_use": engine.pool.stats.blocks_in_use() * kv.bytes_per_block,
+            "kv_bytes_reserved": sample.get("reserved", 0),
+            "kv_workspace_bytes": kv.workspace_bytes}
 
 
 @router.get("/pool")
@@ -53,10 +77,18 @@ async def admin_pool(request: Request) -> dict[str, Any]:
 
 @router.post("/shrink")
 async def admin_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
-    """Retire free blocks; blocks running requests hold or reserved are never touched."""
+    """Retire free blocks; blocks running requests hold or reserved are never touched.
+
+    409 when the pool could no longer hold one maximal request, unless ``force``.
+    ``kept_free`` is what each stream has free afterwards.
+    """
     engine = request.app.state.engine
     if not engine.is_ready:
         raise UnavailableError("the engine is not running yet")
-    retired, floors = await asyncio.wrap_future(engine.shrink(body.stream, body.target_free))
-    return {"retired": retired, "kept_free": floors,
+    try:
+        retired, kept = await asyncio.wrap_future(
+            engine.shrink(body.stream, body.target_free, body.force))
+    except ShrinkRefused as exc:
+        raise ConflictError(str(exc), param="target_free", code="shrink_refused") from None
+    return {"retired": retired, "kept_free": kept, "degraded": engine.degraded,
             "stats": engine.pool.stats.snapshot().as_dict()}

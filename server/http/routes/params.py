@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -10,10 +11,28 @@ from server.http.errors import APIError, InvalidRequestError
 from server.http.schemas.common import SamplingFields
 from server.settings import Settings
 
+# A token id key: ASCII digits with an optional minus. str.isdigit() is not enough:
+# it accepts "²" and other Unicode digits that int() refuses. At most 18 digits: no
+# vocabulary is larger, and int() refuses strings of over 4,300 digits.
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
+
 
 def new_id(prefix: str) -> str:
     """A fresh request id such as ``cmpl-3f2a...``."""
     return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key as a token id (range checked by the engine against the vocabulary).
+
+    Raises:
+        InvalidRequestError: The key is not a decimal integer.
+    """
+    if _TOKEN_ID.fullmatch(key) is None:
+        raise InvalidRequestError(f"logit_bias key {key!r} is not a token id: use a decimal "
+                                  "integer such as \"50256\"", param="logit_bias",
+                                  code="invalid_value")
+    return int(key)
 
 
 def check_model(requested: str | None, engine: Any) -> None:
@@ -56,12 +75,7 @@ def resolve_params(
         raise InvalidRequestError(f"max_tokens={max_tokens} is over this server's cap of "
                                   f"{limits.max_tokens_cap} (limits.max_tokens_cap)",
                                   param="max_tokens")
-    bias = []
-    for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id",
-                                      param="logit_bias")
-        bias.append((int(key), float(value)))
+    bias = [(_token_id(key), float(value)) for key, value in (body.logit_bias or {}).items()]
 
     def pick(value, default):
         return default if value is None else value

@@ -17,12 +17,20 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 once the model is loaded and the engine thread is alive; 503 otherwise."""
+    """200 once the model is loaded and the engine thread is alive; 503 otherwise.
+
+    ``status`` is ``degraded`` (still 200: smaller requests are served) with a
+    ``reason`` after a forced shrink left the pool unable to hold one maximal request.
+    """
     engine = request.app.state.engine
     if engine.is_ready:
         running, waiting = engine.queue_depths()
-        return JSONResponse({"status": "ok", "model": engine.model_name,
-                             "running": running, "waiting": waiting})
+        body = {"status": "ok", "model": engine.model_name, "running": running,
+                "waiting": waiting}
+        degraded = getattr(engine, "degraded", None)
+        if degraded:
+            body.update(status="degraded", reason=degraded)
+        return JSONResponse(body)
     reason = getattr(engine, "load_error", None)
     message = f"model failed to load: {reason}" if reason else "model loading or engine stopped"
     return error_response(UnavailableError(message), request.app.state.settings)

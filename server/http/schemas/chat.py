@@ -12,7 +12,7 @@ from server.http.schemas.common import SamplingFields
 class ChatMessage(BaseModel):
     """One message; ``content`` may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None

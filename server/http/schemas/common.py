@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class StreamOptions(BaseModel):
     """``stream_options``: ask for a final usage chunk on a stream."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
@@ -19,9 +19,12 @@ class SamplingFields(BaseModel):
 
     ``None`` means "use the server default" (``[sampling]`` in the config).
     Ranges follow the OpenAI API; out-of-range values answer 400 at once.
+    Types are strict: ``true`` is not a number, ``"yes"`` not a boolean and
+    ``"5"`` not an integer (each is a 400 naming the field); an integer is
+    still accepted where a float is expected.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = Field(default=None, description="Model id; see GET /v1/models.")
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")

@@ -1,0 +1,90 @@
+"""Our server from two checkouts, one after the other: the uniform load at concurrency 16.
+
+Compares this checkout with another one (e.g. ``git worktree add /tmp/kvbase HEAD``; copy
+``veloxquant_mlx/memory/*.so`` into it so both run the compiled allocator). Each server runs
+from its own root (``PYTHONPATH`` = that root), the offline ``small`` model, the same
+optimized BLAS; rounds alternate who goes first and no prompt repeats.
+
+Usage::
+
+    flock /tmp/velox-bench.lock .venv/bin/python benchmark_scripts/benchmark_revisions.py \\
+        --old-root /tmp/kvbase [--rounds 4] [--out figures/server/kv_memory_uniform.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_server import free_port, make_prompts, process_cpu_s, wait_up  # noqa: E402
+from server_load import run_requests, summarize  # noqa: E402
+
+from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
+from veloxquant_mlx.offline_model import ensure_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONCURRENCY, REQUESTS, TOKENS = 16, 32, 64
+
+
+def start(root: Path, model: Path) -> tuple[subprocess.Popen, str]:
+    env = child_env(preload=True)
+    env["PYTHONPATH"] = str(root)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(model), "--port",
+                             str(port), "--log-level", "warning"], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_up(f"http://127.0.0.1:{port}", proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old-root", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    model = ensure_model("small")
+    prompts = make_prompts(model, REQUESTS * args.rounds + 2, TOKENS)
+    servers = {"new": start(ROOT, model), "old": start(args.old_root, model)}
+    try:
+        ids = {k: httpx.get(b + "/v1/models").json()["data"][0]["id"]
+               for k, (_, b) in servers.items()}
+        for k, (_, base) in servers.items():  # warm-up, not measured
+            asyncio.run(run_requests(base, ids[k], prompts[-2:], 2, 2, TOKENS, 60))
+        got = {k: [] for k in servers}
+        wall, cpu = dict.fromkeys(servers, 0.0), dict.fromkeys(servers, 0.0)
+        for r in range(args.rounds):
+            batch = prompts[r * REQUESTS: (r + 1) * REQUESTS]
+            for k in (["new", "old"] if r % 2 == 0 else ["old", "new"]):
+                proc, base = servers[k]
+                cpu0 = process_cpu_s(proc.pid)
+                res, sec = asyncio.run(run_requests(base, ids[k], batch, CONCURRENCY,
+                                                    REQUESTS, TOKENS, 240))
+                cpu[k] += process_cpu_s(proc.pid) - cpu0
+                got[k] += res
+                wall[k] += sec
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    out = {k: summarize(CONCURRENCY, got[k], wall[k]).as_dict() for k in servers}
+    for k in out:
+        out[k]["cpu_ms_per_token"] = round(1000 * cpu[k] / max(out[k]["generated_tokens"], 1), 3)
+    out["ratio_new_over_old_tok_per_s"] = round(out["new"]["tok_per_s"] / out["old"]["tok_per_s"],
+                                                3)
+    print(json.dumps(out, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The server's KV memory: the pool sized in bytes, its arena, the workspace bound.
+
+Every byte of KV that requests hold is a pool block (a slot range of the
+:class:`~veloxquant_mlx.memory.kv_arena.KVArena`), so::
+
+    MLX memory held for KV  =  arena (capacity, allocated at start)  +  transients
+    transients (one model call, one layer at a time)  <=  kv_workspace_bytes
+
+    kv_bytes_in_use    = blocks in use x bytes per block
+    kv_bytes_reserved  = blocks reserved by running requests (admission) x bytes per block
+    kv_bytes_capacity  = blocks the pool manages x bytes per block
+
+``kv_workspace_bytes`` is fixed by the settings: ``batch.max_batch_size`` rows
+of ``limits.max_prompt_tokens + limits.max_tokens_cap`` tokens, one layer's
+keys and values, plus the trash block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from server.settings import Settings
+from veloxquant_mlx.memory import BlockPoolAllocator
+from veloxquant_mlx.memory.kv_arena import KVArena, KVLayout, workspace_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """The arena and the byte figures the server reports.
+
+    Attributes:
+        arena: The pool's KV arena.
+        bytes_per_block: Bytes one pool block stands for.
+        workspace_bytes: The fixed bound on a model call's transient KV.
+    """
+
+    arena: KVArena
+    bytes_per_block: int
+    workspace_bytes: int
+
+    def snapshot(self, pool: BlockPoolAllocator, reserved_blocks: int) -> dict[str, int]:
+        """``{in_use, reserved, workspace, capacity}`` in bytes."""
+        stats = pool.stats
+        per = self.bytes_per_block
+        return {"in_use": stats.blocks_in_use() * per, "reserved": reserved_blocks * per,
+                "workspace": self.workspace_bytes, "capacity": stats.n_blocks * per}
+
+
+def blocks_for_bytes(settings: Settings, layout: KVLayout) -> int | None:
+    """``pool.n_blocks`` that ``pool.kv_memory`` buys for ``layout`` (None: not set).
+
+    Raises:
+        ValueError: The budget does not buy the pool's minimum of blocks.
+    """
+    budget = settings.pool.kv_memory_bytes
+    if budget is None:
+        return None
+    per = layout.bytes_per_block(settings.pool.block_size)
+    blocks = budget // per
+    least = 2 if settings.pool.separate_kv else 1
+    if blocks < least:
+        raise ValueError(f"pool.kv_memory = {settings.pool.kv_memory!r} buys {blocks} blocks "
+                         f"of {per} bytes; raise it to at least {least * per} bytes")
+    return blocks
+
+
+def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayout) -> KVMemory:
+    """Allocate the arena for ``pool`` and fix the workspace bound."""
+    limits, bs = settings.limits, settings.pool.block_size
+    longest = limits.max_prompt_tokens + limits.max_tokens_cap
+    return KVMemory(KVArena(pool, layout), layout.bytes_per_block(bs),
+                    workspace_bytes(layout, bs, settings.batch.max_batch_size, longest))
+
+
+def describe(kv: KVMemory, pool: BlockPoolAllocator, layout: KVLayout) -> str:
+    """The start-up line: blocks, tokens in flight, bytes per block, workspace."""
+    blocks, bs = pool.stats.n_blocks, pool.config.block_size
+    tokens = blocks * bs // (2 * layout.n_layers)
+    return (f"KV pool: {blocks} blocks x {_size(kv.bytes_per_block)} ({bs} tokens of one "
+            f"layer's k or v; {layout.n_kv_heads} heads x {layout.head_dim}, "
+            f"{str(layout.dtype).removeprefix('mlx.core.')}) = "
+            f"{_size(blocks * kv.bytes_per_block)}, {tokens} tokens in flight "
+            f"({layout.n_layers} layers); workspace {_size(kv.workspace_bytes)}")
+
+
+def _size(n: Any) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,148 @@
+"""Tokenizing prompts on a small pool of worker threads, never on the engine thread.
+
+Tokenizing a prompt near the body limit takes about a second; on the engine
+thread that second would freeze every running stream. So::
+
+    route -> Engine.submit -> PromptPreparer.submit   (event loop; never blocks)
+          -> worker thread: byte-count pre-check, tokenize, per-request checks
+          -> refused (Rejected on the request's channel)  or  Prepared -> engine inbox
+
+Hugging Face fast tokenizers release the GIL while they encode, so the
+engine thread keeps stepping meanwhile. The number of prompts accepted for
+preparation but not finished is bounded (``max_pending``); past it a request
+is refused with ``queue_full`` at once, which bounds the memory and CPU a
+burst of large prompts can claim.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.engine.intake import RequestRejected, check_token_params, tokenize_prompt
+from server.engine.prompt_bound import max_bytes_per_token
+from server.engine.protocol import GenerationRequest, Reason, Rejected
+from server.metrics import ServerMetrics
+from server.model_loader import LoadedModel
+from server.settings import LimitsSection
+
+# Worker threads: enough to keep tokenizing while one huge prompt is in progress; small
+# because each one competes with the engine thread for the CPU.
+WORKERS = 2
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request whose prompt is tokenized and within the per-request limits."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+
+
+class PromptPreparer:
+    """Tokenizes and checks submitted requests on worker threads.
+
+    Args:
+        loaded: The loaded model (tokenizer, vocabulary).
+        limits: ``max_prompt_tokens`` and the queue bound (``max_queue``).
+        metrics: Where refusals are recorded.
+        deliver: Called on a worker thread with each :class:`Prepared` request
+            (the engine puts it on its inbox).
+    """
+
+    def __init__(self, loaded: LoadedModel, limits: LimitsSection, metrics: ServerMetrics,
+                 deliver: Callable[[Prepared], None]) -> None:
+        self.loaded = loaded
+        self.max_prompt_tokens = limits.max_prompt_tokens
+        # Requests being prepared at once, beyond which new ones are refused: the waiting
+        # queue's bound plus a batch of head room, as these may all be admitted right after.
+        self.max_pending = limits.max_queue + 2 * WORKERS
+        self.metrics = metrics
+        self.deliver = deliver
+        per_token = max_bytes_per_token(loaded.tokenizer)
+        self.max_prompt_bytes = None if per_token is None else self.max_prompt_tokens * per_token
+        self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, "veloxquant-tokenize")
+        self._lock = threading.Lock()
+        # Requests accepted and not yet delivered or refused, by id().
+        self._pending: dict[int, GenerationRequest] = {}
+        self._closed = False
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue ``request`` for preparation, or refuse it at once (any thread; never blocks)."""
+        with self._lock:
+            if self._closed:
+                refusal = Rejected(Reason.SHUTTING_DOWN, "the server is shutting down")
+            elif len(self._pending) >= self.max_pending:
+                refusal = Rejected(Reason.QUEUE_FULL, f"server busy: {len(self._pending)} "
+                                   "prompts are being tokenized; retry later")
+            else:
+                refusal = None
+                self._pending[id(request)] = request
+                self._pool.submit(self._prepare, request)
+        if refusal is not None:
+            self.reject(request, refusal)
+
+    def reject(self, request: GenerationRequest, event: Rejected) -> None:
+        """Refuse a request that never ran (thread-safe)."""
+        self.metrics.rejected(event.reason, request)
+        request.channel.put(event)
+
+    def _prepare(self, request: GenerationRequest) -> None:
+        try:
+            if request.cancelled.is_set():
+                self.metrics.rejected(Reason.CANCELLED_WAITING, request)
+                return
+            ids = self.prompt_ids(request)
+            check_token_params(self.loaded, request.params)
+            self.deliver(Prepared(request, ids))
+        except RequestRejected as exc:
+            self.reject(request, exc.event)
+        finally:
+            with self._lock:
+                self._pending.pop(id(request), None)
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt ids, checked against ``limits.max_prompt_tokens``.
+
+        Raises:
+            RequestRejected: Too long (from its bytes alone when that proves it,
+                else after tokenizing), empty, or not tokenizable.
+        """
+        prompt = request.prompt
+        if isinstance(prompt, str) and self.max_prompt_bytes is not None:
+            n_bytes = len(prompt.encode())
+            if n_bytes > self.max_prompt_bytes:
+                raise self._too_long(f"prompt has {n_bytes} bytes, so more than "
+                                     f"limits.max_prompt_tokens={self.max_prompt_tokens} "
+                                     "tokens; shorten the prompt")
+        ids = tokenize_prompt(self.loaded, prompt)
+        if not ids:
+            raise RequestRejected(Rejected(Reason.EMPTY_PROMPT, "the prompt is empty (0 tokens)",
+                                           "prompt"))
+        if len(ids) > self.max_prompt_tokens:
+            raise self._too_long(f"prompt has {len(ids)} tokens, more than "
+                                 f"limits.max_prompt_tokens={self.max_prompt_tokens}; "
+                                 "shorten the prompt")
+        return ids
+
+    @staticmethod
+    def _too_long(message: str) -> RequestRejected:
+        return RequestRejected(Rejected(Reason.TOO_LARGE, message, "prompt"))
+
+    def close(self) -> None:
+        """Stop taking requests; finish the ones in progress, refuse the queued ones.
+
+        Call on the engine thread while it stops: what the workers deliver
+        meanwhile lands on the inbox, which the engine drains afterwards.
+        """
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Anything still pending had its future cancelled before it ran.
+        with self._lock:
+            left = list(self._pending.values())
+            self._pending.clear()
+        for request in left:
+            self.reject(request, Rejected(Reason.SHUTTING_DOWN, "the server is shutting down"))

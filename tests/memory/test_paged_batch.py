@@ -1,0 +1,151 @@
+"""The paged batch: KV in the pool's arena, exact blocks per owner, bounded transients.
+
+Tiny model (4 layers, 2 KV heads of 32, float32), tiny pools. Checks that a
+request decodes to the very logits of mlx-lm's stock cache, alone or in a
+batch of unequal rows; that after every step of random joins and leaves each
+owner holds exactly ``ceil(tokens / block_size)`` blocks per layer and
+stream with exact ``n_used``; and that MLX memory above the idle figure
+(weights + arena) never exceeds the blocks in use plus the fixed workspace.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from veloxquant_mlx.memory import BlockPoolAllocator, BlockPoolExhaustedError, PoolConfig
+from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout, workspace_bytes
+from veloxquant_mlx.memory.paged_batch import make_paged_batch
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model_path))[0]
+
+
+def _arena(model, n_blocks=2048, **config):
+    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks, **config))
+    return KVArena(pool, probe_kv_layout(model))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [5 + (seed * 31 + 7 * j) % 250 for j in range(n)]
+
+
+def _stock(model, prompt, steps):
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    out = []
+    for _ in range(steps):
+        out.append(logits)
+        logits = model(mx.argmax(logits, -1)[:, None], cache=cache)[:, -1]
+    return out
+
+
+def _paged(model, arena, prompts, steps, owner0=1):
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    batch = make_paged_batch(model, arena, list(range(owner0, owner0 + len(prompts))), pads)
+    logits = model(mx.array([[0] * q + p for q, p in zip(pads, prompts, strict=True)]),
+                   cache=batch.caches)[:, -1]
+    out = [[] for _ in prompts]
+    for _ in range(steps):
+        for i, rows in enumerate(out):
+            rows.append(logits[i: i + 1])
+        logits = model(mx.argmax(logits, -1)[:, None], cache=batch.caches)[:, -1]
+    return batch, out
+
+
+def _held_exactly(pool, batch, n_layers):
+    for i, row in enumerate(batch.rows):
+        tokens = batch.real_tokens(i)
+        per_stream = -(-tokens // BS)
+        blocks = pool.blocks_for(row.owner)
+        assert len(blocks) == 2 * n_layers * per_stream
+        assert sum(b.n_used for b in blocks) == 2 * n_layers * tokens
+        assert all(b.n_used == BS for stream in row.blocks for b in stream[:-1])
+
+
+def test_probe_reads_the_layout(model):
+    layout = probe_kv_layout(model)
+    assert (layout.n_layers, layout.n_kv_heads, layout.head_dim) == (4, 2, 32)
+    assert layout.dtype == mx.float32 and layout.bytes_per_block(BS) == 16 * 2 * 32 * 4
+
+
+def test_alone_and_in_a_batch_give_the_stock_logits(model):
+    arena = _arena(model)
+    prompts = [_prompt(i, n) for i, n in enumerate((7, 33, 16, 50))]
+    stock = [_stock(model, p, 12) for p in prompts]
+    batch, together = _paged(model, arena, prompts, 12)
+    _held_exactly(arena.pool, batch, 4)
+    batch.release()
+    for want, got in zip(stock, together, strict=True):
+        for a, b in zip(want, got, strict=True):
+            assert mx.array_equal(a, b)  # bit-identical, padding and all
+    assert arena.pool.stats.blocks_in_use() == 0
+
+
+def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model):
+    arena = _arena(model, n_blocks=4096)
+    pool, layout = arena.pool, arena.layout
+    rng = random.Random(7)
+    mx.eval(arena.data)
+    idle = mx.get_active_memory()
+    per_block = layout.bytes_per_block(BS)
+    bound = workspace_bytes(layout, BS, max_rows=6, max_tokens=140 + 30)
+    decode, inputs, owner = None, None, 100
+    for _ in range(40):
+        if decode is None or (len(decode.rows) < 5 and rng.random() < 0.4):
+            lengths = [rng.randint(1, 140) for _ in range(rng.randint(1, 2))]
+            group, _ = _paged(model, arena, [_prompt(owner + k, n)
+                                             for k, n in enumerate(lengths)], 0, owner)
+            owner += len(lengths)
+            first = mx.zeros((len(lengths),), mx.uint32) + 9
+            if decode is None:
+                decode, inputs = group, first
+            else:
+                decode.extend(group)
+                inputs = mx.concatenate([inputs, first])
+        if decode.rows and rng.random() < 0.3:
+            keep = sorted(rng.sample(range(len(decode.rows)), rng.randint(0, len(decode.rows))))
+            decode.filter(keep)
+            inputs = inputs[mx.array(keep, dtype=mx.int32)] if keep else None
+            if not keep:
+                decode = None
+                continue
+        logits = model(inputs[:, None], cache=decode.caches)[:, -1]
+        inputs = mx.argmax(logits, -1).astype(mx.uint32)
+        mx.eval(inputs)
+        _held_exactly(pool, decode, layout.n_layers)
+        assert mx.get_active_memory() - idle <= pool.stats.blocks_in_use() * per_block + bound
+    if decode is not None:
+        decode.release()
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_running_out_changes_nothing(model):
+    arena = _arena(model, n_blocks=2 * 4 * 3)  # 3 blocks per layer and stream
+    batch, _ = _paged(model, arena, [_prompt(1, 40)], 0)
+    held = arena.pool.stats.blocks_in_use()
+    with pytest.raises(BlockPoolExhaustedError):
+        model(mx.array([_prompt(2, 20)]), cache=batch.caches)
+    assert arena.pool.stats.blocks_in_use() == held and batch.real_tokens(0) == 40
+    batch.release()
+
+
+def test_the_arena_grows_with_the_pool(model):
+    arena = _arena(model, n_blocks=16, grow_on_exhaustion=True)
+    before = arena.n_ids
+    prompt = _prompt(3, 90)
+    batch, got = _paged(model, arena, [prompt], 6)
+    assert arena.n_ids > before and arena.trash == arena.n_ids
+    for a, b in zip(_stock(model, prompt, 6), got[0], strict=True):
+        assert mx.array_equal(a, b)
+    batch.release()

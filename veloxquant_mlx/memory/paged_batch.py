@@ -1,0 +1,313 @@
+"""Batched mlx-lm KV caches whose keys and values live in the pool's blocks.
+
+A :class:`PagedKVBatch` is the rows of one model call (a decode batch, or a
+group of prompts prefilling together); its ``caches`` are one
+:class:`PagedLayerCache` per model layer, the objects mlx-lm's attention
+talks to. Each row is one request (an *owner*) and holds, per layer and per
+stream (``"k"``/``"v"``), exactly ``ceil(tokens / block_size)`` pool blocks;
+their slots in the :class:`~veloxquant_mlx.memory.kv_arena.KVArena` are where
+its keys and values are. Nothing else holds KV::
+
+    row a: 37 tokens   layer l keys -> blocks [12, 40, 7]   (3 x 16 slots, 11 used in 7)
+    row b:  5 tokens   layer l keys -> blocks [3]
+    one model call of n columns, layer l:
+      write   new keys of every row -> their slots (padding columns -> trash block)
+      gather  arena[:, table_l]  -> (rows, H_kv, longest_blocks * block_size, D)   transient
+      mask    key j of row r visible to query c  <=>  j <= offset_r + c
+
+Rows are right-padded in the gathered buffer (a row's tokens start at
+column 0), so RoPE positions are ``offset`` and a row's padding is never
+stored. Left padding of a prefill group (``left_padding``) is consumed
+column by column: those columns are written to the trash block and take no
+position. ``filter`` (rows leave) frees the leaving rows' blocks at once;
+``extend`` (rows join) moves rows over without copying any KV.
+
+Each model call is *begun* once, by whichever of ``make_mask`` or the first
+layer's ``update_and_fetch`` comes first: that allocates the blocks the call
+needs (all-or-nothing), and fixes the call's slots, block tables and mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as _mlx_cache
+
+from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.kv_arena import KVArena
+from veloxquant_mlx.memory.pool_kv_common import allocate_kv, format_of, free_past, mark_used
+
+
+@dataclass(slots=True)
+class PagedRow:
+    """One owner's place in a batch.
+
+    Invariant: every ``blocks[s]`` (``s = 2 * layer`` keys, ``2 * layer + 1``
+    values) has ``ceil(tokens / block_size)`` blocks with exact ``n_used``,
+    and ``ids[s, :len(blocks[s])]`` are their ids.
+    """
+
+    owner: int
+    pad: int = 0  # leading padding columns still to be fed (prefill)
+    tokens: int = 0
+    blocks: list[list[Block]] = field(default_factory=list)
+    ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks per layer and stream."""
+        return len(self.blocks[0])
+
+
+class PagedKVBatch:
+    """Rows sharing model calls; see the module docstring.
+
+    Args:
+        arena: The pool's KV arena.
+        owners: One owner id per row.
+        left_padding: Leading padding columns of each row (prefill groups).
+
+    Raises:
+        ValueError: ``left_padding`` does not have one entry per owner.
+    """
+
+    def __init__(self, arena: KVArena, owners: Sequence[int],
+                 left_padding: Sequence[int] | None = None) -> None:
+        pads = [0] * len(owners) if left_padding is None else [int(p) for p in left_padding]
+        if len(pads) != len(owners):
+            raise ValueError(f"left_padding has {len(pads)} entries for {len(owners)} owners")
+        self.arena = arena
+        self.pool = arena.pool
+        self.bs = arena.block_size
+        self.n_streams = 2 * arena.layout.n_layers
+        self._fmt = format_of(arena.layout.dtype)
+        self.rows = [PagedRow(o, p, 0, [[] for _ in range(self.n_streams)],
+                              np.zeros((self.n_streams, 4), np.int32))
+                     for o, p in zip(owners, pads, strict=True)]
+        self.columns = 0  # columns begun, over all model calls
+        self._offset_pre = self._offsets()
+        self._offset_next = self._offset_pre
+        self._table: mx.array | None = None
+        self._slots: mx.array | None = None
+        self._mask: mx.array | None = None
+        self._width = 0
+        heads = arena.layout.n_kv_heads
+        self._heads_g = mx.arange(heads)[None, :, None]
+        self._heads_w = mx.arange(heads)[:, None]
+        self.caches = [PagedLayerCache(self, i) for i in range(arena.layout.n_layers)]
+
+    # -- bookkeeping -------------------------------------------------------------
+
+    @property
+    def owners(self) -> list[int]:
+        """The owner of each row, in row order."""
+        return [r.owner for r in self.rows]
+
+    def real_tokens(self, i: int) -> int:
+        """Tokens row ``i`` holds (in every layer)."""
+        return self.rows[i].tokens
+
+    def n_blocks_held(self) -> int:
+        """Blocks every row holds, over all layers and both streams."""
+        return sum(r.n_blocks * self.n_streams for r in self.rows)
+
+    def _offsets(self) -> mx.array:
+        return mx.array([r.tokens - r.pad for r in self.rows], dtype=mx.int32)
+
+    def _grow(self, real: list[int]) -> None:
+        """Give every row the blocks its next ``real`` tokens need; all-or-nothing.
+
+        Raises:
+            BlockPoolExhaustedError: Some row did not fit; blocks taken here are back.
+        """
+        bs, layers, taken = self.bs, self.n_streams // 2, []
+        try:
+            for row, n in zip(self.rows, real, strict=True):
+                need = -(-(row.tokens + n) // bs) - row.n_blocks
+                if need > 0:
+                    k_new, v_new = allocate_kv(self.pool, row.owner, layers * need * bs,
+                                               self._fmt)
+                    taken.append((row, row.n_blocks))
+                    for layer in range(layers):
+                        part = slice(layer * need, (layer + 1) * need)
+                        row.blocks[2 * layer].extend(k_new[part])
+                        row.blocks[2 * layer + 1].extend(v_new[part])
+        except BaseException:
+            for row, keep in taken:
+                for s in range(0, self.n_streams, 2):
+                    free_past(self.pool, row.blocks[s], row.blocks[s + 1], keep)
+            raise
+        for row, held in taken:
+            _copy_ids(row, held)
+
+    def begin(self, n: int) -> None:
+        """Start a model call of ``n`` columns: blocks, slots, tables, mask data.
+
+        Raises:
+            BlockPoolExhaustedError: A row's growth does not fit; nothing changed.
+        """
+        rows, bs = self.rows, self.bs
+        lead = np.array([min(r.pad, n) for r in rows], np.int64)
+        self._grow([n - int(p) for p in lead])
+        self.arena.ensure_ids()
+        trash = self.arena.trash
+        tokens = np.array([r.tokens for r in rows], np.int64)
+        width = max(r.n_blocks for r in rows)
+        table = np.full((self.n_streams, len(rows), width), trash, np.int32)
+        for i, row in enumerate(rows):
+            table[:, i, : row.n_blocks] = row.ids[:, : row.n_blocks]
+        cols = np.arange(n)[None, :]
+        valid = cols >= lead[:, None]
+        pos = np.where(valid, tokens[:, None] + cols - lead[:, None], 0)
+        blk = table[:, np.arange(len(rows))[:, None], pos // bs]
+        slots = np.where(valid[None], blk * bs + pos % bs, trash * bs)
+        self._offset_pre = self._offset_next
+        for row, p in zip(rows, lead, strict=True):
+            old, row.pad = row.tokens, row.pad - int(p)
+            row.tokens += n - int(p)
+            if row.tokens != old:
+                for s in range(0, self.n_streams, 2):
+                    mark_used(row.blocks[s], row.blocks[s + 1], old // bs, row.tokens, bs)
+        self._offset_next = self._offsets()
+        # Per layer: keys' rows then values' rows, as write_and_gather stacks them.
+        layers = self.n_streams // 2
+        self._table = mx.array(table.reshape(layers, 2 * len(rows), width))
+        self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
+        self._width, self._mask = width * bs, None
+        self.columns += n
+
+    def mask(self, n: int) -> mx.array:
+        """``(rows, 1, n, keys)`` boolean mask of the call begun last."""
+        if self._mask is None:
+            query = mx.maximum(self._offset_pre[:, None] + mx.arange(n)[None, :], 0)
+            self._mask = (mx.arange(self._width)[None, None, :] <= query[:, :, None])[:, None]
+        return self._mask
+
+    def write_and_gather(self, layer: int, keys: mx.array,
+                         values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store ``layer``'s new keys/values in their slots; return every row's, gathered.
+
+        Keys and values go in with one scatter and come out with one gather
+        (their slots and tables are stacked), halving the ops per layer.
+        """
+        arena = self.arena
+        rows, heads, _, dim = keys.shape
+        new = mx.concatenate([keys, values]).transpose(1, 0, 2, 3).reshape(heads, -1, dim)
+        arena.data[self._heads_w, self._slots[layer][None]] = new
+        blocks = arena.data.reshape(heads, arena.n_ids + 1, self.bs, dim)
+        both = blocks[self._heads_g, self._table[layer][:, None, :]].reshape(
+            2 * rows, heads, self._width, dim)
+        return both[:rows], both[rows:]
+
+    # -- rows in and out -----------------------------------------------------------
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (in that order); the others' blocks go back to the pool now."""
+        kept = {int(i) for i in keep}
+        self._free([r for i, r in enumerate(self.rows) if i not in kept])
+        self.rows = [self.rows[int(i)] for i in keep]
+        self._offset_next = self._offsets()
+
+    def extend(self, other: PagedKVBatch) -> None:
+        """Take ``other``'s rows (and blocks) after this batch's rows; no KV is copied.
+
+        Raises:
+            ValueError: ``other`` is on another arena.
+        """
+        if other.arena is not self.arena:
+            raise ValueError("extend() takes a PagedKVBatch of the same arena")
+        self.rows += other.rows
+        other.rows = []
+        self._offset_next = self._offsets()
+
+    def release(self) -> None:
+        """Return every row's blocks to the pool (the rows stay, empty)."""
+        self._free(self.rows)
+
+    def _free(self, rows: Sequence[PagedRow]) -> None:
+        blocks = [b for row in rows for stream in row.blocks for b in stream]
+        if blocks:
+            self.pool.free(blocks)
+        for row in rows:
+            row.blocks = [[] for _ in range(self.n_streams)]
+            row.tokens = 0
+
+
+def _copy_ids(row: PagedRow, held: int) -> None:
+    """Mirror the ids of ``row``'s blocks from index ``held`` on into ``row.ids``."""
+    count = row.n_blocks
+    if count > row.ids.shape[1]:
+        grown = np.zeros((row.ids.shape[0], max(2 * row.ids.shape[1], count)), np.int32)
+        grown[:, :held] = row.ids[:, :held]
+        row.ids = grown
+    for s, stream in enumerate(row.blocks):
+        row.ids[s, held:count] = [b.block_id for b in stream[held:count]]
+
+
+class PagedLayerCache(_mlx_cache._BaseCache):
+    """One layer's view of a :class:`PagedKVBatch` (what mlx-lm's attention calls).
+
+    Args:
+        batch: The batch.
+        layer: This layer's index.
+    """
+
+    def __init__(self, batch: PagedKVBatch, layer: int) -> None:
+        self.batch = batch
+        self.layer = layer
+        self.written = 0  # columns this layer appended
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position of this layer's next column (RoPE)."""
+        b = self.batch
+        return b._offset_next if self.written == b.columns else b._offset_pre
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` (``rows, H, n, D``); return the rows' gathered KV.
+
+        Raises:
+            BlockPoolExhaustedError: The call's growth does not fit; nothing changed.
+        """
+        b = self.batch
+        if self.written == b.columns:
+            b.begin(keys.shape[2])
+        self.written = b.columns
+        return b.write_and_gather(self.layer, keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """Boolean mask hiding other rows' padding and future columns."""
+        b = self.batch
+        if self.written == b.columns:
+            b.begin(N)
+        return b.mask(N)
+
+    def is_trimmable(self) -> bool:
+        """False: rows only grow, then leave."""
+        return False
+
+    def empty(self) -> bool:
+        """True until the batch's first model call."""
+        return self.batch.columns == 0
+
+    @property
+    def nbytes(self) -> int:
+        """0: the KV lives in the arena, accounted as the rows' pool blocks."""
+        return 0
+
+
+def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
+                     left_padding: Sequence[int] | None = None) -> PagedKVBatch:
+    """A :class:`PagedKVBatch` for ``model``; pass ``batch.caches`` as its cache.
+
+    Raises:
+        ValueError: The model's layer count is not the arena's.
+    """
+    if len(model.layers) != arena.layout.n_layers:
+        raise ValueError(f"model has {len(model.layers)} layers, the arena was laid out "
+                         f"for {arena.layout.n_layers}")
+    rows = [owners] if isinstance(owners, int) else list(owners)
+    return PagedKVBatch(arena, rows, left_padding)
