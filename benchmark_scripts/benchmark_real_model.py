@@ -44,15 +44,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_server import (  # noqa: E402
     Running,
+    drive,
     free_port,
     git_revision,
+    level_summary,
     make_prompts,
     peak_rss_mb,
-    process_cpu_s,
     stop_server,
     wait_up,
 )
-from server_load import run_requests, summarize  # noqa: E402
+from server_load import run_requests  # noqa: E402
 
 from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
 
@@ -118,21 +119,12 @@ def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namesp
                 n = max(args.peer_requests, c) if s.name == MLX_LM else args.requests
                 batch = prompts[offset: offset + n]
                 offset += n
-                cpu0 = process_cpu_s(s.proc.pid)
-                results, seconds = asyncio.run(run_requests(
-                    s.base, s.model_id, batch, c, n, args.max_tokens, args.time_limit,
-                    keep_alive=False))
-                cpu[s.name] += process_cpu_s(s.proc.pid) - cpu0
+                results, seconds, cpu_s = drive(s, batch, c, n, args, keep_alive=False)
                 got[s.name] += results
                 wall[s.name] += seconds
+                cpu[s.name] += cpu_s
         for s in servers:
-            level = summarize(c, got[s.name], wall[s.name]).as_dict()
-            level["server_cpu_ms_per_token"] = round(
-                1000 * cpu[s.name] / max(level["generated_tokens"], 1), 2)
-            out[s.name].append(level)
-            print(f"  {s.name:14s} c={c:<3d} {level['tok_per_s']:8.1f} tok/s "
-                  f"ttft p50 {level['ttft_p50_s']}s p99 {level['ttft_p99_s']}s "
-                  f"errors {level['errors']} {level['error_samples'][:1]}", flush=True)
+            out[s.name].append(level_summary(s.name, c, got[s.name], wall[s.name], cpu[s.name]))
     return out
 
 

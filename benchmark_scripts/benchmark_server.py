@@ -174,6 +174,25 @@ def stop_server(server: Running) -> str:
     return err[-1500:]
 
 
+def drive(s: Running, batch: list[str], c: int, n: int, args: argparse.Namespace,
+          keep_alive: bool = True) -> tuple[list, float, float]:
+    """One bounded load on one server: its results, wall seconds and server CPU seconds."""
+    cpu0 = process_cpu_s(s.proc.pid)
+    results, seconds = asyncio.run(run_requests(
+        s.base, s.model_id, batch, c, n, args.max_tokens, args.time_limit, keep_alive))
+    return results, seconds, process_cpu_s(s.proc.pid) - cpu0
+
+
+def level_summary(name: str, c: int, results: list, wall: float, cpu: float) -> dict:
+    """Aggregate one server's requests at one level (all rounds), print a line, return it."""
+    level = summarize(c, results, wall).as_dict()
+    level["server_cpu_ms_per_token"] = round(1000 * cpu / max(level["generated_tokens"], 1), 2)
+    print(f"  {name:14s} c={c:<3d} {level['tok_per_s']:8.1f} tok/s "
+          f"ttft p50 {level['ttft_p50_s']}s p99 {level['ttft_p99_s']}s "
+          f"errors {level['errors']} {level['error_samples'][:1]}", flush=True)
+    return level
+
+
 def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namespace) -> dict:
     """Every level, ``args.rounds`` rounds, servers alternating first/second each round.
 
@@ -190,22 +209,13 @@ def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namesp
         for rnd in range(args.rounds):
             batch = prompts[offset: offset + n]
             offset += n
-            order = servers if rnd % 2 == 0 else servers[::-1]
-            for s in order:
-                cpu0 = process_cpu_s(s.proc.pid)
-                results, seconds = asyncio.run(run_requests(
-                    s.base, s.model_id, batch, c, n, args.max_tokens, args.time_limit))
-                cpu[s.name] += process_cpu_s(s.proc.pid) - cpu0
+            for s in (servers if rnd % 2 == 0 else servers[::-1]):
+                results, seconds, cpu_s = drive(s, batch, c, n, args)
                 got[s.name] += results
                 wall[s.name] += seconds
+                cpu[s.name] += cpu_s
         for s in servers:
-            level = summarize(c, got[s.name], wall[s.name]).as_dict()
-            level["server_cpu_ms_per_token"] = round(
-                1000 * cpu[s.name] / max(level["generated_tokens"], 1), 2)
-            out[s.name].append(level)
-            print(f"  {s.name:14s} c={c:<3d} {level['tok_per_s']:8.1f} tok/s "
-                  f"ttft p50 {level['ttft_p50_s']}s p99 {level['ttft_p99_s']}s "
-                  f"errors {level['errors']} {level['error_samples'][:1]}", flush=True)
+            out[s.name].append(level_summary(s.name, c, got[s.name], wall[s.name], cpu[s.name]))
     return out
 
 

@@ -1,0 +1,188 @@
+"""The sections of the server settings: one frozen, strict model per TOML section.
+
+:mod:`server.settings` assembles them into :class:`~server.settings.Settings`
+and loads them from the file, the environment and the CLI; this module holds
+what each key means, its default and its checks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+ModelDtype = Literal["auto", "native", "float32", "float16", "bfloat16"]
+ModelPreset = Literal["smollm2", "tiny", "small"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+MODEL_DTYPES: tuple[str, ...] = get_args(ModelDtype)
+MODEL_PRESETS: tuple[str, ...] = get_args(ModelPreset)
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and the fix."""
+
+
+class _FieldProblem(ValueError):
+    """A check spanning several fields failed; ``field`` is the one to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class _Section(BaseModel):
+    # strict: a TOML `1` is not a bool and `"8"` is not an int (env strings are
+    # parsed by the env source before validation); ints still pass as floats.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class ServerSection(_Section):
+    """Where the HTTP server listens and how it logs."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: LogLevel = "info"
+    request_log: bool = True
+    metrics_require_key: bool = False
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    docs: bool = True
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
+
+
+class ModelSection(_Section):
+    """Which model to load and in which compute dtype.
+
+    ``path`` empty means the default model named by ``preset``: ``smollm2``
+    (the real SmolLM2-135M-Instruct) or the offline random test models
+    ``tiny`` and ``small``. ``dtype = "auto"`` computes in float32 on CPU;
+    ``"native"`` keeps every weight as stored. On CPU with ``auto``, quantized
+    weights are dequantized to float32 when that copy fits in
+    ``max_dequantized_bytes`` (0 = half the machine's memory).
+    """
+
+    path: str = ""
+    served_name: str = ""
+    dtype: ModelDtype = "auto"
+    max_dequantized_bytes: int = Field(default=0, ge=0)
+    preset: ModelPreset = "smollm2"
+
+
+DEFAULT_N_BLOCKS = 16384
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2,
+               "mb": 1000**2, "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+               "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"4GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``4096`` as a positive byte count.
+
+    Raises:
+        ValueError: Not a size, an unknown unit, or not positive.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        size = int(float(number) * _BYTE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"{value!r} is not a size (examples: \"4GiB\", \"512MiB\", "
+                         "1073741824)") from None
+    if size < 1:
+        raise ValueError(f"{value!r} must be more than 0 bytes")
+    return size
+
+
+class PoolSection(_Section):
+    """Sizing of the one shared block pool (see ``veloxquant_mlx.memory.PoolConfig``).
+
+    ``max_blocks = 0`` means no cap on growth (only used with
+    ``grow_on_exhaustion``); TOML has no null, so 0 stands in for None.
+    ``kv_memory`` sizes the pool in bytes instead of blocks (``"4GiB"``,
+    ``"512MiB"`` or a byte count; empty = use ``n_blocks``): the engine turns
+    it into ``n_blocks`` once the model's layout is known. Give one of the
+    two: a ``kv_memory`` beside an ``n_blocks`` other than its default is refused.
+    """
+
+    block_size: int = Field(default=16, ge=1)
+    n_blocks: int = DEFAULT_N_BLOCKS
+    kv_memory: str | int = ""
+    separate_kv: bool = True
+    grow_on_exhaustion: bool = False
+    max_blocks: int = Field(default=0, ge=0)
+
+    @property
+    def kv_memory_bytes(self) -> int | None:
+        """``kv_memory`` in bytes, or None when the pool is sized by ``n_blocks``."""
+        return parse_bytes(self.kv_memory) if self.kv_memory not in ("", 0) else None
+
+    @model_validator(mode="after")
+    def _check_kv_memory(self) -> PoolSection:
+        try:
+            kv = self.kv_memory_bytes
+        except ValueError as exc:
+            raise _FieldProblem("kv_memory", str(exc)) from None
+        if kv is not None and self.n_blocks != DEFAULT_N_BLOCKS:
+            raise _FieldProblem("kv_memory", f"{self.kv_memory!r} and pool.n_blocks = "
+                                f"{self.n_blocks} both size the pool; set only one")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> PoolSection:
+        if self.n_blocks < (2 if self.separate_kv else 1):
+            raise _FieldProblem("n_blocks", f"{self.n_blocks} is too small "
+                                "(needs >= 2 with separate_kv, else >= 1)")
+        if self.max_blocks and self.max_blocks < self.n_blocks:
+            raise _FieldProblem("max_blocks", f"{self.max_blocks} must be 0 (no cap) or "
+                                f">= pool.n_blocks ({self.n_blocks})")
+        return self
+
+
+class LimitsSection(_Section):
+    """Per-request limits and the admission queue's bounds."""
+
+    default_max_tokens: int = 256
+    max_tokens_cap: int = Field(default=4096, ge=1)
+    max_prompt_tokens: int = Field(default=8192, ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    max_stop_sequences: int = Field(default=8, ge=0)
+    max_stop_length: int = Field(default=256, ge=1)
+    max_body_bytes: int = Field(default=1048576, ge=1024)
+    stream_stall_timeout_s: float = Field(default=30.0, gt=0)
+    max_concurrent_per_client: int = Field(default=0, ge=0)  # 0 = no cap
+
+    @model_validator(mode="after")
+    def _check_default_fits_cap(self) -> LimitsSection:
+        if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
+            raise _FieldProblem("default_max_tokens", f"{self.default_max_tokens} must be in "
+                                f"1..limits.max_tokens_cap ({self.max_tokens_cap})")
+        return self
+
+
+class SamplingSection(_Section):
+    """Sampling defaults for requests that leave a field out (0 disables top_k)."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+
+
+class BatchSection(_Section):
+    """Continuous batching: how many requests decode together and how prompts are fed in."""
+
+    max_batch_size: int = Field(default=32, ge=1)
+    prefill_chunk_size: int = Field(default=512, ge=1)
+    max_prefill_tokens_per_step: int = Field(default=2048, ge=1)
+
+
+class CpuSection(_Section):
+    """CPU backend knobs (Linux): preload Debian's OpenBLAS under MLX."""
+
+    optimized_blas: bool = True
