@@ -39,17 +39,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_server import (  # noqa: E402
     Running,
-    drive,
     free_port,
     git_revision,
-    level_summary,
     make_prompts,
     peak_rss_mb,
+    run_levels,
     stop_server,
     wait_up,
 )
@@ -74,8 +76,9 @@ def llama_server_binary(explicit: str | None) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def commands(gguf: Path, folder: Path, port: int, llama_bin: str) -> dict[str, list[str]]:
-    """The command line that starts each server on ``port``."""
+def commands(gguf: Path, folder: Path, port: int) -> dict[str, list[str]]:
+    """The command line that starts each server on ``port`` (llama-server's binary via
+    ``LLAMA_SERVER`` in the environment)."""
     py = sys.executable
     return {
         OURS: [py, "-m", "server", "--model", "smollm2", "--port", str(port),
@@ -93,39 +96,21 @@ def start(name: str, gguf: Path, folder: Path, env: dict[str, str], llama_bin: s
     log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
     log_file = log_path.open("w")
     proc_env = {**env, "LLAMA_SERVER": llama_bin}
-    proc = subprocess.Popen(commands(gguf, folder, port, llama_bin)[name], cwd=ROOT,
+    proc = subprocess.Popen(commands(gguf, folder, port)[name], cwd=ROOT,
                             env=proc_env, stdout=log_file, stderr=log_file, text=True)
     wait_up(base, proc, timeout=300)
     # mlx_lm.server treats an unknown model id as a hub id: name its own folder.
-    model_id = str(folder) if name == MLX_LM else "smollm2"
+    # llama-server answers to any id; ours to the one it reports.
     if name == OURS:
-        import httpx
-
         model_id = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    else:
+        model_id = str(folder) if name == MLX_LM else "smollm2"
     return Running(name, proc, base, model_id, log_path, log_file)
 
 
-def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namespace) -> dict:
-    """Each level in ``args.rounds`` rounds; the first server rotates every round."""
-    out: dict[str, list[dict]] = {s.name: [] for s in servers}
-    offset = 0
-    for c in args.concurrency:
-        got: dict[str, list] = {s.name: [] for s in servers}
-        wall = dict.fromkeys(got, 0.0)
-        cpu = dict.fromkeys(got, 0.0)
-        for rnd in range(args.rounds):
-            k = rnd % len(servers)
-            for s in servers[k:] + servers[:k]:
-                n = max(args.peer_requests, c) if s.name == MLX_LM else args.requests
-                batch = prompts[offset: offset + n]
-                offset += n
-                results, seconds, cpu_s = drive(s, batch, c, n, args, keep_alive=False)
-                got[s.name] += results
-                wall[s.name] += seconds
-                cpu[s.name] += cpu_s
-        for s in servers:
-            out[s.name].append(level_summary(s.name, c, got[s.name], wall[s.name], cpu[s.name]))
-    return out
+def requests_per_round(args: argparse.Namespace) -> Callable[[str, int], int]:
+    """Requests per level and round: ``--requests``, fewer for mlx_lm.server."""
+    return lambda name, c: max(args.peer_requests, c) if name == MLX_LM else args.requests
 
 
 def ratios_over(ours: dict, peer: dict) -> dict:
@@ -253,8 +238,9 @@ def main() -> int:
     llama_bin = llama_server_binary(args.llama_server)
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(ROOT)
-    n_prompts = sum(args.requests * 2 + max(args.peer_requests, c) for c in args.concurrency)
-    prompts = make_prompts(folder, n_prompts * args.rounds + 2, args.prompt_tokens)
+    # Each round's servers share one batch of prompts, the size of the largest count.
+    per_round = sum(max(args.requests, args.peer_requests, c) for c in args.concurrency)
+    prompts = make_prompts(folder, per_round * args.rounds + 2, args.prompt_tokens)
     servers: list[Running] = []
     try:
         for name in (OURS, LLAMA, MLX_LM):
@@ -262,7 +248,9 @@ def main() -> int:
         for s in servers:  # warm-up, not measured
             asyncio.run(run_requests(s.base, s.model_id, prompts[-2:], 1, 2, 8, 120,
                                      keep_alive=False))
-        levels = run_levels(servers, prompts[:-2], args)
+        # A fresh connection per request for every server (see the module docstring).
+        levels = run_levels(servers, prompts[:-2], args, requests_per_round(args),
+                            keep_alive=False)
         rss = {s.name: peak_rss_mb(s.proc.pid) for s in servers}
     finally:
         logs = {s.name: stop_server(s) for s in servers}

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,24 +194,33 @@ def level_summary(name: str, c: int, results: list, wall: float, cpu: float) -> 
     return level
 
 
-def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namespace) -> dict:
-    """Every level, ``args.rounds`` rounds, servers alternating first/second each round.
+def run_levels(servers: list[Running], prompts: list[str], args: argparse.Namespace,
+               n_requests: Callable[[str, int], int] | None = None,
+               keep_alive: bool = True) -> dict:
+    """Every level in ``args.rounds`` rounds; the first server rotates every round.
 
-    Both servers see the same prompts in a round and no server sees a prompt twice
-    (mlx-lm's prompt cache would otherwise answer repeats from cache).
+    All servers take their requests from the front of the same prompts in a round
+    and no server sees a prompt twice (prompt caches would otherwise answer
+    repeats from cache). ``n_requests(name, c)`` sets a server's requests per
+    round (default ``--requests-per-level`` or ``max(12, 2 x c)`` for all).
     """
     out: dict[str, list[dict]] = {s.name: [] for s in servers}
     offset = 0
     for c in args.concurrency:
-        n = args.requests_per_level or max(12, 2 * c)
+        if n_requests is None:
+            counts = dict.fromkeys((s.name for s in servers),
+                                   args.requests_per_level or max(12, 2 * c))
+        else:
+            counts = {s.name: n_requests(s.name, c) for s in servers}
         got: dict[str, list] = {s.name: [] for s in servers}
         wall = dict.fromkeys(got, 0.0)
         cpu = dict.fromkeys(got, 0.0)
         for rnd in range(args.rounds):
-            batch = prompts[offset: offset + n]
-            offset += n
-            for s in (servers if rnd % 2 == 0 else servers[::-1]):
-                results, seconds, cpu_s = drive(s, batch, c, n, args)
+            batch = prompts[offset: offset + max(counts.values())]
+            offset += len(batch)
+            k = rnd % len(servers)
+            for s in servers[k:] + servers[:k]:
+                results, seconds, cpu_s = drive(s, batch, c, counts[s.name], args, keep_alive)
                 got[s.name] += results
                 wall[s.name] += seconds
                 cpu[s.name] += cpu_s

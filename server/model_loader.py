@@ -111,11 +111,8 @@ def _convert_gguf(path: Path | None) -> Path:
     from veloxquant_mlx.paths import models_dir
 
     try:
-        if path is None:
-            path = smollm2_gguf_path()
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
-        return convert_gguf(path, models_dir())
+        # convert_gguf itself refuses a missing file, naming it.
+        return convert_gguf(smollm2_gguf_path() if path is None else path, models_dir())
     except VeloxQuantError as exc:
         raise ModelSourceError(str(exc)) from None
 
@@ -166,7 +163,7 @@ def load_model(section: ModelSection) -> LoadedModel:
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
                         dequantize_budget(section.max_dequantized_bytes))
     apply_plan(model, plan)
-    if quantized and not plan.dequantize and not on_gpu:
+    if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)
     return LoadedModel(
         model=model,

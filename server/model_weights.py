@@ -26,11 +26,13 @@ class WeightPlan:
         cast_to: dtype name to cast floating parameters to, or None to keep them.
         dequantize: True to replace quantized layers with float layers first.
         note: How the weights are held, for the start-up log line.
+        slow: ``auto`` had to keep quantized weights packed on CPU (worth a warning).
     """
 
     cast_to: str | None
     dequantize: bool
     note: str
+    slow: bool = False
 
 
 def machine_memory_bytes() -> int:
@@ -89,7 +91,7 @@ def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
     return WeightPlan("float32", False,
                       f"quantized weights kept packed: a float32 copy ({mb:.0f} MiB) exceeds "
                       f"model.max_dequantized_bytes ({budget_mb:.0f} MiB), and MLX's CPU "
-                      "quantized matmul is slow, so expect low tokens/s")
+                      "quantized matmul is slow, so expect low tokens/s", slow=True)
 
 
 def apply_plan(model: Any, plan: WeightPlan) -> None:
