@@ -2,13 +2,20 @@
 
 Order matters: settings first (cheap, no MLX), then the optimized-BLAS
 re-exec (must happen before anything imports MLX), then the app.
+
+Both entry points call :func:`run`, which ends the process with ``os._exit`` once
+:func:`main` has returned (see :func:`run` for why); :func:`main` itself returns the
+exit code, so tests call it in-process.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
+from typing import NoReturn
 
 from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
 from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # imports no MLX
@@ -77,5 +84,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """Run :func:`main`, flush every log and stream, then end the process at once.
+
+    MLX's C++ singletons (device, scheduler, the CUDA backend's worker threads) are
+    destroyed by static destructors at normal process exit. When MLX work ran on a thread
+    other than the main one -- all of ours runs on the engine thread -- they can still be
+    referenced then, and the process aborts after a clean drain (``terminate called without
+    an active exception`` on an H200 with MLX's CUDA backend; ml-explore/mlx issue #3126;
+    MLX 0.32's thread-local compile caches can crash at teardown too). By the time
+    :func:`main` returns, the app's lifespan has stopped the engine thread and it has
+    synchronized its MLX work, so nothing is left for those destructors to do: ``os._exit``
+    skips them, and atexit handlers (this project registers none).
+    """
+    try:
+        code = main()
+    except KeyboardInterrupt:  # SIGINT: uvicorn stops gracefully, then re-raises it
+        code = 130
+    except SystemExit as exc:  # argparse (--help, bad flag) and uvicorn's start-up failure
+        code = _exit_code(exc)
+    except BaseException:  # reported as the interpreter would, then exit 1
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()  # flushes and closes every handler (the request log included)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more to save
+            pass
+    os._exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status ``sys.exit(arg)`` would give: None is 0, an int itself, else 1."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -4,7 +4,8 @@
 the engine and the routes record, two collectors read their values at
 scrape time: :class:`PoolCollector` (the pool's own counters, under the
 names ``pool.stats.to_prometheus()`` uses: ``veloxquant_block_pool_*``) and
-:class:`EngineCollector` (running/waiting, orphaned blocks, MLX memory).
+:class:`EngineCollector` (running/waiting, orphaned blocks, MLX memory, and
+the engine's seconds per step phase).
 The registry is private to each app, so tests can build many apps.
 """
 
@@ -174,6 +175,23 @@ class EngineCollector:
         for kind, value in sorted(self.metrics.kv_bytes().items()):
             kv.add_metric([kind], value)
         yield kv
+        clock = getattr(self.engine, "clock", None)  # test doubles may have none
+        if clock is not None:
+            yield from _step_families(clock)
+
+
+def _step_families(clock: Any):
+    """The engine's time per step phase (server.engine.step_clock) and its decode steps."""
+    steps, seconds = clock.totals()
+    phases = CounterMetricFamily("veloxquant_engine_phase_seconds",
+                                 "Engine-thread seconds by step phase (differences between "
+                                 "scrapes over decode steps: where a step's time goes).",
+                                 labels=["phase"])
+    for phase, value in seconds.items():
+        phases.add_metric([phase], value)
+    yield phases
+    yield CounterMetricFamily("veloxquant_engine_decode_steps",
+                              "Batched decode model calls run.", value=steps)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

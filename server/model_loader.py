@@ -154,6 +154,7 @@ def load_model(section: ModelSection) -> LoadedModel:
         float32_bytes,
         is_quantized,
         plan_weights,
+        stored_float_dtype,
     )
 
     path = resolve_model_path(section)
@@ -161,7 +162,8 @@ def load_model(section: ModelSection) -> LoadedModel:
     quantized = is_quantized(model)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
-                        dequantize_budget(section.max_dequantized_bytes))
+                        dequantize_budget(section.max_dequantized_bytes),
+                        stored_dtype=stored_float_dtype(model))
     apply_plan(model, plan)
     if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)

@@ -4,9 +4,19 @@ On MLX's CPU backend only float32 matmuls have a fast (BLAS) path: its
 quantized matmul is many times slower than float32 on OpenBLAS for a small
 model. So ``dtype = "auto"`` on CPU dequantizes quantized weights to float32
 when the float32 copy fits the ``model.max_dequantized_bytes`` budget, and
-otherwise keeps them packed (scales and biases still go float32). On a GPU or
-Metal backend the packed weights stay: there the quantized kernels are fast
-and memory is the scarcer resource.
+otherwise keeps them packed (scales and biases still go float32).
+
+On a GPU (CUDA or Metal) it is the other way round: half-precision matmuls and
+the quantized kernels are the fast paths, and memory is the scarcer resource.
+So ``auto`` keeps quantized weights packed and a bfloat16/float16 checkpoint as
+stored, and casts a float32 checkpoint to bfloat16 (half the bytes; bfloat16
+keeps float32's exponent range, so nothing that fit in float32 overflows).
+
+    dtype = "auto"        CPU                               GPU
+    float32 checkpoint    float32                           cast to bfloat16
+    bf16/fp16 checkpoint  cast to float32                   as stored
+    quantized             dequantized to float32 (budget)   packed; float32 parts
+                          or packed, float32 parts           cast to bfloat16
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ def float32_bytes(model: Any) -> int:
 
 
 def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
-                 budget: int) -> WeightPlan:
+                 budget: int, stored_dtype: str) -> WeightPlan:
     """Decide cast and dequantization from the ``model.dtype`` setting.
 
     Args:
@@ -74,6 +84,8 @@ def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
         quantized: The model has quantized layers.
         f32_bytes: Size of a float32 copy of every weight.
         budget: Largest float32 copy ``auto`` may make (bytes).
+        stored_dtype: The checkpoint's floating dtype (:func:`stored_float_dtype`),
+            e.g. ``"bfloat16"``; for a quantized model, that of its scales and norms.
     """
     if requested == "native":
         return WeightPlan(None, False, "weights as stored")
@@ -81,7 +93,7 @@ def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
         kind = "packed quantized weights, float parameters" if quantized else "weights"
         return WeightPlan(requested, False, f"{kind} cast to {requested}")
     if on_gpu:
-        return WeightPlan(None, False, "weights as stored (GPU)")
+        return _plan_gpu(quantized, stored_dtype)
     if not quantized:
         return WeightPlan("float32", False, "float32 weights")
     mb, budget_mb = f32_bytes / 2**20, budget / 2**20
@@ -92,6 +104,36 @@ def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
                       f"quantized weights kept packed: a float32 copy ({mb:.0f} MiB) exceeds "
                       f"model.max_dequantized_bytes ({budget_mb:.0f} MiB), and MLX's CPU "
                       "quantized matmul is slow, so expect low tokens/s", slow=True)
+
+
+def _plan_gpu(quantized: bool, stored_dtype: str) -> WeightPlan:
+    """``auto`` on a GPU: half precision as stored, float32 cast to bfloat16, packed stays."""
+    kind = "packed quantized weights, float32 parameters" if quantized else "float32 weights"
+    if stored_dtype == "float32":
+        return WeightPlan("bfloat16", False, f"{kind} cast to bfloat16 (GPU)")
+    kind = "packed quantized weights" if quantized else "weights"
+    return WeightPlan(None, False, f"{kind} as stored ({stored_dtype}, GPU)")
+
+
+def stored_float_dtype(model: Any) -> str:
+    """The floating dtype holding most of the model's parameter elements, as stored.
+
+    Counted by elements rather than taken from the first parameter, so a float32 norm
+    listed before bfloat16 weights does not decide. Packed quantized words (uint32) are
+    not floating and do not count.
+
+    Returns:
+        A dtype name such as ``"bfloat16"``, or ``"unknown"`` when nothing is floating.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    counts: dict[str, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            name = str(value.dtype).removeprefix("mlx.core.")
+            counts[name] = counts.get(name, 0) + value.size
+    return max(counts, key=counts.__getitem__) if counts else "unknown"
 
 
 def apply_plan(model: Any, plan: WeightPlan) -> None:

@@ -57,10 +57,12 @@ class ModelSection(_Section):
 
     ``path`` empty means the default model named by ``preset``: ``smollm2``
     (the real SmolLM2-135M-Instruct) or the offline random test models
-    ``tiny`` and ``small``. ``dtype = "auto"`` computes in float32 on CPU;
-    ``"native"`` keeps every weight as stored. On CPU with ``auto``, quantized
-    weights are dequantized to float32 when that copy fits in
-    ``max_dequantized_bytes`` (0 = half the machine's memory).
+    ``tiny`` and ``small``. ``dtype = "auto"`` computes in float32 on CPU; on a
+    GPU it keeps bfloat16/float16 and quantized weights as stored and casts a
+    float32 checkpoint to bfloat16 (server/model_weights.py). ``"native"`` keeps
+    every weight as stored. On CPU with ``auto``, quantized weights are
+    dequantized to float32 when that copy fits in ``max_dequantized_bytes``
+    (0 = half the machine's memory).
     """
 
     path: str = ""

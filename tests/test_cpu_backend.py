@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from veloxquant_mlx import cpu_backend as cb
+from veloxquant_mlx.mlx_device import MlxBuild
 
 LIB = cb.find_optimized_blas()
 LIB_OK = LIB is not None and cb.probe_blas(LIB)
@@ -174,3 +175,52 @@ def test_child_env_adds_and_strips_the_preload(monkeypatch: pytest.MonkeyPatch) 
     assert off["LD_PRELOAD"] == "/other.so"
     assert off[cb.OPT_OUT_ENV] == "1" and cb.MARKER_ENV not in off
     assert "LD_PRELOAD" not in cb.child_env(preload=False, base={"LD_PRELOAD": str(lib)})
+
+
+def _reexec_ready(monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
+    """Everything a re-exec needs, with MLX's build on a GPU or not as ``gpu`` says."""
+    monkeypatch.setattr(cb, "find_optimized_blas", lambda: Path("/opt/ok/libblas.so.3"))
+    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
+    monkeypatch.setattr(cb, "probe_blas", lambda path: True)
+    monkeypatch.setattr(cb, "gpu_expected", lambda: gpu)
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "server"])
+
+
+def test_gpu_build_skips_the_reexec(fake_execve: list[tuple],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLX's CUDA build: matmuls run on cuBLAS, so OpenBLAS would only cost a restart.
+    _reexec_ready(monkeypatch, gpu=True)
+    cb.ensure_optimized_blas(True)
+    assert fake_execve == []
+    _reexec_ready(monkeypatch, gpu=False)  # the same process on the CPU build does re-exec
+    with pytest.raises(_ExecCalled):
+        cb.ensure_optimized_blas(True)
+    assert len(fake_execve) == 1
+
+
+def test_describe_backend_names_the_cpu_and_its_blas() -> None:
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("the default device here is a GPU")
+    line = cb.describe_backend("float32")
+    device = cb.describe_device(mx, mx.default_device())
+    assert line.startswith(f"MLX {mx.__version__} on {device}; BLAS: ")
+    assert line.endswith("; dtype float32")
+    name = mx.device_info(mx.cpu).get("device_name")
+    assert line.startswith(f"MLX {mx.__version__} on cpu ({name}); " if name else
+                           f"MLX {mx.__version__} on cpu; ")
+    assert ("BLAS: optimized (preloaded " in line) == cb.active_blas().preloaded
+
+
+def test_describe_backend_says_how_to_unshadow_the_cuda_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("the default device here is a GPU")
+    monkeypatch.setattr(cb, "mlx_build",
+                        lambda: MlxBuild(cuda=False, cuda_wheel="mlx-cuda-13"))
+    line = cb.describe_backend()
+    assert ("mlx-cuda-13 is installed but mlx-cpu's libmlx.so replaced its own; for the GPU "
+            f"run: pip install --force-reinstall --no-deps mlx-cuda-13=={mx.__version__}") in line

@@ -1,4 +1,4 @@
-"""Run MLX's Linux CPU backend on an optimized BLAS, and say which one it runs on.
+"""Run MLX's Linux CPU backend on an optimized BLAS, and name the device MLX computes on.
 
 MLX's Linux CPU wheel links a bundled *reference* BLAS (``mlx_cpu.libs/libblas-*.so.3``).
 Its float32 matmuls (``cblas_sgemm``, the only BLAS entry MLX calls for float32) run at a
@@ -16,6 +16,12 @@ re-executes the current process once with it set::
            └─ os.execve(python -m server ..., LD_PRELOAD=<openblas>:...,
                         VELOXQUANT_BLAS_PRELOADED=<openblas>)
                 └─ ensure_optimized_blas(True) -> marker set: no-op, carry on
+
+On a GPU the re-exec is skipped: matmuls run on cuBLAS or Metal there, so a preload would
+buy nothing and cost a probe and a restart. macOS means Metal; on Linux, MLX's CUDA build
+is recognised without importing MLX (:func:`veloxquant_mlx.mlx_device.mlx_build`). MLX
+reads no environment variable that moves its default device to the CPU (the CUDA build's
+``gpu::is_available()`` is hard-wired true), so there is no MLX override to honour here.
 
 Process-level environment variables (the only environment this module reads; they govern
 the process image, not server configuration):
@@ -38,6 +44,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from veloxquant_mlx.mlx_device import describe_device, gpu_expected, mlx_build
 
 OPT_OUT_ENV = "VELOXQUANT_NO_BLAS_PRELOAD"
 MARKER_ENV = "VELOXQUANT_BLAS_PRELOADED"
@@ -234,8 +242,9 @@ def ensure_optimized_blas(enabled: bool = True) -> None:
 
     No-op when: not Linux (macOS uses Accelerate/Metal), ``enabled`` is False,
     ``VELOXQUANT_NO_BLAS_PRELOAD=1``, the marker of a previous re-exec is set, a BLAS is
-    already preloaded, no optimized BLAS is installed, the candidate fails its probe, or
-    the command line cannot be replayed.
+    already preloaded, MLX's CUDA build is the one installed (the GPU does the matmuls;
+    :func:`~veloxquant_mlx.mlx_device.mlx_build`), no optimized BLAS is installed, the
+    candidate fails its probe, or the command line cannot be replayed.
 
     Args:
         enabled: The ``cpu.optimized_blas`` setting.
@@ -244,7 +253,7 @@ def ensure_optimized_blas(enabled: bool = True) -> None:
         return
     if os.environ.get(OPT_OUT_ENV, "") not in ("", "0") or MARKER_ENV in os.environ:
         return
-    if _global_symbol_path("cblas_sgemm") is not None:
+    if _global_symbol_path("cblas_sgemm") is not None or gpu_expected():
         return
     lib = find_optimized_blas()
     argv = _reexec_argv()
@@ -258,7 +267,7 @@ def ensure_optimized_blas(enabled: bool = True) -> None:
 
 
 def describe_backend(dtype: str | None = None) -> str:
-    """One start-up log line: MLX version, device, the BLAS behind it and the dtype.
+    """One start-up log line: MLX version, the device, the BLAS behind a CPU and the dtype.
 
     Imports ``mlx.core``, so call it after :func:`ensure_optimized_blas`.
 
@@ -266,28 +275,37 @@ def describe_backend(dtype: str | None = None) -> str:
         dtype: The compute dtype of the loaded model, if known (e.g. ``"float32"``).
 
     Returns:
-        For example ``"MLX 0.32.4 on cpu; BLAS: OpenBLAS (preloaded
+        For example ``"MLX 0.32.4 on gpu (CUDA: NVIDIA H200, 140 GiB); dtype bfloat16"``, or
+        ``"MLX 0.32.4 on cpu (AMD EPYC); BLAS: optimized (preloaded
         /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3; OpenBLAS 0.3.21 ...,
         2 threads); dtype float32"``.
     """
     import mlx.core as mx
 
     device = mx.default_device()
-    parts = [f"MLX {mx.__version__} on {device.type.name}"]
-    if device.type == mx.DeviceType.gpu:
-        parts.append("BLAS: n/a (Metal GPU)")
-    elif sys.platform == "darwin":
-        parts.append("BLAS: Accelerate")
-    else:
-        blas = active_blas()
-        if blas.preloaded:
-            extra = "; ".join(
-                s for s in (blas.config, f"{blas.threads} threads" if blas.threads else "") if s
-            )
-            parts.append(f"BLAS: optimized (preloaded {blas.path}{'; ' + extra if extra else ''})")
-        else:
-            hint = "install libopenblas0-pthread for ~30x faster float32 matmuls"
-            parts.append(f"BLAS: MLX's bundled reference BLAS ({blas.path}); {hint}")
+    parts = [f"MLX {mx.__version__} on {describe_device(mx, device)}"]
+    if device.type != mx.DeviceType.gpu:
+        parts.append(_describe_cpu_blas())
+        shadowed = mlx_build().shadowed
+        if shadowed:
+            # pip wrote mlx-cpu's libmlx.so over the CUDA one (see mlx_device's docstring).
+            parts.append(f"{shadowed} is installed but mlx-cpu's libmlx.so replaced its own; "
+                         f"for the GPU run: pip install --force-reinstall --no-deps "
+                         f"{shadowed}=={mx.__version__}")
     if dtype:
         parts.append(f"dtype {dtype}")
     return "; ".join(parts)
+
+
+def _describe_cpu_blas() -> str:
+    """Which BLAS serves MLX's CPU float32 matmuls, with the fix when it is the slow one."""
+    if sys.platform == "darwin":
+        return "BLAS: Accelerate"
+    blas = active_blas()
+    if blas.preloaded:
+        extra = "; ".join(
+            s for s in (blas.config, f"{blas.threads} threads" if blas.threads else "") if s
+        )
+        return f"BLAS: optimized (preloaded {blas.path}{'; ' + extra if extra else ''})"
+    hint = "install libopenblas0-pthread for ~30x faster float32 matmuls"
+    return f"BLAS: MLX's bundled reference BLAS ({blas.path}); {hint}"

@@ -7,7 +7,8 @@ standard library's text:
 * a byte-level BPE tokenizer trained with the ``tokenizers`` library on the
   docstrings of the standard library's top-level modules (a sorted, fixed
   file list, so one Python version always yields the same tokenizer);
-* an mlx-lm ``llama`` model with seeded random float32 weights;
+* an mlx-lm ``llama`` model with seeded random weights, stored in float32
+  (``bfloat16`` for the ``1b`` preset, the dtype a GPU serves it in);
 * a normal Hugging Face-style folder (``config.json``, ``model.safetensors``,
   ``tokenizer.json``, ``tokenizer_config.json`` with a chat template) that the
   real :func:`mlx_lm.load` reads.
@@ -18,12 +19,18 @@ a download. Point the server at any mlx-community model for real text.
 
 Presets:
 
-======  ======  ======  =====  ========  ============  =====  =============
-preset  hidden  layers  heads  kv heads  intermediate  vocab  parameters
-======  ======  ======  =====  ========  ============  =====  =============
-tiny    128     4       4      2         256           4096   ~1.1 M (4 MB)
-small   768     8       12     4         2048          8192   ~57 M (230 MB)
-======  ======  ======  =====  ========  ============  =====  =============
+======  ======  ======  =====  ========  ============  =====  ========  ==============
+preset  hidden  layers  heads  kv heads  intermediate  vocab  dtype     parameters
+======  ======  ======  =====  ========  ============  =====  ========  ==============
+tiny    128     4       4      2         256           4096   float32   ~1.1 M (4 MB)
+small   768     8       12     4         2048          8192   float32   ~57 M (230 MB)
+1b      2048    16      32     8         8192          16384  bfloat16  ~1.0 B (2.0 GB)
+======  ======  ======  =====  ========  ============  =====  ========  ==============
+
+``1b`` is shaped like Llama-3.2-1B (head_dim 64, GQA 32/8) except for the
+vocabulary: the stdlib corpus yields at most ~17 k BPE tokens, so its output
+layer is smaller than Llama's 128 k. It is for GPU benchmarks
+(``benchmark_scripts/benchmark_gpu.py``); no test builds it.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class ModelPreset:
         vocab_size: Target BPE vocabulary size, special tokens included.
         max_position_embeddings: Advertised context length.
         corpus_chars: Cap on training text for the tokenizer, in characters.
+        dtype: Stored dtype of the weights, one of :data:`WEIGHT_DTYPES`.
     """
 
     name: str
@@ -89,15 +97,28 @@ class ModelPreset:
     vocab_size: int
     max_position_embeddings: int = 4096
     corpus_chars: int = 2_000_000
+    dtype: str = "float32"
 
+    def __post_init__(self) -> None:
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"preset {self.name!r}: dtype {self.dtype!r} is not one of "
+                             f"{WEIGHT_DTYPES}")
+
+
+# Stored weight dtypes: float32 for CPU tests and benchmarks, bfloat16 for GPUs
+# (half the bytes to read per decode step, the dtype real checkpoints ship in).
+WEIGHT_DTYPES = ("float32", "bfloat16")
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset("tiny", 128, 4, 4, 2, 256, 4096),
     "small": ModelPreset("small", 768, 8, 12, 4, 2048, 8192),
+    "1b": ModelPreset("1b", 2048, 16, 32, 8, 8192, 16384, dtype="bfloat16"),
 }
 
 
-def _preset(name: str) -> ModelPreset:
+def _preset(name: str | ModelPreset) -> ModelPreset:
+    if isinstance(name, ModelPreset):
+        return name
     try:
         return PRESETS[name]
     except KeyError:
@@ -194,7 +215,7 @@ def model_config(preset: ModelPreset, vocab_size: int) -> dict:
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
-        "torch_dtype": "float32",
+        "torch_dtype": preset.dtype,
         "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
         # Both ids stop generation: end of turn (chat) and end of text (raw).
         "eos_token_id": [SPECIAL_TOKENS.index(TURN_END), SPECIAL_TOKENS.index(EOS_TOKEN)],
@@ -221,6 +242,10 @@ def tokenizer_config(preset: ModelPreset) -> dict:
 def write_weights(config: dict, path: Path, seed: int) -> int:
     """Create seeded random llama weights and save them as safetensors.
 
+    The model's own initialisers draw each tensor whole with ``mx.random``
+    (lazily, so a 1 B model costs seconds on a GPU); the draw is in float32
+    and is then cast to the stored dtype, ``config["torch_dtype"]``.
+
     Args:
         config: The model's ``config.json`` contents.
         path: Target ``model.safetensors`` file.
@@ -233,10 +258,14 @@ def write_weights(config: dict, path: Path, seed: int) -> int:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
+    dtype = getattr(mx, config.get("torch_dtype", "float32"))
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
-    weights = {name: w.astype(mx.float32) for name, w in weights.items()}
+    # Dropping the model leaves the cast as the only holder of each float32 draw,
+    # so evaluation frees the float32 copy instead of keeping both (1b: 4 GB + 2 GB).
+    del model
+    weights = {name: w.astype(dtype) for name, w in weights.items()}
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
     return sum(w.size for w in weights.values())
@@ -244,19 +273,23 @@ def write_weights(config: dict, path: Path, seed: int) -> int:
 
 def build_info(preset: ModelPreset, seed: int) -> dict:
     """What a built folder was made from; a mismatch means rebuild."""
+    shape = asdict(preset)
+    # float32 folders built before presets had a dtype stay current: same bytes.
+    if shape["dtype"] == "float32":
+        del shape["dtype"]
     return {
         "recipe_version": RECIPE_VERSION,
-        "preset": asdict(preset),
+        "preset": shape,
         "seed": seed,
         "corpus": "stdlib docstrings of " + str(Path(os.__file__).resolve().parent),
     }
 
 
-def build_model(preset: str, out_dir: Path, seed: int = 0) -> Path:
+def build_model(preset: str | ModelPreset, out_dir: Path, seed: int = 0) -> Path:
     """Build a model folder from scratch (no locking, no caching).
 
     Args:
-        preset: ``"tiny"`` or ``"small"``.
+        preset: A name in :data:`PRESETS` or a :class:`ModelPreset` (a custom shape).
         out_dir: Folder to write into; created if missing.
         seed: Seed for the random weights.
 
@@ -308,8 +341,8 @@ def ensure_model(
     older recipe or another seed is rebuilt.
 
     Args:
-        preset: ``"tiny"`` (a few MB, for tests) or ``"small"`` (~57 M
-            parameters, for benchmarks).
+        preset: ``"tiny"`` (a few MB, for tests), ``"small"`` (~57 M
+            parameters, for CPU benchmarks) or ``"1b"`` (bfloat16, for GPUs).
         root: Folder holding the models; defaults to
             :func:`veloxquant_mlx.paths.models_dir` (``VELOXQUANT_HOME`` or the
             user cache), never the installed package.

@@ -48,6 +48,7 @@ from server.engine.request_state import RequestState
 from server.engine.runner import ModelRunner, RunOutput, memory_snapshot
 from server.engine.sampling import reset_random_state
 from server.engine.scheduler import Scheduler
+from server.engine.step_clock import StepClock
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
 from server.settings import Settings
@@ -120,6 +121,7 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.output: OutputProcessor | None = None
         self.kv: KVMemory | None = None  # the arena and byte figures, once the model is loaded
+        self.clock = StepClock()  # where step time goes (/metrics)
 
     # -- lifecycle (any thread) -----------------------------------------------
 
@@ -215,18 +217,22 @@ class Engine:
     # -- the loop (engine thread) ---------------------------------------------
 
     def _run(self) -> None:
-        if not self._load():
-            return
         try:
-            while not self._stopping.is_set():
-                idle = not self.scheduler.running
-                self._intake(timeout=0.05 if idle else 0.0)
-                self.step()
-                self._sample_memory(force=idle)
-        except Exception:  # a bug in the loop itself: fail everything cleanly
-            log.exception("engine loop crashed")
+            if not self._load():
+                return
+            try:
+                while not self._stopping.is_set():
+                    idle = not self.scheduler.running
+                    self._intake(timeout=0.05 if idle else 0.0)
+                    self.step()
+                    self._sample_memory(force=idle)
+                    self.clock.lap("memory")
+            except Exception:  # a bug in the loop itself: fail everything cleanly
+                log.exception("engine loop crashed")
+            finally:
+                self._shutdown()
         finally:
-            self._shutdown()
+            release_thread_streams()
 
     def _load(self) -> bool:
         try:
@@ -235,7 +241,8 @@ class Engine:
             self.kv = self._plan_kv(layout)
             self.scheduler = Scheduler(self.settings, self.pool, loaded, self.metrics)
             self.runner = ModelRunner(loaded.model, self.pool,
-                                      self.settings.batch.prefill_chunk_size, self.kv.arena)
+                                      self.settings.batch.prefill_chunk_size, self.kv.arena,
+                                      self.clock)
             self.output = OutputProcessor(loaded.tokenizer)
             self._preparer = PromptPreparer(loaded, self.settings.limits, self.metrics,
                                             self._inbox.put)
@@ -277,19 +284,27 @@ class Engine:
 
     def step(self) -> None:
         """schedule -> run -> postprocess: prefill within the token budget, then one decode."""
+        clock = self.clock
+        clock.start()
         self.scheduler.expire()
         for state in self.scheduler.admit():
             self._start(state)
         if not self.scheduler.running:
+            clock.lap("schedule")
             return
         self._end(self.scheduler.cancelled(), FinishReason.CANCELLED)
+        clock.lap("schedule")
         hook = self._row_hook if self.fault_hook is not None else None
-        self._postprocess(self.runner.prefill(self.settings.batch.max_prefill_tokens_per_step,
-                                              hook))
-        decoded = self.runner.decode(hook)
+        prefilled = self.runner.prefill(self.settings.batch.max_prefill_tokens_per_step, hook)
+        clock.lap("prefill")
+        self._postprocess(prefilled)
+        clock.lap("postprocess")
+        decoded = self.runner.decode(hook)  # laps decode_graph, sample_graph, submit, read
         self._postprocess(decoded)
         if decoded.rows:
             self.metrics.batch_step(decoded.rows)
+            clock.steps += 1
+        clock.lap("postprocess")
 
     def _row_hook(self, owner: int) -> None:
         self.fault_hook(self.scheduler.running[owner])
@@ -391,6 +406,20 @@ class Engine:
                 item.future.set_exception(RuntimeError("the engine stopped"))
             elif item is not None:
                 item.request.channel.put(stopping)
+
+
+def release_thread_streams() -> None:
+    """Free this thread's MLX streams before the thread ends (all MLX work here is done).
+
+    MLX keeps per-thread state (command encoders, compile caches); left to the
+    thread's own teardown it can crash the process on MLX's CUDA backend (MLX
+    issues #4327, #4506), so the engine thread hands it back explicitly.
+    """
+    import mlx.core as mx
+
+    mx.synchronize()
+    if hasattr(mx, "clear_streams"):
+        mx.clear_streams()
 
 
 def _run_command(command: _Command) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from server.engine.protocol import SamplingParams
 from server.engine.sampling import Sampler
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
@@ -48,6 +49,8 @@ class Row:
         sampler: Draws a token from ``(1, vocab)`` log-probabilities.
         processors: mlx-lm logits processors (penalties, logit bias).
         greedy: Temperature 0 and no processors: batch-wide argmax applies.
+        params: The request's sampling settings.
+        shared: Samples with the batch-wide sampler (no seed, no processors).
         history: Prompt plus tokens fed so far, for the processors only.
         first: The first token (``(1,)``), sampled at the end of the prefill.
         logprobs: Distribution the pending token was drawn from (if asked for).
@@ -60,6 +63,8 @@ class Row:
     sampler: Sampler
     processors: list[Callable]
     greedy: bool
+    params: SamplingParams | None = None
+    shared: bool = False
     history: mx.array | None = None
     first: mx.array | None = None
     logprobs: mx.array | None = None
@@ -122,7 +127,10 @@ class PrefillGroup:
         logits = model(x, cache=self.batch.caches)
         self.done += n
         if self.done < self.width:
-            mx.eval(self.batch.arena.data)
+            # Start the chunk on the device without waiting for it (the host
+            # syncs once per step, when it reads tokens); this also keeps the
+            # next chunk's graph from growing on top of this one.
+            mx.async_eval(self.batch.arena.data)
             return n * len(self.rows), None
         return n * len(self.rows), logits[:, -1, :]
 

@@ -8,9 +8,10 @@ Every running request is a :class:`~server.engine.prefill.Row`. A row first
 :class:`~server.engine.prefill.PrefillGroup` whose prompts run through the
 model together, in chunks, into a multi-row paged batch (blocks under each
 request's own owner; keys and values in the pool's KV arena). Each row's
-first token is sampled as soon as its group's prompts are in, so time to
-first token does not wait for the decode batch. The group then *joins* the
-decode batch at the next step boundary.
+first token is sampled (lazily) as soon as its group's prompts are in; the
+group then *joins* the decode batch at the step boundary, the first token is
+its rows' first decode input, and it is read with that decode's tokens, so
+prefill never makes the host wait for the device.
 Each :meth:`ModelRunner.decode` decodes every joined row in ONE model call::
 
     step k:   feed  inputs (token t_k of each row)  -> logits -> sample t_k+1 (lazy)
@@ -25,8 +26,9 @@ token is fed once before the row is seen to finish), which is what the
 admission reservation covers.
 
 Each row samples with its own settings (temperature, top-p/k, min-p, seed,
-penalties, logit bias); when every row is greedy with no processors the
-whole batch samples with one ``argmax``.
+penalties, logit bias). Rows without a seed or processors sample together in
+one compiled graph with per-row settings (``sampling.sample_batch``); when
+every row is greedy the batch samples with one ``argmax``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ import mlx.core as mx
 
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.protocol import SamplingParams
-from server.engine.sampling import build_logits_processors, build_sampler
+from server.engine.sampling import (
+    BatchSettings,
+    batchable,
+    build_logits_processors,
+    build_sampler,
+    sample_batch,
+)
+from server.engine.step_clock import StepClock
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
@@ -112,10 +121,11 @@ class ModelRunner:
         pool: The shared pool the rows' blocks come from.
         prefill_chunk_size: Most prompt columns per prefill model call.
         arena: The pool's KV arena (where the blocks' keys and values live).
+        clock: Where the decode's phases are timed (see :mod:`server.engine.step_clock`).
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
-                 arena: KVArena) -> None:
+                 arena: KVArena, clock: StepClock | None = None) -> None:
         self.model = model
         self.pool = pool
         self.arena = arena
@@ -127,6 +137,8 @@ class ModelRunner:
         self.batch: PagedKVBatch | None = None  # the decode batch
         self.inputs: mx.array | None = None
         self._solo: set[int] = set()  # owners that prefill alone (see PrefillGroup.form)
+        self._plan: _SamplingPlan | None = None  # how the decode rows sample (rows change: None)
+        self.clock = clock or StepClock()
 
     # -- rows in and out -------------------------------------------------------
 
@@ -134,7 +146,8 @@ class ModelRunner:
         """Queue a request for prefill (no model work yet)."""
         processors = build_logits_processors(params)
         row = Row(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
-                  greedy=params.temperature == 0.0 and not processors)
+                  greedy=params.temperature == 0.0 and not processors, params=params,
+                  shared=batchable(params))
         if processors:
             row.history = mx.array(prompt_ids)
         self.prefilling.append(row)
@@ -166,6 +179,7 @@ class ModelRunner:
     def _filter(self, keep: list[int]) -> None:
         """Keep decode rows ``keep``; the others' blocks go back to the pool."""
         self.rows = [self.rows[i] for i in keep]
+        self._plan = None
         self.batch.filter(keep)
         if not keep:
             self.batch, self.inputs = None, None
@@ -199,15 +213,15 @@ class ModelRunner:
                 continue  # every row of the group failed in its hook
             try:
                 used, logits = group.advance(self.model, self.chunk, left)
-                first = self._first_tokens(group, logits) if logits is not None else None
+                if logits is not None:
+                    self._first_tokens(group, logits)
             except Exception as exc:
                 self._prefill_failed(group, exc, out)
                 continue
             left -= used
-            if first is not None:
+            if logits is not None:
                 self.group = None
                 self.joining.append(group)
-                out.tokens += first
         return out
 
     def _run_hooks(self, rows: list[Row], hook: RowHook | None, out: RunOutput) -> None:
@@ -233,16 +247,17 @@ class ModelRunner:
         held = self.remove(owners)
         out.failed += [RowFailure(owner, exc, held[owner]) for owner in owners]
 
-    def _first_tokens(self, group: PrefillGroup, logits: mx.array) -> list[Sampled]:
-        """Sample every row's first token (one evaluation for the group)."""
-        drawn = [self._sample_one(row, logits[i: i + 1]) for i, row in enumerate(group.rows)]
-        mx.eval(drawn)
-        tokens = mx.concatenate([token for token, _ in drawn]).tolist()
-        out = []
-        for row, (token, logprobs), value in zip(group.rows, drawn, tokens, strict=True):
-            row.first = token
-            out.append(Sampled(row.owner, value, logprobs[0] if row.want_logprobs else None))
-        return out
+    def _first_tokens(self, group: PrefillGroup, logits: mx.array) -> None:
+        """Sample every row's first token, lazily: it is read with the next decode's tokens.
+
+        No evaluation here: reading the tokens now would make the host wait for
+        the device in the middle of a step. The first token becomes the row's
+        decode input, and the decode that feeds it reads it (``pending``).
+        """
+        for i, row in enumerate(group.rows):
+            token, logprobs = self._sample_one(row, logits[i: i + 1])
+            row.first, row.pending = token.astype(mx.uint32), True
+            row.logprobs = logprobs[0] if row.want_logprobs else None
 
     def _sample_one(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array]:
         for processor in row.processors:
@@ -277,8 +292,9 @@ class ModelRunner:
                 self.batch.extend(group.batch)
                 self.inputs = mx.concatenate([self.inputs, first])
             for row in group.rows:
-                row.first, row.pending = None, False
+                row.first = None
             self.rows += group.rows
+            self._plan = None
         self.joining = []
 
     def _decode_step(self) -> list[Sampled]:
@@ -286,11 +302,16 @@ class ModelRunner:
         self._join()
         if not self.rows:
             return []
+        clock = self.clock
         current = self.inputs
         logits = self.model(current[:, None], cache=self.batch.caches)[:, -1, :]
+        clock.lap("decode_graph")
         nxt, logprobs = self._sample(logits, current)
+        clock.lap("sample_graph")
         mx.async_eval(nxt, logprobs)
-        tokens = current.tolist()
+        clock.lap("submit")
+        tokens = current.tolist()  # the one host sync of a step
+        clock.lap("read")
         out = []
         for i, row in enumerate(self.rows):
             if row.pending:
@@ -302,15 +323,45 @@ class ModelRunner:
         return out
 
     def _sample(self, logits: mx.array, current: mx.array) -> tuple[mx.array, mx.array]:
-        """Next token of every row, each with its own settings; and the log-probabilities."""
-        if all(r.greedy for r in self.rows):
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return mx.argmax(logprobs, axis=-1), logprobs
-        tokens, rows_lp = [], []
-        for i, row in enumerate(self.rows):
-            if row.processors:
-                row.history = mx.concatenate([row.history, current[i: i + 1]])
-            token, lp = self._sample_one(row, logits[i: i + 1])
-            tokens.append(token.astype(mx.uint32))
-            rows_lp.append(lp)
-        return mx.concatenate(tokens), mx.concatenate(rows_lp)
+        """Next token of every row, each with its own settings; and the log-probabilities.
+
+        Rows that can share the batch sampler (see ``sampling.batchable``) draw
+        together in one compiled graph; only seeded rows and rows with
+        penalties or logit bias sample one by one, and their results are
+        written over the batch's.
+        """
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        plan = self._plan or self._make_plan()
+        if plan.greedy:
+            return mx.argmax(logprobs, axis=-1).astype(mx.uint32), logprobs
+        tokens = sample_batch(logprobs, plan.settings)
+        if plan.own:
+            picks, own_lp = [], []
+            for i in plan.own:
+                row = self.rows[i]
+                if row.processors:
+                    row.history = mx.concatenate([row.history, current[i: i + 1]])
+                token, lp = self._sample_one(row, logits[i: i + 1])
+                picks.append(token.astype(mx.uint32))
+                own_lp.append(lp)
+            at = mx.array(plan.own, dtype=mx.int32)
+            tokens[at] = mx.concatenate(picks)
+            logprobs[at] = mx.concatenate(own_lp)
+        return tokens, logprobs
+
+    def _make_plan(self) -> _SamplingPlan:
+        """How the current rows sample (cached until rows join or leave)."""
+        greedy = all(r.greedy for r in self.rows)
+        settings = None if greedy else BatchSettings.of([r.params for r in self.rows])
+        own = [i for i, r in enumerate(self.rows) if not r.shared]
+        self._plan = _SamplingPlan(greedy, settings, own)
+        return self._plan
+
+
+@dataclass(frozen=True, slots=True)
+class _SamplingPlan:
+    """The decode batch's sampling: all greedy, or batch settings plus rows sampled alone."""
+
+    greedy: bool
+    settings: BatchSettings | None
+    own: list[int]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -81,3 +82,112 @@ def build_logits_processors(params: SamplingParams) -> list[Callable]:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
     )
+
+
+def batchable(params: SamplingParams) -> bool:
+    """Whether a request can share the batch-wide sampler.
+
+    Unseeded requests without penalties or logit bias draw from the global
+    PRNG with per-row temperature and filters, so a whole batch of them samples
+    in a few array ops. A seeded request owns its key and a request with
+    processors needs its own history: those sample row by row.
+    """
+    return params.seed is None and not build_logits_processors(params)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    """Per-row sampling settings of a decode batch, as ``(rows,)`` arrays.
+
+    Neutral values switch a filter off for a row: top_p 1, top_k 0, min_p 0;
+    temperature 0 is greedy.
+    """
+
+    temperature: mx.array
+    top_p: mx.array
+    top_k: mx.array
+    min_p: mx.array
+    filters: tuple[bool, bool, bool]  # some row uses top-p / min-p / top-k
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> BatchSettings:
+        """The settings of ``params``, one per row."""
+        top_p = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
+        top_k = [max(p.top_k, 0) for p in params]
+        min_p = [max(p.min_p, 0.0) for p in params]
+        return cls(mx.array([p.temperature for p in params], dtype=mx.float32),
+                   mx.array(top_p, dtype=mx.float32), mx.array(top_k, dtype=mx.int32),
+                   mx.array(min_p, dtype=mx.float32),
+                   (min(top_p) < 1.0, max(min_p) > 0.0, max(top_k) > 0))
+
+
+def _keep_top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """Per row, the likeliest tokens until their mass reaches ``top_p`` (mlx-lm's rule).
+
+    Sorted ascending, a token is dropped when the mass of the tokens above it
+    already reaches ``top_p``; the rest are kept, ties at the cut included.
+    """
+    ranked = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ranked.astype(mx.float32))
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = above[:, :1] + probs[:, :1]
+    dropped = (above >= top_p[:, None] * total).sum(axis=-1, keepdims=True)
+    cut = mx.take_along_axis(ranked, dropped, axis=-1)
+    return mx.where(logprobs >= cut, logprobs, -mx.inf)
+
+
+def _keep_min_p(logprobs: mx.array, min_p: mx.array) -> mx.array:
+    """Per row, tokens at least ``min_p`` times as likely as the likeliest one."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + mx.log(min_p)[:, None]
+    return mx.where(logprobs >= floor, logprobs, -mx.inf)
+
+
+def _keep_top_k(logprobs: mx.array, top_k: mx.array) -> mx.array:
+    """Per row, the ``top_k`` likeliest tokens (0, or k past the vocabulary: all)."""
+    vocab = logprobs.shape[-1]
+    ranked = mx.sort(logprobs, axis=-1)  # ascending: the k-th largest sits at vocab - k
+    at = mx.clip(vocab - top_k, 0, vocab - 1)[:, None]
+    kth = mx.take_along_axis(ranked, at, axis=-1)
+    kth = mx.where((top_k > 0)[:, None] & (top_k < vocab)[:, None], kth, -mx.inf)
+    return mx.where(logprobs >= kth, logprobs, -mx.inf)
+
+
+def _sample_batch(logprobs: mx.array, temperature: mx.array, top_p: mx.array,
+                  top_k: mx.array, min_p: mx.array, filters: tuple[bool, bool, bool]) -> mx.array:
+    """One token per row: argmax where temperature is 0, else a filtered, tempered draw.
+
+    The filters run in the order a single request's sampler applies them
+    (top-p, min-p, top-k), each only when some row of the batch uses it.
+    """
+    use_top_p, use_min_p, use_top_k = filters
+    kept = logprobs
+    if use_top_p:
+        kept = _keep_top_p(kept, top_p)
+    if use_min_p:
+        kept = _keep_min_p(kept, min_p)
+    if use_top_k:
+        kept = _keep_top_k(kept, top_k)
+    greedy = temperature == 0.0
+    inv_temp = 1.0 / mx.where(greedy, 1.0, temperature)
+    drawn = mx.random.categorical(kept * inv_temp[:, None])
+    return mx.where(greedy, mx.argmax(logprobs, axis=-1), drawn).astype(mx.uint32)
+
+
+# One compiled sampler per filter combination (MLX retraces per batch shape).
+# The global PRNG state is an input and an output, as in mlx-lm's samplers.
+_COMPILED: dict[tuple[bool, bool, bool], Callable] = {}
+
+
+def sample_batch(logprobs: mx.array, settings: BatchSettings) -> mx.array:
+    """Tokens ``(rows,)`` for a batch of batchable rows, through a compiled graph.
+
+    Compiling fuses the sampler's element-wise work into a few kernels and
+    replays the traced graph instead of rebuilding it in Python every step.
+    """
+    fn = _COMPILED.get(settings.filters)
+    if fn is None:
+        filters = settings.filters
+        fn = mx.compile(lambda lp, t, p, k, m: _sample_batch(lp, t, p, k, m, filters),
+                        inputs=[mx.random.state], outputs=[mx.random.state])
+        _COMPILED[filters] = fn
+    return fn(logprobs, settings.temperature, settings.top_p, settings.top_k, settings.min_p)

@@ -169,7 +169,7 @@ def test_concurrent_builders_build_once(tmp_path, monkeypatch):
 
 
 def test_unknown_preset_raises():
-    with pytest.raises(ValueError, match=r"unknown model preset 'huge'.*\['small', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"unknown model preset 'huge'.*\['1b', 'small', 'tiny'\]"):
         ensure_model("huge")
 
 

@@ -173,6 +173,26 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
+    def set_used(self, blocks: list[Block], value: int) -> None:
+        """``block.n_used = value`` for every block of ``blocks``, under one lock.
+
+        A paged batch advances the last block of every layer's keys and values
+        of a row each step: one call per row instead of one locked setter per block.
+        """
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PoolArgumentTypeError(f"n_used must be an int, got {type(value).__name__}")
+        bs = self._block_size
+        if not 0 <= value <= bs:
+            raise PoolArgumentError(f"n_used must be in [0, {bs}], got {value}")
+        self._acquire()
+        try:
+            for block in blocks:
+                if block.owner is not None:
+                    self.stats.n_partial += (value < bs) - (block._n_used < bs)
+                block._n_used = value
+        finally:
+            self._release()
+
     # -- allocation ---------------------------------------------------------
 
     def allocate(

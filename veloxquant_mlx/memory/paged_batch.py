@@ -38,7 +38,7 @@ from mlx_lm.models import cache as _mlx_cache
 
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
-from veloxquant_mlx.memory.pool_kv_common import allocate_kv, format_of, free_past, mark_used
+from veloxquant_mlx.memory.pool_kv_common import allocate_kv, format_of, free_past
 
 
 @dataclass(slots=True)
@@ -168,9 +168,11 @@ class PagedKVBatch:
         for row, p in zip(rows, lead, strict=True):
             old, row.pad = row.tokens, row.pad - int(p)
             row.tokens += n - int(p)
-            if row.tokens != old:
-                for s in range(0, self.n_streams, 2):
-                    mark_used(row.blocks[s], row.blocks[s + 1], old // bs, row.tokens, bs)
+            # Every layer's keys and values of a row hold the same tokens: block
+            # i of all its streams takes one n_used, set in one pool call.
+            for i in range(old // bs, -(-row.tokens // bs)):
+                self.pool.set_used([stream[i] for stream in row.blocks],
+                                   min(row.tokens - i * bs, bs))
         self._offset_next = self._offsets()
         # Per layer: keys' rows then values' rows, as write_and_gather stacks them.
         layers = self.n_streams // 2

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Issue 19's GPU check: the single command of the SECOND device call (H200, no network).
+#
+#   bash scripts/device_gpu_check.sh [REVISION [BENCHMARK ARGS...]]   # e.g. abc1234 --max-batch 64
+#
+# Expects, carried with the call (all git-ignored under .gpu/): partab, deps/*.whl,
+# device_install.sh (a copy of ../shared/gpu/device_install.sh) and extra/*.whl (the server's
+# pure-Python dependencies the image lacks); partaa was stashed in /root/stash/ by the first
+# call. Installs MLX's CUDA build, then runs benchmark_scripts/benchmark_gpu.py under a time
+# limit that keeps the whole call inside ~570 s. REVISION (the commit the tree was copied from;
+# the device copy has no git) is recorded in the results; later arguments go to the benchmark.
+# Writes into $OUT (what comes back): results.json, bench.log, install.log, logs/*.log.
+# Not `set -e`: a failed phase must not stop the later ones (results are written as they come).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+REVISION=${1:-unknown}
+shift || true
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+# Models build into a scratch home, never the copied tree (nothing of it needs to come back).
+export VELOXQUANT_HOME
+VELOXQUANT_HOME=$(mktemp -d /tmp/veloxquant-home.XXXXXX)
+# No network: no library should even try a hub.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+echo "== install MLX CUDA ($(date -u +%T))"
+timeout 180 bash .gpu/device_install.sh .gpu 2>&1 | tee "$OUT/install.log"
+echo "install exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
+
+# Only wheels whose distribution is missing: reinstalling one the image already has
+# (click under typer, say) could swap a version other packages were pinned against.
+for whl in .gpu/extra/*.whl; do
+    [ -e "$whl" ] || continue
+    dist=$(basename "$whl" | cut -d- -f1)
+    if python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" \
+            2>/dev/null; then
+        echo "extra: $dist already installed, kept"
+    else
+        python3 -m pip install -q --no-deps --no-index "$whl" 2>&1 | tee -a "$OUT/install.log"
+        echo "extra: installed $(basename "$whl")"
+    fi
+done
+python3 -c "import fastapi, uvicorn, pydantic_settings, dotenv, platformdirs, prometheus_client, \
+tokenizers, transformers, mlx_lm; print('server imports ok')" 2>&1 | tee -a "$OUT/install.log"
+
+echo "== GPU"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+
+# Why the server leaves through os._exit after its drain (server/__main__.py): the
+# same MLX work done on a worker thread, then a normal interpreter exit vs os._exit.
+for how in normal os_exit; do
+    timeout 60 python3 - "$how" >"/tmp/exit_$how.log" 2>&1 <<'PY'
+import os, sys, threading, mlx.core as mx
+def work():
+    a = mx.random.normal((2048, 2048)).astype(mx.bfloat16)
+    for _ in range(50):
+        a = (a @ a) / 2048
+    mx.eval(a)
+    mx.synchronize()
+t = threading.Thread(target=work); t.start(); t.join()
+print("worker done", flush=True)
+if sys.argv[1] == "os_exit":
+    os._exit(0)
+PY
+    echo "mlx exit after worker-thread GPU work, $how: exit $? $(tr '\n' ' ' <"/tmp/exit_$how.log" | tail -c 300)" | tee -a "$OUT/checks.log"
+done
+
+echo "== CUDA-side tests: device naming, backend detection, SIGTERM drain"
+PYTHONPATH=$(pwd) timeout 60 python3 - <<'PY' 2>&1 | tee -a "$OUT/checks.log"
+import sys
+from veloxquant_mlx.mlx_device import _libmlx_path, elf_needed, gpu_expected, mlx_build
+build = mlx_build()
+print("libmlx:", _libmlx_path(), [n for n in elf_needed(_libmlx_path()) or [] if "cu" in n])
+print("build:", build, "gpu_expected:", gpu_expected(), "mlx.core imported:", "mlx.core" in sys.modules)
+import mlx.core as mx
+from veloxquant_mlx.cpu_backend import describe_backend
+from server.model_weights import plan_weights
+print("device_info:", mx.device_info())
+print("backend:", describe_backend("bfloat16"))
+on_gpu = mx.default_device().type == mx.DeviceType.gpu
+print("auto, float32 checkpoint:", plan_weights("auto", on_gpu, False, 0, 0, stored_dtype="float32"))
+PY
+# The benchmark gets what is left of ~480 s (at most 330 s); it shares out its own
+# --budget-s (35 s less, kept for its last stop and the step profile) and writes results as
+# it goes, so the outer timeout only ever cuts a run that went wrong.
+LEFT=$((480 - (SECONDS - START)))
+BENCH_T=$((LEFT < 330 ? LEFT : 330))
+echo "== benchmark: timeout ${BENCH_T} s, budget $((BENCH_T - 35)) s ($(date -u +%T))"
+PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 15 "$BENCH_T" python3 \
+    benchmark_scripts/benchmark_gpu.py --out "$OUT/results.json" --log-dir "$OUT/logs" \
+    --budget-s $((BENCH_T - 35)) --revision "$REVISION" "$@" 2>&1 | tee "$OUT/bench.log"
+echo "benchmark exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+
+TEST_T=$((570 - (SECONDS - START)))
+PYTHONPATH=$(pwd) timeout $((TEST_T > 30 ? TEST_T : 30)) python3 -m pytest -q -p no:cacheprovider tests/server/test_drain.py \
+    tests/test_mlx_device.py tests/server/test_model_weights.py tests/server/test_batch_sampling.py \
+    2>&1 | tail -25 | tee -a "$OUT/checks.log"
+rm -f "$OUT/results.tmp"  # a half-written copy, only if the run was cut mid-save
+ls -la "$OUT" "$OUT/logs" 2>/dev/null
+echo "total $((SECONDS - START)) s"
