@@ -63,6 +63,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._owners = itertools.count(1)
         self._seen_blocks = pool.stats.n_blocks
+        self._releases = 0  # requests released so far
+        self._stuck: tuple[int, PendingRequest] | None = None  # (releases, head) that did not fit
         # Why the pool cannot hold one maximal request since a forced shrink, else None.
         self.degraded: str | None = None
 
@@ -121,6 +123,7 @@ class Scheduler:
         request still fits.
         """
         self._seen_blocks = self.pool.stats.n_blocks
+        self._stuck = None
         keep: deque[PendingRequest] = deque()
         for pending in self.waiting:
             n_tokens = len(pending.prompt_ids) + pending.request.params.max_tokens
@@ -225,12 +228,15 @@ class Scheduler:
         Yields:
             Each admitted request, its owner registered on the pool.
         """
-        if not self.waiting:
+        if not self.waiting or not self._has_room() or self._still_stuck():
             return
         outstanding = self.outstanding()
         while self.waiting and self._has_room():
             head = self.waiting[0]
             if not self.planner.fits_now(head.reservation, outstanding):
+                # Nothing but a release (or a pool resize) can make it fit: skip
+                # the per-step re-check over every running request until then.
+                self._stuck = (self._releases, head)
                 break
             self.waiting.popleft()
             for stream, blocks in head.reservation.per_stream.items():
@@ -274,6 +280,7 @@ class Scheduler:
         finally:
             with self._lock:
                 self.running.pop(state.owner, None)
+            self._releases += 1  # blocks came back: a stuck head may fit now
         return max(held, left)
 
     def cancelled(self) -> list[RequestState]:
@@ -283,6 +290,11 @@ class Scheduler:
     def outstanding(self) -> dict[str, int]:
         """Per stream, blocks running requests reserved but do not hold yet."""
         return self.planner.outstanding((s.owner, s.reservation) for s in self.running.values())
+
+    def _still_stuck(self) -> bool:
+        """The head did not fit and no request has released blocks since."""
+        stuck = self._stuck
+        return stuck is not None and stuck[0] == self._releases and stuck[1] is self.waiting[0]
 
     def _has_room(self) -> bool:
         return len(self.running) < self.max_batch_size
