@@ -222,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode batch of both servers (ours: batch.max_batch_size, peer: "
                         "--decode-concurrency); 0 = each server's default (32 both)")
     p.add_argument("--kv-memory", default=None,
-                   help="our pool.kv_memory (default 2GiB on the 1b run, the config's in smoke)")
+                   help="our pool.kv_memory (default 1GiB on the 1b run, the config's in smoke)")
     p.add_argument("--revision", default="", help="recorded revision (default: git's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the servers' stderr logs go (default: a new temp folder)")
@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = {"preset": "tiny" if smoke else "1b", "requests": [2, 4, 8] if smoke else
                 [8, 48, 192], "prompt_tokens": 32 if smoke else 128,
                 "max_tokens": 16 if smoke else 128, "budget_s": 170.0 if smoke else 390.0,
-                "kv_memory": "" if smoke else "2GiB",
+                "kv_memory": "" if smoke else "1GiB",
                 "reserve_s": 45.0 if smoke else 90.0}
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -290,7 +290,7 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
         extra[PEER] = ["--decode-concurrency", str(args.max_batch)]
     if args.kv_memory:
         # Our pool bounds KV memory; its default (16384 blocks, 256 MiB of the 1b model's
-        # KV) admits 32 requests of 256 tokens. 2 GiB holds 64 of them four times over.
+        # KV) admits 32 requests of 256 tokens. 1 GiB holds 64 of them twice over.
         env["VELOXQUANT_POOL_KV_MEMORY"] = args.kv_memory
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,

@@ -308,7 +308,7 @@ class ModelRunner:
         clock.lap("decode_graph")
         nxt, logprobs = self._sample(logits, current)
         clock.lap("sample_graph")
-        mx.async_eval(nxt, logprobs)
+        mx.async_eval(nxt, logprobs, self.arena.data)  # the call's KV writes too
         clock.lap("submit")
         tokens = current.tolist()  # the one host sync of a step
         clock.lap("read")

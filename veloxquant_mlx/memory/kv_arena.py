@@ -94,12 +94,13 @@ def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens
     """Transient KV bytes of one model call, at most (fixed; counted apart from blocks).
 
     One layer's keys and values gathered for ``max_rows`` rows padded to the
-    longest, ``ceil(max_tokens / block_size)`` blocks each, plus the trash
+    longest, ``ceil(max_tokens / block_size)`` blocks each, and the copy that
+    appends the call's own columns to them (so twice that), plus the trash
     block. Layers run one after another, so one layer's gather is live at a
     time.
     """
     blocks = -(-max_tokens // block_size)
-    return (2 * max_rows * blocks + 1) * layout.bytes_per_block(block_size)
+    return (2 * 2 * max_rows * blocks + 1) * layout.bytes_per_block(block_size)
 
 
 class KVArena:

@@ -11,9 +11,12 @@ its keys and values are. Nothing else holds KV::
     row a: 37 tokens   layer l keys -> blocks [12, 40, 7]   (3 x 16 slots, 11 used in 7)
     row b:  5 tokens   layer l keys -> blocks [3]
     one model call of n columns, layer l:
-      write   new keys of every row -> their slots (padding columns -> trash block)
       gather  arena[:, table_l]  -> (rows, H_kv, longest_blocks * block_size, D)   transient
-      mask    key j of row r visible to query c  <=>  j <= offset_r + c
+      append  the call's own n new keys/values of every row (attention sees both)
+      mask    stored key j of row r visible  <=>  j < stored_r;  new column c' to
+              query c  <=>  c' <= c and c' is not left padding
+    after the last layer: ONE scatter writes every layer's new keys and values
+    into their slots (padding columns -> the trash block)
 
 Rows are right-padded in the gathered buffer (a row's tokens start at
 column 0), so RoPE positions are ``offset`` and a row's padding is never
@@ -94,6 +97,9 @@ class PagedKVBatch:
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
         self._width = 0
+        self._past: mx.array | None = None  # tokens each row stored before the call
+        self._lead: mx.array | None = None  # left-padding columns each row feeds in the call
+        self._pending: list[mx.array] = []  # the call's new keys+values, layer by layer
         heads = arena.layout.n_kv_heads
         self._heads_g = mx.arange(heads)[None, :, None]
         self._heads_w = mx.arange(heads)[:, None]
@@ -179,30 +185,58 @@ class PagedKVBatch:
         self._table = mx.array(table.reshape(layers, 2 * len(rows), width))
         self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
         self._width, self._mask = width * bs, None
+        self._past, self._lead = mx.array(tokens.astype(np.int32)), mx.array(lead.astype(np.int32))
+        self._pending = []
         self.columns += n
 
     def mask(self, n: int) -> mx.array:
-        """``(rows, 1, n, keys)`` boolean mask of the call begun last."""
+        """``(rows, 1, n, keys + n)`` boolean mask of the call begun last.
+
+        Keys are every row's stored tokens (gathered, ``keys`` columns) then the
+        call's own ``n`` columns. Query ``c`` of row ``r`` sees the stored keys
+        ``j < past_r`` and the call's columns ``c' <= c`` that are not left
+        padding; a padding query sees its own column only (its output is
+        never used, but a row with no visible key would be NaN).
+        """
         if self._mask is None:
-            query = mx.maximum(self._offset_pre[:, None] + mx.arange(n)[None, :], 0)
-            self._mask = (mx.arange(self._width)[None, None, :] <= query[:, :, None])[:, None]
+            stored = mx.arange(self._width)[None, None, :] < self._past[:, None, None]
+            c = mx.arange(n)
+            causal = c[None, :] <= c[:, None]
+            real = c[None, None, :] >= self._lead[:, None, None]
+            own = (c[None, :] == c[:, None])[None]
+            fresh = causal[None] & (real | own)
+            stored = mx.broadcast_to(stored, (len(self.rows), n, self._width))
+            self._mask = mx.concatenate([stored, fresh], axis=-1)[:, None]
         return self._mask
 
     def write_and_gather(self, layer: int, keys: mx.array,
                          values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store ``layer``'s new keys/values in their slots; return every row's, gathered.
+        """Return every row's stored keys/values followed by this call's; store them later.
 
-        Keys and values go in with one scatter and come out with one gather
-        (their slots and tables are stacked), halving the ops per layer.
+        The stored tokens come out of the arena with one gather (keys' and
+        values' tables are stacked). The call's own columns are appended, not
+        written first: every layer's new columns go into the arena in ONE
+        scatter, after the last layer. On a GPU a buffer that in-flight kernels
+        still read cannot be updated in place, so each scatter copies the whole
+        arena; one per model call instead of one per layer is what keeps that
+        cost small.
         """
         arena = self.arena
         rows, heads, _, dim = keys.shape
-        new = mx.concatenate([keys, values]).transpose(1, 0, 2, 3).reshape(heads, -1, dim)
-        arena.data[self._heads_w, self._slots[layer][None]] = new
         blocks = arena.data.reshape(heads, arena.n_ids + 1, self.bs, dim)
         both = blocks[self._heads_g, self._table[layer][:, None, :]].reshape(
             2 * rows, heads, self._width, dim)
-        return both[:rows], both[rows:]
+        self._pending.append(mx.concatenate([keys, values]))
+        if layer == len(self.caches) - 1:
+            self._store_pending(heads, dim)
+        return (mx.concatenate([both[:rows], keys], axis=2),
+                mx.concatenate([both[rows:], values], axis=2))
+
+    def _store_pending(self, heads: int, dim: int) -> None:
+        """Scatter every layer's new keys and values of this call into their slots."""
+        new = mx.concatenate(self._pending).transpose(1, 0, 2, 3).reshape(heads, -1, dim)
+        self.arena.data[self._heads_w, self._slots.reshape(1, -1)] = new
+        self._pending = []
 
     # -- rows in and out -----------------------------------------------------------
 
