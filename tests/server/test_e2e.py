@@ -147,3 +147,27 @@ def test_server_is_idle_afterwards(live_server):
     m = live_server.wait_idle()
     assert m["veloxquant_block_pool_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
+
+
+def test_metrics_say_where_decode_steps_spend_their_time(client, model_id, live_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def clock() -> tuple[float, dict[str, float]]:
+        text = httpx.get(live_server.base_url + "/metrics").text
+        steps, phases = 0.0, {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "veloxquant_engine_decode_steps_total":
+                    steps = sample.value
+                elif sample.name == "veloxquant_engine_phase_seconds_total":
+                    phases[sample.labels["phase"]] = sample.value
+        return steps, phases
+
+    steps0, phases0 = clock()
+    client.completions.create(model=model_id, prompt="a b c", max_tokens=8, temperature=0)
+    steps1, phases1 = clock()
+    assert set(phases1) == {"schedule", "prefill", "decode_graph", "sample_graph", "submit",
+                            "read", "postprocess", "memory"}
+    assert steps1 - steps0 >= 7  # 8 tokens: the first comes from prefill, then one per step
+    for phase in ("decode_graph", "submit", "postprocess"):
+        assert phases1[phase] > phases0[phase], phase
