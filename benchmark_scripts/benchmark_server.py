@@ -18,7 +18,10 @@ Usage::
     flock /tmp/velox-bench.lock .venv/bin/python benchmark_scripts/benchmark_server.py \
         [--concurrency 1 4 16 32] [--requests-per-level N] [--time-limit S]
 
-Writes ``figures/server/results.json`` and prints a table.
+Writes ``figures/server/results.json`` and prints a table. ``--workload constrained
+--concurrency 16`` is the structured-outputs row instead: decode tok/s with every
+row constrained by a JSON schema vs none (``benchmark_structured.py``, writing
+``figures/structured/results.json``).
 """
 
 from __future__ import annotations
@@ -308,9 +311,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=None,
                    help="default figures/server/results.json (uniform) or kv_memory.json (mixed)")
-    p.add_argument("--workload", choices=("uniform", "mixed"), default="uniform",
+    p.add_argument("--workload", choices=("uniform", "mixed", "constrained"), default="uniform",
                    help="mixed: rounds of 1 prompt of --long-tokens among 15 of "
-                        "--prompt-tokens, all at once (see mixed_load.py)")
+                        "--prompt-tokens, all at once (see mixed_load.py); constrained: "
+                        "decode tok/s with every row under a JSON schema vs none, at the "
+                        "largest --concurrency (benchmark_structured.py)")
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--kv-memory", default="",
                    help="our pool.kv_memory (e.g. 128MiB); empty: the default pool")
@@ -354,8 +359,23 @@ def main_mixed(args: argparse.Namespace, model: Path, env: dict[str, str]) -> di
                         "met": ratio["kv_memory"] <= 0.5 and ratio["tok_per_s"] >= 1.0}}
 
 
+def main_constrained(args: argparse.Namespace) -> int:
+    """The constrained-decoding row: benchmark_structured.py in a child (validity and cost).
+
+    In-process (engine, no HTTP) on the real default model: the same prompts
+    and output lengths with and without a grammar, at concurrency 16 by default.
+    """
+    out = args.out or ROOT / "figures" / "structured" / "results.json"
+    cmd = [sys.executable, str(ROOT / "benchmark_scripts" / "benchmark_structured.py"),
+           "--concurrency", str(max(args.concurrency)), "--rounds", str(args.rounds),
+           "--out", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, env=child_env(preload=True)).returncode
+
+
 def main() -> int:
     args = parse_args()
+    if args.workload == "constrained":
+        return main_constrained(args)
     model = ensure_model(args.preset)
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(ROOT)

@@ -38,6 +38,8 @@ request models 200 GET /v1/models
 expect models '"object":"list"'
 MODEL="$(sed -n 's/.*"id":"\([^"]*\)".*/\1/p' "$TMP/body" | head -n1)"
 [ -n "$MODEL" ] || fail "models: no model id"
+request model 200 GET "/v1/models/$MODEL"
+expect model "\"id\":\"$MODEL\""
 
 request completion 200 POST /v1/completions "${JSON[@]}" \
   -d "{\"model\":\"$MODEL\",\"prompt\":\"Hello\",\"max_tokens\":8,\"temperature\":0}"

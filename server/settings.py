@@ -17,13 +17,14 @@ what to fix.
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_origin
 
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -211,13 +212,36 @@ class SectionEnvSource(PydanticBaseSettingsSource):
                 f"(known in [{section}]: {', '.join(fields)}); "
                 f"{unknown_variable(name, _valid_env_names())}"
             )
+        annotation = fields[key].annotation
         try:
-            return TypeAdapter(fields[key].annotation).validate_python(raw, strict=False)
-        except ValidationError as exc:
+            value: Any = _env_list(raw) if get_origin(annotation) is list else raw
+            return TypeAdapter(annotation).validate_python(value, strict=False)
+        except (ValidationError, ValueError) as exc:
+            problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise ConfigError(
-                f"config key '{section}.{key}' (from env {name}): {raw!r}: "
-                f"{exc.errors()[0]['msg']}"
+                f"config key '{section}.{key}' (from env {name}): {raw!r}: {problem}"
             ) from None
+
+
+def _env_list(raw: str) -> list[Any]:
+    """A list from one variable: a JSON array, or comma-separated items (blanks dropped).
+
+    ``VELOXQUANT_SERVER_CORS_ALLOW_ORIGINS='https://a.example,https://b.example'`` and
+    ``'["https://a.example"]'`` give the same list; an empty value gives ``[]``.
+
+    Raises:
+        ValueError: It starts like a JSON array but is not valid JSON.
+    """
+    text = raw.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON array ({exc}); or use comma-separated items") from None
+        if not isinstance(value, list):
+            raise ValueError("not a JSON array")
+        return value
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _valid_env_names() -> list[str]:

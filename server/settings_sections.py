@@ -7,9 +7,10 @@ what each key means, its default and its checks.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 ModelDtype = Literal["auto", "native", "float32", "float16", "bfloat16"]
@@ -37,6 +38,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+_ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+")
+
+
 class ServerSection(_Section):
     """Where the HTTP server listens and how it logs."""
 
@@ -50,6 +54,21 @@ class ServerSection(_Section):
     header_timeout_s: float = Field(default=10.0, gt=0)
     keep_alive_timeout_s: float = Field(default=5.0, gt=0)
     max_connections: int = Field(default=1000, ge=1)
+    # Browser origins allowed to call the API (CORS); empty = no CORS headers at all, so a
+    # page on another origin cannot read answers from a loopback server.
+    cors_allow_origins: list[str] = Field(default_factory=list)
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _check_origins(cls, origins: list[str]) -> list[str]:
+        # Browsers send the Origin as scheme://host[:port] with no path: anything else
+        # (a trailing slash, a path) would never match and CORS would silently stay off.
+        for origin in origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin: write \"*\" or "
+                                 "scheme://host[:port], e.g. \"https://app.example.com\", "
+                                 "with no path or trailing slash")
+        return origins
 
 
 class ModelSection(_Section):
@@ -158,6 +177,7 @@ class LimitsSection(_Section):
     max_body_bytes: int = Field(default=1048576, ge=1024)
     stream_stall_timeout_s: float = Field(default=30.0, gt=0)
     max_concurrent_per_client: int = Field(default=0, ge=0)  # 0 = no cap
+    max_choices: int = Field(default=16, ge=1)  # n x prompts of one request
 
     @model_validator(mode="after")
     def _check_default_fits_cap(self) -> LimitsSection:

@@ -48,6 +48,7 @@ from server.engine.request_state import RequestState
 from server.engine.runner import ModelRunner, RunOutput, memory_snapshot
 from server.engine.sampling import reset_random_state
 from server.engine.scheduler import Scheduler
+from server.engine.scoring import ScoringJob, new_job
 from server.engine.step_clock import StepClock
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
@@ -172,6 +173,20 @@ class Engine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Command(fn, future))
         return future
+
+    def prompt_scorer(self, prompt: str | list[int],
+                      top_n: int | None) -> ScoringJob | Rejected:
+        """A job scoring ``prompt``'s own tokens (completions ``echo``), or its refusal.
+
+        Tokenizes, so it blocks: call it from a worker thread. Run the job's
+        ``step`` through :meth:`run_on_engine` until it is ``done`` (one chunk
+        per call, so running requests decode in between; server.engine.scoring).
+        """
+        loaded = self.loaded
+        if loaded is None:
+            return Rejected(Reason.SHUTTING_DOWN, "the model is not loaded")
+        return new_job(loaded, self.settings.limits.max_prompt_tokens,
+                       self.settings.batch.prefill_chunk_size, prompt, top_n)
 
     def shrink(self, stream: str, target_free: int,
                force: bool = False) -> concurrent.futures.Future:

@@ -31,6 +31,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.decode: Callable[[list[int]], str] = tokenizer.decode
+        self.primer = primer_token(tokenizer)
 
     def accept(self, state: RequestState, token: int,
                logprobs: mx.array | None) -> TokenEvent | None:
@@ -60,6 +61,8 @@ class OutputProcessor:
         logprob = None
         if params.logprobs and logprobs is not None:
             logprob = token_logprob(logprobs, token, params.top_logprobs, self.decode)
+        if not state.detokenizer.tokens:
+            prime(state.detokenizer, self.primer)
         state.detokenizer.add_token(token)
         text, hit = state.stop.feed(state.detokenizer.last_segment)
         if hit:
@@ -81,6 +84,37 @@ class OutputProcessor:
         return text if hit else text + state.stop.flush()
 
 
+def primer_token(tokenizer: Any) -> int | None:
+    """A token to feed a fresh streaming detokenizer before the first generated one.
+
+    mlx-lm's streaming detokenizers drop the leading space of the first token
+    they see (right for a whole text, wrong for a continuation): "Once upon a
+    time" + " shapes" came out as "shapes", while the log-probability tokens
+    (``decode([id])``) said " shapes" and ``text_offset`` pointed into a
+    string that was not the text. Fed a plain one-token word first, the
+    detokenizer has text already and keeps every space after it; the word's
+    own text is skipped (:func:`prime`). This is the token of ``"a"`` when
+    that is one token the detokenizer emits at once, else None (no priming).
+    """
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=False)
+        if len(ids) != 1:
+            return None
+        probe = tokenizer.detokenizer
+        probe.add_token(ids[0])
+        return ids[0] if probe.text else None
+    except Exception:  # an unusual tokenizer: keep mlx-lm's behaviour
+        return None
+
+
+def prime(detokenizer: Any, primer: int | None) -> None:
+    """Feed ``primer`` to a fresh detokenizer and skip its text (see :func:`primer_token`)."""
+    if primer is None:
+        return
+    detokenizer.add_token(primer)
+    _ = detokenizer.last_segment  # advances past the primer's own text
+
+
 def token_logprob(
     logprobs: mx.array, token_id: int, top_n: int, decode: Callable[[list[int]], str]
 ) -> TokenLogprob:
@@ -98,11 +132,11 @@ def token_logprob(
         ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
         values = logprobs[ids]
         pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
-        top = tuple(TopLogprob(decode([i]), _finite(v), int(i)) for i, v in pairs)
-    return TokenLogprob(decode([token_id]), _finite(chosen), token_id, top)
+        top = tuple(TopLogprob(decode([i]), finite_logprob(v), int(i)) for i, v in pairs)
+    return TokenLogprob(decode([token_id]), finite_logprob(chosen), token_id, top)
 
 
-def _finite(value: float) -> float:
+def finite_logprob(value: float) -> float:
     """JSON has no inf/NaN: an impossible token reports -9999.0, as OpenAI's API does."""
     return float(value) if math.isfinite(value) else -9999.0
 

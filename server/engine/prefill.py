@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -28,6 +28,9 @@ from server.engine.protocol import SamplingParams
 from server.engine.sampling import Sampler
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
+
+if TYPE_CHECKING:
+    from server.engine.constraints import Matcher
 
 # A group whose last chunk spans at least this many prompt positions (rows x
 # columns) feeds its last column in a call of its own: only that call's logits
@@ -55,6 +58,7 @@ class Row:
         first: The first token (``(1,)``), sampled at the end of the prefill.
         logprobs: Distribution the pending token was drawn from (if asked for).
         pending: The row's current input token was not sent to the client yet.
+        matcher: Its grammar's state (structured outputs), None for free text.
     """
 
     owner: int
@@ -69,6 +73,7 @@ class Row:
     first: mx.array | None = None
     logprobs: mx.array | None = None
     pending: bool = False
+    matcher: Matcher | None = None
 
 
 @dataclass(slots=True)

@@ -45,7 +45,12 @@ class Reason(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Resolved sampling settings of one request (server defaults applied)."""
+    """Resolved sampling settings of one request (server defaults applied).
+
+    ``constraint`` is a compiled grammar the output must follow
+    (:func:`server.engine.constraints.compile_response_format`), shared by
+    every request that asks for the same format; None for free text.
+    """
 
     max_tokens: int
     temperature: float = 0.0
@@ -60,6 +65,7 @@ class SamplingParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Any = None
 
 
 @dataclass(frozen=True, slots=True)

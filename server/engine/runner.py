@@ -29,6 +29,17 @@ Each row samples with its own settings (temperature, top-p/k, min-p, seed,
 penalties, logit bias). Rows without a seed or processors sample together in
 one compiled graph with per-row settings (``sampling.sample_batch``); when
 every row is greedy the batch samples with one ``argmax``.
+
+Rows with a grammar (``response_format``, :mod:`server.engine.constraints`)
+decode in the same batch as free rows: their logits are masked to what the
+grammar allows before the shared sampling. The mask of a row's next token
+needs its current token on the host, so a batch with such rows reads its
+current tokens *before* sampling (after handing the model call to the
+device, so the masks are computed while the model runs)::
+
+    step k:   feed t_k -> logits; async_eval(logits)        # the device starts the model
+              read t_k; each grammar consumes t_k; fill masks (host, meanwhile)
+              mask logits -> sample t_k+1 (lazy); async_eval(t_k+1)
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from server.engine.constraints import BatchMasks
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.protocol import SamplingParams
 from server.engine.sampling import (
@@ -46,6 +58,7 @@ from server.engine.sampling import (
     batchable,
     build_logits_processors,
     build_sampler,
+    mask_logits,
     sample_batch,
 )
 from server.engine.step_clock import StepClock
@@ -138,6 +151,7 @@ class ModelRunner:
         self.inputs: mx.array | None = None
         self._solo: set[int] = set()  # owners that prefill alone (see PrefillGroup.form)
         self._plan: _SamplingPlan | None = None  # how the decode rows sample (rows change: None)
+        self._refused: list[tuple[int, Exception]] = []  # owners whose grammar refused a token
         self.clock = clock or StepClock()
 
     # -- rows in and out -------------------------------------------------------
@@ -150,6 +164,8 @@ class ModelRunner:
                   shared=batchable(params))
         if processors:
             row.history = mx.array(prompt_ids)
+        if params.constraint is not None:
+            row.matcher = params.constraint.matcher()
         self.prefilling.append(row)
 
     def remove(self, owners: Iterable[int]) -> dict[int, int]:
@@ -255,7 +271,13 @@ class ModelRunner:
         decode input, and the decode that feeds it reads it (``pending``).
         """
         for i, row in enumerate(group.rows):
-            token, logprobs = self._sample_one(row, logits[i: i + 1])
+            raw = logits[i: i + 1]
+            if row.matcher is None:
+                token, logprobs = self._sample_one(row, raw)
+            else:  # the grammar's start state: no token needed, its mask is cached
+                words = mx.array(row.matcher.constraint.first_mask()[None])
+                token, _ = self._sample_one(row, mask_logits(raw, words, mx.array([False])))
+                logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
             row.first, row.pending = token.astype(mx.uint32), True
             row.logprobs = logprobs[0] if row.want_logprobs else None
 
@@ -278,8 +300,12 @@ class ModelRunner:
         try:
             out.tokens = self._decode_step()
         except Exception as exc:
+            self._refused = []  # failing with every row of the call
             self._fail([row.owner for row in self.rows], exc, out)
             out.rows = 0
+        refused, self._refused = self._refused, []
+        for owner, error in refused:  # a token its grammar refused fails a row alone
+            self._fail([owner], error, out)
         return out
 
     def _join(self) -> None:
@@ -298,7 +324,13 @@ class ModelRunner:
         self.joining = []
 
     def _decode_step(self) -> list[Sampled]:
-        """One batched model call; returns the tokens that became ready, one per row at most."""
+        """One batched model call; returns the tokens that became ready, one per row at most.
+
+        A batch with constrained rows reads its current tokens before sampling
+        (each row's next mask needs its token), after the model call was handed
+        to the device, so the masks are computed while the model runs; a batch
+        of free rows only reads them after the next tokens were handed over.
+        """
         self._join()
         if not self.rows:
             return []
@@ -306,12 +338,27 @@ class ModelRunner:
         current = self.inputs
         logits = self.model(current[:, None], cache=self.batch.caches)[:, -1, :]
         clock.lap("decode_graph")
+        plan = self._plan or self._make_plan()
+        tokens = None
+        raw = logits
+        if plan.masks is not None:
+            mx.async_eval(logits, self.arena.data)
+            clock.lap("submit")
+            tokens = current.tolist()
+            clock.lap("read")
+            logits = self._constrain(logits, tokens, plan)
         nxt, logprobs = self._sample(logits, current)
+        if plan.masks is not None and any(r.want_logprobs for r in self.rows):
+            # Constrained rows report the model's own distribution: the masked one
+            # holds -inf, which no JSON number can carry.
+            raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+            logprobs = mx.where(plan.free[:, None], logprobs, raw_lp)
         clock.lap("sample_graph")
         mx.async_eval(nxt, logprobs, self.arena.data)  # the call's KV writes too
         clock.lap("submit")
-        tokens = current.tolist()  # the one host sync of a step
-        clock.lap("read")
+        if tokens is None:
+            tokens = current.tolist()  # the one host sync of a step
+            clock.lap("read")
         out = []
         for i, row in enumerate(self.rows):
             if row.pending:
@@ -321,6 +368,12 @@ class ModelRunner:
                 row.logprobs = logprobs[i]
         self.inputs = nxt
         return out
+
+    def _constrain(self, logits: mx.array, tokens: list[int], plan: _SamplingPlan) -> mx.array:
+        """Advance the constrained rows' grammars past ``tokens``; mask their next token."""
+        for i, error in plan.masks.step(tokens):
+            self._refused.append((self.rows[i].owner, error))
+        return mask_logits(logits, mx.array(plan.masks.bitmask), plan.free)
 
     def _sample(self, logits: mx.array, current: mx.array) -> tuple[mx.array, mx.array]:
         """Next token of every row, each with its own settings; and the log-probabilities.
@@ -354,14 +407,24 @@ class ModelRunner:
         greedy = all(r.greedy for r in self.rows)
         settings = None if greedy else BatchSettings.of([r.params for r in self.rows])
         own = [i for i, r in enumerate(self.rows) if not r.shared]
-        self._plan = _SamplingPlan(greedy, settings, own)
+        matchers = [r.matcher for r in self.rows]
+        masks, free = None, None
+        if any(m is not None for m in matchers):
+            masks = BatchMasks(matchers)
+            free = mx.array(masks.free)
+        self._plan = _SamplingPlan(greedy, settings, own, masks, free)
         return self._plan
 
 
 @dataclass(frozen=True, slots=True)
 class _SamplingPlan:
-    """The decode batch's sampling: all greedy, or batch settings plus rows sampled alone."""
+    """The decode batch's sampling: all greedy, or batch settings plus rows sampled alone.
+
+    ``masks`` (with ``free``, which rows have no grammar) when some row is constrained.
+    """
 
     greedy: bool
     settings: BatchSettings | None
     own: list[int]
+    masks: BatchMasks | None = None
+    free: mx.array | None = None

@@ -191,3 +191,31 @@ def sample_batch(logprobs: mx.array, settings: BatchSettings) -> mx.array:
                         inputs=[mx.random.state], outputs=[mx.random.state])
         _COMPILED[filters] = fn
     return fn(logprobs, settings.temperature, settings.top_p, settings.top_k, settings.min_p)
+
+
+def _mask_logits(logits: mx.array, words: mx.array, free: mx.array) -> mx.array:
+    """``logits`` with every token a row's bit mask forbids set to -inf (free rows untouched).
+
+    ``words`` is ``(rows, W)`` int32, bit ``j % 32`` of word ``j // 32`` standing
+    for token ``j``; tokens past ``32 * W`` (a model vocabulary padded beyond
+    the tokenizer's) are forbidden to constrained rows.
+    """
+    rows, vocab = logits.shape
+    shifts = mx.arange(32, dtype=mx.int32)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(rows, -1) != 0
+    if bits.shape[1] >= vocab:
+        bits = bits[:, :vocab]
+    else:
+        bits = mx.concatenate([bits, mx.zeros((rows, vocab - bits.shape[1]), dtype=mx.bool_)],
+                              axis=1)
+    return mx.where(bits | free[:, None], logits, -mx.inf)
+
+
+# Fused unpack-and-select (one kernel chain instead of five ops; retraced per shape).
+_MASK = mx.compile(_mask_logits)
+
+
+def mask_logits(logits: mx.array, words: mx.array, free: mx.array) -> mx.array:
+    """Apply grammar masks: ``(rows, vocab)`` logits, ``(rows, W)`` int32 bit masks,
+    ``(rows,)`` bool rows left free. See :func:`_mask_logits`."""
+    return _MASK(logits, words, free)

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http import request_log
 from server.http.auth import require_api_key
+from server.http.cors import add_cors
 from server.http.errors import CLIENT_CLOSED, install_error_handlers
 from server.http.guards import DrainState, Guards
 from server.http.routes import admin, chat, completions, system
@@ -118,4 +119,6 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.state.drain = DrainState()
     app.add_middleware(Guards, settings=settings, drain=app.state.drain)
     app.add_middleware(RequestCounter, metrics=metrics)
+    add_cors(app, settings)
     return app
+

@@ -133,8 +133,8 @@ def test_token_id_prompt(client, model_id):
 
 def test_bad_requests_reach_openai_client_as_4xx(client, model_id):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_id, prompt=PROMPT, n=2)
-    assert "n=2" in str(info.value)
+        client.completions.create(model=model_id, prompt=PROMPT, n=17)
+    assert "limits.max_choices" in str(info.value)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_id, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError):

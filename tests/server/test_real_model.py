@@ -83,3 +83,25 @@ def test_perplexity_on_english_text_is_far_below_a_random_models(smollm2_server:
     ppl = smollm2_server.engine.run_on_engine(perplexity).result(timeout=120)
     print(f"SmolLM2-135M-Instruct perplexity on the test text: {ppl:.2f}")
     assert ppl < 40, ppl
+
+
+def test_first_token_keeps_its_leading_space(smollm2_server: LiveServer):
+    """SmolLM2's BPE detokenizer used to drop it: "...France is" + "Paris" (issue 15)."""
+    import json
+
+    import httpx
+
+    url = smollm2_server.base_url
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "logprobs": 1}
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert choice["text"].startswith(" Paris"), choice["text"]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=chat, timeout=120) as resp:
+        frames = [line[6:] for line in resp.iter_lines() if line.startswith("data: {")]
+    choices = [json.loads(f)["choices"][0] for f in frames]
+    text = "".join(c["delta"].get("content") or "" for c in choices)
+    tokens = [e["token"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert text and "".join(tokens) == text

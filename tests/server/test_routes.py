@@ -109,13 +109,17 @@ def test_chat_json_and_stream(client, engine):
         (COMPLETIONS, {"prompt": "hi", "top_k": -2}, "top_k"),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 101}, "max_tokens"),
-        (COMPLETIONS, {"prompt": "hi", "n": 2}, "n"),
+        (COMPLETIONS, {"prompt": "hi", "n": 0}, "n"),
+        (COMPLETIONS, {"prompt": "hi", "n": 17}, "n"),  # limits.max_choices = 16
         (COMPLETIONS, {"prompt": "hi", "stop": ["a"] * 9}, "stop"),
         (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop"),
         (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs"),
         (COMPLETIONS, {"prompt": ""}, "prompt"),
-        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
-        (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo"),
+        (COMPLETIONS, {"prompt": ["a", ""]}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a"] * 9, "n": 2}, "n"),
+        (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "best_of": 2}, "best_of"),
         (COMPLETIONS, {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
         (CHAT, {}, "messages"),
         (CHAT, {"messages": []}, "messages"),
@@ -132,9 +136,9 @@ def test_bad_input_is_400_in_openai_shape(client, path, body, param):
     assert err["type"] == "invalid_request_error"
 
 
-def test_n_greater_than_one_says_why(client):
-    err = assert_error(client.post(COMPLETIONS, json={"prompt": "hi", "n": 3}), 400, "n")
-    assert "n=3 is not supported" in err["message"]
+def test_too_many_choices_says_why(client):
+    err = assert_error(client.post(COMPLETIONS, json={"prompt": "hi", "n": 17}), 400, "n")
+    assert "limits.max_choices=16" in err["message"]
 
 
 def test_invalid_json_and_wrong_content(client):

@@ -1,106 +1,181 @@
-"""``POST /v1/completions``: legacy text completion, JSON or SSE."""
+"""``POST /v1/completions``: legacy text completion, JSON or SSE; batches, n, echo."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import Finished, TokenEvent, TokenLogprob
+from server.engine.protocol import Finished, SamplingParams, TokenEvent
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
-from server.http.routes.params import check_model, new_id, resolve_params
+from server.http.routes.echo import score_prompts
+from server.http.routes.fanout import Fanout, UsageTotal
+from server.http.routes.logprobs import LegacyLogprobs, merge_legacy
+from server.http.routes.params import (
+    check_choices,
+    check_model,
+    check_stream_options,
+    for_choice,
+    new_id,
+    resolve_params,
+)
 from server.http.routes.sse import SSE_HEADERS, sse_stream
 from server.http.schemas import CompletionRequest
+from server.http.schemas.refusals import refuse_unbuilt, refuse_unsupported
 
 router = APIRouter()
 
 
-def _prompt(body: CompletionRequest) -> str | list[int]:
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one, or a batch (a list of strings or of token lists)."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise InvalidRequestError(
-                f"{len(prompt)} prompts given; this server takes one prompt per request",
-                param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
-    return prompt
+    batch = prompt if isinstance(prompt, list) and prompt and \
+        isinstance(prompt[0], (str, list)) else [prompt]
+    for i, one in enumerate(batch):
+        if not one:
+            where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+            raise InvalidRequestError(f"{where} must not be empty", param="prompt")
+    return batch
 
 
-class _LegacyLogprobs:
-    """Accumulates the legacy ``logprobs`` object (tokens, offsets, top alternatives)."""
-
-    def __init__(self) -> None:
-        self.offset = 0
-
-    def chunk(self, records: list[TokenLogprob], texts: list[str]) -> dict[str, Any]:
-        offsets = []
-        for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {
-            "tokens": [r.token for r in records],
-            "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{t.token: t.logprob for t in r.top} for r in records],
-            "text_offset": offsets,
-        }
+def _check(body: CompletionRequest, n_prompts: int, settings: Any) -> None:
+    """The request-level rules beyond the schema's types and ranges."""
+    refuse_unbuilt(body)
+    refuse_unsupported(body)
+    check_stream_options(body)
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError(
+            f"best_of={body.best_of} is not supported: this server returns every choice it "
+            f"generates, so best_of must equal n ({body.n}) or be left out", param="best_of")
+    check_choices(body.n, n_prompts, settings)
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidRequestError("max_tokens must be at least 1; 0 is allowed only with "
+                                  "echo: true (to score the prompt)", param="max_tokens")
 
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    """Complete a prompt (``stream: true`` for Server-Sent Events)."""
+    """Complete each prompt n times (``stream: true`` for Server-Sent Events)."""
     engine = get_engine(request)
     check_model(body.model, engine)
-    if body.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
-    if body.suffix:
-        raise InvalidRequestError("suffix is not supported", param="suffix")
     settings = request.app.state.settings
-    want_logprobs = body.logprobs is not None
-    params = resolve_params(body, settings, body.max_tokens, logprobs=want_logprobs,
-                            top_logprobs=body.logprobs or 0)
-    call = GenerationCall(request, engine, _prompt(body), params, new_id("cmpl"))
+    prompts = _prompts(body)
+    _check(body, len(prompts), settings)
+    params = resolve_params(body, settings, body.max_tokens,
+                            logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+    rid = new_id("cmpl")
     try:
-        await call.start()
+        echoes = await score_prompts(request, engine, prompts, body.logprobs) \
+            if body.echo else None
+        fanout = Fanout(_calls(request, engine, prompts, body.n, params, rid))
+        await fanout.start()
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    base = {"id": call.request.request_id, "object": "text_completion",
-            "created": call.created, "model": engine.model_name}
+    answer = _Answer(body, echoes, {"id": rid, "object": "text_completion",
+                                    "created": int(time.time()), "model": engine.model_name},
+                     len(prompts) * body.n)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(call, base, want_logprobs, include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(answer.stream(fanout), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     try:
-        out = await call.collect()
+        outs = await fanout.collect()
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    choice: dict[str, Any] = {"index": 0, "text": "".join(out.text_parts), "logprobs": None,
-                              "finish_reason": out.finished.reason.value}
-    if want_logprobs:
-        texts = [r.token for r in out.logprobs]
-        choice["logprobs"] = _LegacyLogprobs().chunk(out.logprobs, texts)
-    return JSONResponse({**base, "choices": [choice], "usage": out.finished.usage.as_dict()})
+    return JSONResponse(answer.json(outs))
 
 
-def _stream(call: GenerationCall, base: dict[str, Any], want_logprobs: bool,
-            include_usage: bool):
-    legacy = _LegacyLogprobs()
+def _calls(request: Request, engine: Any, prompts: list[str | list[int]], n: int,
+           params: SamplingParams, rid: str) -> list[GenerationCall]:
+    """One call per choice (none with ``max_tokens: 0``): choice j = prompt p x n + i."""
+    if params.max_tokens == 0:
+        return []
+    total = len(prompts) * n
+    return [GenerationCall(request, engine, prompts[j // n], for_choice(params, j % n),
+                           rid if total == 1 else f"{rid}-{j}") for j in range(total)]
 
-    def on_token(event: TokenEvent) -> dict[str, Any]:
+
+class _Answer:
+    """Builds the JSON answer or the SSE chunks of one completions request.
+
+    Args:
+        body: The request.
+        echoes: One scoring job per prompt when ``echo`` (text, tokens, log-probs).
+        base: ``id``, ``object``, ``created``, ``model`` of every chunk.
+        total: Choices (prompts x n).
+    """
+
+    def __init__(self, body: CompletionRequest, echoes: list[Any] | None,
+                 base: dict[str, Any], total: int) -> None:
+        self.n = body.n
+        self.echoes = echoes
+        self.base = base
+        self.total = total
+        self.want_logprobs = body.logprobs is not None
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.legacy = [LegacyLogprobs() for _ in range(total)]
+        self.usage = UsageTotal()
+
+    def _echo(self, j: int) -> tuple[str, dict[str, Any] | None]:
+        """Choice j's echoed prompt text and its legacy log-probabilities (or None)."""
+        job = self.echoes[j // self.n]
         logprobs = None
-        if want_logprobs and event.logprob is not None:
-            logprobs = legacy.chunk([event.logprob], [event.logprob.token])
-        return {**base, "choices": [{"index": 0, "text": event.text, "logprobs": logprobs,
-                                     "finish_reason": None}]}
+        if self.want_logprobs:
+            logprobs = self.legacy[j].chunk(job.logprobs, first=job.tokens[0])
+        return job.text, logprobs
 
-    def on_finish(event: Finished) -> list[dict[str, Any]]:
-        chunks = [{**base, "choices": [{"index": 0, "text": event.text, "logprobs": None,
-                                        "finish_reason": event.reason.value}]}]
-        if include_usage:
-            chunks.append({**base, "choices": [], "usage": event.usage.as_dict()})
-        return chunks
+    def _choice(self, j: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        return {"index": j, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    return sse_stream(call, on_token, on_finish)
+    def json(self, outs: list[Any]) -> dict[str, Any]:
+        """The non-streaming answer from every choice's outcome (none: echo only)."""
+        choices = []
+        for j in range(self.total):
+            text, parts = "", []
+            if self.echoes is not None:
+                text, echoed = self._echo(j)
+                parts += [echoed] if echoed else []
+            finish = "length"
+            if outs:
+                out = outs[j]
+                text += "".join(out.text_parts)
+                finish = out.finished.reason.value
+                self.usage.add(j // self.n, out.finished.usage)
+                if self.want_logprobs:
+                    parts.append(self.legacy[j].chunk(out.logprobs))
+            else:
+                self.usage.add_prompt(j // self.n, len(self.echoes[j // self.n].ids))
+            logprobs = merge_legacy(parts) if self.want_logprobs else None
+            choices.append(self._choice(j, text, logprobs, finish))
+        return {**self.base, "choices": choices, "usage": self.usage.as_dict()}
+
+    def stream(self, fanout: Fanout):
+        """The SSE frames: echoed prompts first, then the choices' tokens interleaved."""
+        first = []
+        if self.echoes is not None:
+            for j in range(self.total):
+                first.append({**self.base, "choices": [self._choice(j, *self._echo(j), None)]})
+                if not fanout.calls:  # max_tokens 0: the prompt is the whole answer
+                    self.usage.add_prompt(j // self.n, len(self.echoes[j // self.n].ids))
+                    first.append({**self.base,
+                                  "choices": [self._choice(j, "", None, "length")]})
+
+        def on_token(j: int, event: TokenEvent) -> dict[str, Any]:
+            logprobs = None
+            if self.want_logprobs and event.logprob is not None:
+                logprobs = self.legacy[j].chunk([event.logprob])
+            return {**self.base, "choices": [self._choice(j, event.text, logprobs, None)]}
+
+        def on_finish(j: int, event: Finished) -> list[dict[str, Any]]:
+            self.usage.add(j // self.n, event.usage)
+            return [{**self.base, "choices": [self._choice(j, event.text, None,
+                                                           event.reason.value)]}]
+
+        def last() -> list[dict[str, Any]]:
+            if not self.include_usage:
+                return []
+            return [{**self.base, "choices": [], "usage": self.usage.as_dict()}]
+
+        return sse_stream(fanout, on_token, on_finish, first, last)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 from typing import Any
@@ -15,6 +16,8 @@ from server.settings import Settings
 # it accepts "²" and other Unicode digits that int() refuses. At most 18 digits: no
 # vocabulary is larger, and int() refuses strings of over 4,300 digits.
 _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
+# MLX's PRNG key takes an unsigned 64-bit seed; the API's seeds are int64.
+SEED_MODULUS = 2**64
 
 
 def new_id(prefix: str) -> str:
@@ -55,14 +58,15 @@ def resolve_params(
 ) -> SamplingParams:
     """Apply server defaults and limits to the request's sampling fields.
 
+    The seed (int64) becomes MLX's unsigned 64-bit key as ``seed mod 2**64``
+    (-1 is key 2**64 - 1): one key per seed, and ``mx.random.key`` never sees
+    a negative number, which it refuses.
+
     Raises:
-        InvalidRequestError: n > 1, too many/long stop strings, max_tokens over
-            the cap, or a bad logit_bias key.
+        InvalidRequestError: Too many/long stop strings, max_tokens over the
+            cap, or a bad logit_bias key.
     """
     limits, defaults = settings.limits, settings.sampling
-    if body.n != 1:
-        raise InvalidRequestError(f"n={body.n} is not supported: this server returns one "
-                                  "choice per request; send n separate requests", param="n")
     stops = body.stop_list()
     if len(stops) > limits.max_stop_sequences:
         raise InvalidRequestError(f"{len(stops)} stop sequences given, at most "
@@ -87,7 +91,7 @@ def resolve_params(
         top_p=pick(body.top_p, defaults.top_p),
         top_k=max(top_k, 0),
         min_p=pick(body.min_p, defaults.min_p),
-        seed=body.seed,
+        seed=None if body.seed is None else body.seed % SEED_MODULUS,
         stop=tuple(stops),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -96,3 +100,27 @@ def resolve_params(
         repetition_penalty=body.repetition_penalty,
         logit_bias=tuple(bias),
     )
+
+
+def for_choice(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i``'s parameters: with a seed, ``seed + i``, so choices differ but repeat."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS)
+
+
+def check_stream_options(body: SamplingFields) -> None:
+    """``stream_options`` without ``stream: true`` is a 400, as OpenAI answers."""
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options is only allowed with stream: true",
+                                  param="stream_options")
+
+
+def check_choices(n: int, n_prompts: int, settings: Settings) -> None:
+    """n x prompts choices at most ``limits.max_choices`` (each is its own generation)."""
+    cap = settings.limits.max_choices
+    if n * n_prompts > cap:
+        what = f"n={n}" if n_prompts == 1 else f"n={n} x {n_prompts} prompts"
+        raise InvalidRequestError(f"{what} asks for {n * n_prompts} choices, more than this "
+                                  f"server's limits.max_choices={cap}; ask for fewer or send "
+                                  "several requests", param="n" if n > 1 else "prompt")

@@ -24,7 +24,8 @@ from typing import Any
 
 from server.engine.protocol import Finished, TokenEvent
 from server.http.errors import APIError
-from server.http.routes.call import ClientGone, GenerationCall
+from server.http.routes.call import ClientGone
+from server.http.routes.fanout import Fanout
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -36,32 +37,37 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 async def sse_stream(
-    call: GenerationCall,
-    on_token: Callable[[TokenEvent], dict[str, Any] | None],
-    on_finish: Callable[[Finished], list[dict[str, Any]]],
-    first: dict[str, Any] | None = None,
+    fanout: Fanout,
+    on_token: Callable[[int, TokenEvent], dict[str, Any] | None],
+    on_finish: Callable[[int, Finished], list[dict[str, Any]]],
+    first: list[dict[str, Any]] | None = None,
+    last: Callable[[], list[dict[str, Any]]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Turn a call's events into SSE frames; errors become an ``error`` frame.
+    """Turn the choices' events into SSE frames; errors become an ``error`` frame.
 
     Args:
-        call: An admitted call.
-        on_token: Builds the chunk for a token event (None to skip it).
-        on_finish: Builds the closing chunks (finish reason, optional usage).
-        first: A chunk to send before any token (the chat role delta).
+        fanout: The admitted calls (one per choice; none for an echo-only answer).
+        on_token: Builds the chunk for choice j's token event (None to skip it).
+        on_finish: Builds choice j's closing chunks (finish reason).
+        first: Chunks to send before any token (chat role deltas, echoed prompts).
+        last: Builds the chunks sent once every choice finished (the usage chunk).
     """
-    if first is not None:
-        yield sse(first)
+    for chunk in first or ():
+        yield sse(chunk)
     try:
-        async for event in call.events():
+        async for j, event in fanout.events():
             if isinstance(event, Finished):
-                for chunk in on_finish(event):
+                for chunk in on_finish(j, event):
                     yield sse(chunk)
             else:
-                chunk = on_token(event)
+                chunk = on_token(j, event)
                 if chunk is not None:
                     yield sse(chunk)
     except ClientGone:
-        return  # nobody is listening; events() already cancelled the request
+        return  # nobody is listening; every request of the fanout is already cancelled
     except APIError as exc:
         yield sse(exc.body())
+    else:
+        for chunk in last() if last is not None else ():
+            yield sse(chunk)
     yield SSE_DONE

@@ -1,13 +1,15 @@
-"""``GET /health``, ``GET /v1/models`` and ``GET /metrics``."""
+"""``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``) and ``GET /metrics``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
 from server.http.auth import require_metrics_key
-from server.http.errors import UnavailableError, error_response
+from server.http.errors import APIError, UnavailableError, error_response
 
 router = APIRouter()
 models_router = APIRouter()
@@ -36,15 +38,28 @@ async def health(request: Request) -> JSONResponse:
     return error_response(UnavailableError(message), request.app.state.settings)
 
 
+def _model_object(request: Request) -> dict[str, Any]:
+    return {"id": request.app.state.engine.model_name, "object": "model",
+            "created": request.app.state.started_at, "owned_by": "veloxquant"}
+
+
 @models_router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     """The one served model, in the OpenAI list shape."""
-    engine = request.app.state.engine
-    data = []
-    if engine.model_name:
-        data.append({"id": engine.model_name, "object": "model",
-                     "created": request.app.state.started_at, "owned_by": "veloxquant"})
+    data = [_model_object(request)] if request.app.state.engine.model_name else []
     return JSONResponse({"object": "list", "data": data})
+
+
+# ":path": a served name may hold a slash ("org/name"), which the openai client sends as is.
+@models_router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+    """The served model's object (``client.models.retrieve``); 404 for any other id."""
+    served = request.app.state.engine.model_name
+    if not served or model_id != served:
+        raise APIError(f"model {model_id!r} is not served here; this server serves "
+                       f"{served!r} (see GET /v1/models)", param="model",
+                       code="model_not_found", status=404)
+    return JSONResponse(_model_object(request))
 
 
 @router.get("/metrics", dependencies=[Depends(require_metrics_key)])

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from server.http.schemas.common import SamplingFields
+from server.http.schemas.common import OpenAIModel, SamplingFields
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(OpenAIModel):
     """One message; ``content`` may be a string or a list of text parts."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -33,12 +31,41 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """Chat completion: messages in, formatted with the tokenizer's chat template."""
+    """Chat completion: messages in, formatted with the tokenizer's chat template.
+
+    Every field of OpenAI's chat request is declared (tests/server/
+    test_openai_fields.py walks the ``openai`` package's list), so none is
+    silently dropped: the ones below ``top_logprobs`` are either refused
+    unless left at their default (:mod:`server.http.schemas.refusals`), or
+    platform hints with no effect on a self-hosted model by definition.
+    """
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Refused unless left at their default (refusals.refuse_unbuilt / refuse_unsupported).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    moderation: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # No effect by definition: OpenAI platform metadata, storage, caching and billing hints,
+    # and predicted output (a latency hint that never changes the answer).
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -8,16 +8,20 @@ from server.http.schemas.common import SamplingFields
 
 
 class CompletionRequest(SamplingFields):
-    """Legacy text completion: a prompt string (or token ids) in, text out.
+    """Legacy text completion: prompts (text or token ids) in, one choice per prompt and n.
 
-    ``prompt`` may be a string, a list of token ids, or a one-element list
-    of either (the API's batch form with a single prompt).
+    ``prompt`` is a string, a list of token ids, or a batch: a list of
+    strings or a list of token-id lists (choice ``index`` = prompt index x n
+    + i). Mixing strings and token lists is a 400.
     """
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        ..., description="Prompt text or token ids."
-    )
+        ..., description="Prompt text or token ids, or a list of either (a batch).")
+    # 0 only with echo: true (score the prompt, generate nothing).
+    max_tokens: int | None = Field(default=None, ge=0, description="Most tokens to generate.")
     logprobs: int | None = Field(default=None, ge=0, le=20,
                                  description="Return this many top log-probabilities.")
-    echo: bool = False
+    echo: bool = Field(default=False, description="Prepend the prompt (and, with logprobs, "
+                                                  "its tokens' log-probabilities).")
+    best_of: int | None = Field(default=None, ge=1, description="Only null or equal to n.")
     suffix: str | None = None

@@ -1,0 +1,303 @@
+"""Structured outputs: ``response_format`` compiled into a grammar that masks each token.
+
+The grammar library is llguidance (see the README's "Structured outputs"
+section for the measured choice). A :class:`Constraint` is compiled once per
+``(type, schema)`` and shared; every row that uses it gets its own
+:class:`Matcher` (a copy of the compiled matcher in its start state), which
+the runner advances with each sampled token and asks for the next token mask::
+
+    compile_response_format(rf, tokenizer)  -> Constraint (cached, any thread)
+    Constraint.matcher()                    -> Matcher (one per row, engine thread)
+    Matcher.consume(token); fill_masks(...) -> bit mask of the next token, 1 bit per id
+
+When the document is complete the mask allows only the end tokens, so a
+constrained row stops with ``finish_reason: "stop"`` right after its JSON.
+Output is compact JSON (``", "`` and ``": "`` between items and keys, no
+other whitespace): a small model may otherwise emit whitespace without end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+
+# How JSON is laid out: fixed separators, no free whitespace (see the module docstring).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_CACHE_SIZE = 256  # compiled constraints kept (clients repeat their schemas)
+
+
+class ConstraintError(ValueError):
+    """A ``response_format`` the server cannot enforce (a client error: HTTP 400).
+
+    Attributes:
+        message: What is wrong, naming the field.
+        param: The request field at fault.
+    """
+
+    def __init__(self, message: str, param: str = "response_format") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ConstraintViolation(RuntimeError):
+    """A row's sampled token was refused by its grammar (a bug: masks should prevent it)."""
+
+
+class Constraint:
+    """A compiled grammar, shareable across rows and threads.
+
+    Read-only once built, apart from its start-state mask, computed once on
+    first use (engine thread).
+
+    Args:
+        kind: ``"json_object"`` or ``"json_schema"``.
+        name: The schema's name (``json_schema.name``), or the kind.
+        proto: llguidance's matcher in its start state; rows copy it.
+        vocab: Token ids the mask covers (the tokenizer's vocabulary).
+    """
+
+    __slots__ = ("kind", "name", "_proto", "vocab", "_first")
+
+    def __init__(self, kind: str, name: str, proto: llguidance.LLMatcher, vocab: int) -> None:
+        self.kind, self.name, self._proto, self.vocab = kind, name, proto, vocab
+        self._first: np.ndarray | None = None
+
+    def matcher(self) -> Matcher:
+        """A fresh matcher for one row, in the grammar's start state."""
+        return Matcher(self._proto.deep_copy(), self)
+
+    def first_mask(self) -> np.ndarray:
+        """The start state's bit mask ``(words,)`` int32 (the same for every row: cached)."""
+        if self._first is None:
+            mask = np.zeros((1, mask_words(self.vocab)), dtype=np.int32)
+            fill_masks([(self._proto.deep_copy(), 0)], mask)
+            self._first = mask[0]
+        return self._first
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.kind}, {self.name!r})"
+
+
+class Matcher:
+    """One row's place in its grammar (engine thread only)."""
+
+    __slots__ = ("ll", "constraint")
+
+    def __init__(self, ll: llguidance.LLMatcher, constraint: Constraint) -> None:
+        self.ll, self.constraint = ll, constraint
+
+    def consume(self, token: int) -> None:
+        """Advance past ``token``.
+
+        Raises:
+            ConstraintViolation: the grammar refuses it.
+        """
+        if not self.ll.consume_token(token):
+            raise ConstraintViolation(
+                f"token {token} breaks the {self.constraint.kind} constraint "
+                f"{self.constraint.name!r}: {self.ll.get_error() or 'refused'}")
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a bit mask over ``vocab`` token ids."""
+    return (vocab + 31) // 32
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def fill_masks(rows: Sequence[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+    """Write each matcher's next-token mask into row ``index`` of ``bitmask`` (parallel).
+
+    Args:
+        rows: ``(llguidance matcher, row of bitmask)`` pairs.
+        bitmask: C-contiguous int32 ``(batch, words)``; other rows are left as they are.
+    """
+    global _EXECUTOR
+    if _EXECUTOR is None:  # a thread pool of llguidance's own, made on first use
+        _EXECUTOR = llguidance.LLExecutor()
+    _EXECUTOR.unsafe_compute_mask_ptr(list(rows), bitmask.ctypes.data, bitmask.shape[1] * 4,
+                                      bitmask.shape[0])
+
+
+class BatchMasks:
+    """Next-token bit masks of a decode batch, in one buffer reused every step.
+
+    Row ``i`` of :attr:`bitmask` is row ``i`` of the batch; free rows (no
+    matcher) keep every bit set. Built when the batch's rows change.
+
+    Args:
+        matchers: Each row's matcher, None for a free row (at least one is not None).
+    """
+
+    __slots__ = ("bitmask", "free", "_rows", "_targets")
+
+    def __init__(self, matchers: Sequence[Matcher | None]) -> None:
+        vocabs = {m.constraint.vocab for m in matchers if m is not None}
+        if len(vocabs) != 1:
+            raise ValueError(f"constrained rows of one batch must share a vocabulary: {vocabs}")
+        self.bitmask = np.full((len(matchers), mask_words(vocabs.pop())), -1, dtype=np.int32)
+        self.free = [m is None for m in matchers]
+        self._rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
+        self._targets = [(m.ll, i) for i, m in self._rows]  # what fill_masks takes
+
+    def step(self, tokens: Sequence[int]) -> list[tuple[int, ConstraintViolation]]:
+        """Advance every constrained row past its token, then fill the next masks.
+
+        Args:
+            tokens: Each row's current token (free rows' are ignored).
+
+        Returns:
+            ``(row, error)`` of rows whose token was refused; their masks are
+            left all-allowed (the caller fails them after the step).
+        """
+        refused = []
+        for i, matcher in self._rows:
+            try:
+                matcher.consume(tokens[i])
+            except ConstraintViolation as exc:
+                refused.append((i, exc))
+        if refused:
+            gone = {i for i, _ in refused}
+            self._rows = [(i, m) for i, m in self._rows if i not in gone]
+            self._targets = [(ll, i) for ll, i in self._targets if i not in gone]
+            self.bitmask[sorted(gone)] = -1
+        fill_masks(self._targets, self.bitmask)
+        return refused
+
+
+class _Compiler:
+    """Compiled constraints by (tokenizer, type, schema); one llguidance tokenizer per model."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokenizers: dict[int, tuple[Any, llguidance.LLTokenizer]] = {}
+        self._cache: OrderedDict[tuple[int, str, str], Constraint] = OrderedDict()
+
+    def compile(self, kind: str, name: str, schema: dict[str, Any], tokenizer: Any,
+                param: str) -> Constraint:
+        key = (id(tokenizer), kind, json.dumps(schema, sort_keys=True))
+        with self._lock:  # compiling takes ~1 ms; the first call per model ~0.4 s (its index)
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            ll_tok = self._tokenizer(tokenizer)
+            matcher = _build_matcher(schema, ll_tok, param)
+            constraint = Constraint(kind, name, matcher, ll_tok.vocab_size)
+            self._cache[key] = constraint
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return constraint
+
+    def _tokenizer(self, tokenizer: Any) -> llguidance.LLTokenizer:
+        held = self._tokenizers.get(id(tokenizer))
+        if held is None:
+            # Keep the tokenizer referenced so its id is never reused by another object.
+            held = (tokenizer, _ll_tokenizer(tokenizer))
+            self._tokenizers[id(tokenizer)] = held
+        return held[1]
+
+
+_COMPILER = _Compiler()
+
+
+def compile_response_format(response_format: dict[str, Any] | None,
+                            tokenizer: Any) -> Constraint | None:
+    """Compile an OpenAI ``response_format`` for ``tokenizer`` (cached; any thread).
+
+    Args:
+        response_format: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+            ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
+            (None: no constraint).
+        tokenizer: The served model's tokenizer (mlx-lm's wrapper or a Hugging
+            Face fast tokenizer).
+
+    Returns:
+        The constraint for :attr:`SamplingParams.constraint`, or None for text.
+
+    Raises:
+        ConstraintError: unknown type, malformed ``json_schema``, or a schema
+            llguidance cannot compile (the message says which, and why).
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise ConstraintError("response_format must be an object with a 'type'")
+    kind = response_format.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise ConstraintError(f"response_format.type must be one of "
+                              f"{', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _COMPILER.compile(kind, kind, {"type": "object"}, tokenizer, "response_format")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ConstraintError("response_format.json_schema must be an object with "
+                              "'name' and 'schema'")
+    name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+    if not isinstance(name, str) or not name:
+        raise ConstraintError("response_format.json_schema.name must be a non-empty string")
+    if not isinstance(schema, dict):
+        raise ConstraintError("response_format.json_schema.schema must be a JSON Schema object")
+    if strict is not None and not isinstance(strict, bool):
+        raise ConstraintError("response_format.json_schema.strict must be true or false")
+    # strict or not, the schema is enforced in full: masks cannot be "mostly" followed.
+    return compile_json_schema(schema, tokenizer, name=name)
+
+
+def compile_json_schema(schema: dict[str, Any], tokenizer: Any, *, name: str = "schema",
+                        param: str = "response_format") -> Constraint:
+    """A constraint to JSON that validates against ``schema`` (cached; any thread).
+
+    What ``json_schema`` response formats compile to; also the way to hold a
+    tool call's arguments to its function's ``parameters``.
+
+    Raises:
+        ConstraintError: llguidance cannot compile ``schema``; ``param`` names
+            the request field it came from.
+    """
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{param}: the schema must be a JSON Schema object", param)
+    return _COMPILER.compile("json_schema", name, schema, tokenizer, param)
+
+
+def _build_matcher(schema: dict[str, Any], tokenizer: llguidance.LLTokenizer,
+                   param: str) -> llguidance.LLMatcher:
+    """llguidance's matcher for ``schema``, or ConstraintError with llguidance's reason."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"{param} schema is not valid JSON: {exc}", param) from exc
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    error = messages[0] if failed else ""
+    matcher = None if failed else llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher is not None and matcher.is_error():
+        error = matcher.get_error()
+    if error:
+        raise ConstraintError(f"{param} schema cannot be enforced: {error}", param)
+    return matcher
+
+
+def _ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's tokenizer, with every end token the engine stops on."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper wraps HF's
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise ConstraintError("structured outputs need a fast (Rust) Hugging Face tokenizer; "
+                              f"this model has {type(hf).__name__}")
+    backend = copy.copy(backend)  # as llguidance.hf does: serialize without padding/truncation
+    backend.no_padding()
+    backend.no_truncation()
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or {hf.eos_token_id})
+    return llguidance.LLTokenizer(backend.to_str(), eos_token=eos)

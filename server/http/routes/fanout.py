@@ -1,0 +1,145 @@
+"""Several engine requests answering one HTTP request: ``n`` choices and batch prompts.
+
+Each choice is its own generation (owner, blocks, sampler), submitted
+together and merged here::
+
+    choice j = prompt p x n + i  ->  GenerationCall j   (seed + i when seeded)
+    start():   all admitted, or the first refusal answers and the rest are cancelled
+    collect(): every outcome, in choice order                      (JSON answers)
+    events():  (j, event) pairs as they come, interleaved          (SSE answers)
+
+Whatever ends the answer early (client gone, one choice failing, the route
+cancelled) cancels every one of the engine requests, so each frees its blocks
+at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from server.engine.protocol import Finished, TokenEvent, Usage
+from server.http.routes.call import GenerationCall, Outcome
+
+_END = object()  # a pump's last item: its call has no more events
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    # A sibling that failed after the first failure: its exception is known and dropped.
+    if not task.cancelled():
+        task.exception()
+
+
+class Fanout:
+    """The generations of one HTTP request (possibly none: ``echo`` with ``max_tokens: 0``).
+
+    Args:
+        calls: One call per choice, in choice order.
+    """
+
+    def __init__(self, calls: list[GenerationCall]) -> None:
+        self.calls = calls
+
+    def cancel(self) -> None:
+        """Cancel every engine request (idempotent; finished ones are unaffected)."""
+        for call in self.calls:
+            call.request.cancel()
+
+    async def _all(self, coros: list[Any]) -> list[Any]:
+        """Await ``coros`` together; on the first failure cancel the rest and re-raise."""
+        if len(coros) == 1:
+            return [await coros[0]]
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        for task in tasks:
+            task.add_done_callback(_retrieve)
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            self.cancel()
+            raise
+
+    async def start(self) -> None:
+        """Submit every call and wait until all are admitted.
+
+        Raises:
+            APIError: One was refused (the others are cancelled).
+            ClientGone: The client left while waiting.
+        """
+        if self.calls:
+            await self._all([call.start() for call in self.calls])
+
+    async def collect(self) -> list[Outcome]:
+        """Run every call to its end; outcomes in choice order."""
+        if not self.calls:
+            return []
+        return await self._all([call.collect() for call in self.calls])
+
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent | Finished]]:
+        """``(choice, event)`` pairs, interleaved as the engine produces them.
+
+        Raises:
+            APIError: A choice failed (the others are cancelled).
+            ClientGone: The client left.
+        """
+        if len(self.calls) <= 1:
+            for call in self.calls:  # one choice: no pump task needed
+                async for event in call.events():
+                    yield 0, event
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(j: int, call: GenerationCall) -> None:
+            try:
+                async for event in call.events():
+                    queue.put_nowait((j, event))
+            except Exception as exc:  # ClientGone or APIError: raised to the reader
+                queue.put_nowait((j, exc))
+            finally:
+                queue.put_nowait((j, _END))
+
+        tasks = [asyncio.ensure_future(pump(j, call)) for j, call in enumerate(self.calls)]
+        try:
+            live = len(tasks)
+            while live:
+                j, item = await queue.get()
+                if item is _END:
+                    live -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield j, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.cancel()
+
+
+class UsageTotal:
+    """The ``usage`` of a multi-choice answer.
+
+    Prompt tokens count once per distinct prompt (n choices share it);
+    completion tokens and KV blocks add up over every choice.
+    """
+
+    def __init__(self) -> None:
+        self._prompts: dict[int, int] = {}
+        self.completion_tokens = 0
+        self.kv_blocks = 0
+
+    def add(self, prompt_index: int, usage: Usage) -> None:
+        """Account a finished choice of prompt ``prompt_index``."""
+        self._prompts[prompt_index] = usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.kv_blocks += usage.kv_blocks
+
+    def add_prompt(self, prompt_index: int, prompt_tokens: int) -> None:
+        """Account a prompt that was only scored (``echo`` with ``max_tokens: 0``)."""
+        self._prompts[prompt_index] = prompt_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        """OpenAI ``usage`` plus our ``kv_blocks``."""
+        return Usage(sum(self._prompts.values()), self.completion_tokens,
+                     self.kv_blocks).as_dict()

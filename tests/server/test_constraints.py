@@ -1,0 +1,154 @@
+"""response_format compiled into grammars (server.engine.constraints) and masks on logits.
+
+The tiny model's real tokenizer (4,096 tokens, end tokens 1 and 3) and real
+llguidance grammars: what compiles, what is refused and why, the cache, a
+document walked token by token, and the MLX mask that turns bits into -inf.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from server.engine.constraints import (
+    BatchMasks,
+    ConstraintError,
+    ConstraintViolation,
+    compile_json_schema,
+    compile_response_format,
+    mask_words,
+)
+from server.engine.sampling import mask_logits
+
+SCHEMA = {"type": "object",
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "tag": {"enum": ["x", "y"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+def _schema_format(schema=SCHEMA, name="pick", **extra) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, **extra}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return tiny_model[1]
+
+
+def _allowed(bitmask_row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")
+    return set(np.nonzero(bits)[0].tolist())
+
+
+def test_text_and_none_are_unconstrained(tokenizer):
+    assert compile_response_format({"type": "text"}, tokenizer) is None
+    assert compile_response_format(None, tokenizer) is None
+
+
+def test_json_object_and_schema_compile_and_are_cached(tokenizer):
+    obj = compile_response_format({"type": "json_object"}, tokenizer)
+    assert (obj.kind, obj.name, obj.vocab) == ("json_object", "json_object", 4096)
+    assert compile_response_format({"type": "json_object"}, tokenizer) is obj
+    one = compile_response_format(_schema_format(strict=True), tokenizer)
+    # The same schema with keys in another order is the same constraint.
+    reordered = dict(reversed(list(SCHEMA.items())))
+    assert compile_response_format(_schema_format(reordered, strict=True), tokenizer) is one
+    assert (one.kind, one.name) == ("json_schema", "pick")
+    # The first token of any JSON object is "{" (a token of its own here).
+    assert {tokenizer.decode([t]) for t in _allowed(obj.first_mask())} == {"{"}
+
+
+@pytest.mark.parametrize(("response_format", "says"), [
+    ({"type": "sound"}, "response_format.type must be one of text, json_object, json_schema"),
+    ({}, "got None"),
+    ("json", "response_format must be an object"),
+    ({"type": "json_schema"}, "response_format.json_schema must be an object"),
+    ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a"}}, "json_schema.schema must be"),
+    (_schema_format(strict="yes"), "json_schema.strict must be true or false"),
+    (_schema_format({"type": "integr"}), "cannot be enforced: Invalid type: integr"),
+    (_schema_format({"$ref": "#/$defs/missing"}), "cannot be enforced"),
+    (_schema_format({"type": "string", "format": "shoe-size"}), "Unknown format: shoe-size"),
+])
+def test_bad_response_formats_raise_constraint_error(tokenizer, response_format, says):
+    with pytest.raises(ConstraintError) as info:
+        compile_response_format(response_format, tokenizer)
+    assert info.value.param == "response_format"
+    assert says in info.value.message
+
+
+def test_a_document_walks_through_and_then_only_end_tokens_are_allowed(tokenizer):
+    constraint = compile_response_format(_schema_format(), tokenizer)
+    doc = tokenizer.encode('{"n": 7, "tag": "y"}', add_special_tokens=False)
+    untouched = constraint.matcher()
+    masks = BatchMasks([None, constraint.matcher()])
+    # Walking the document: each token was allowed by the mask before it.
+    allowed = _allowed(constraint.first_mask())
+    for token in doc:
+        assert token in allowed, tokenizer.decode([token])
+        assert masks.step([0, token]) == []
+        allowed = _allowed(masks.bitmask[1])
+        assert _allowed(masks.bitmask[0]) == set(range(4096))  # the free row: everything
+    assert allowed == set(tokenizer.eos_token_ids) == {1, 3}
+    assert not untouched.ll.is_accepting()  # each row's matcher is its own copy
+
+
+def test_a_refused_token_is_reported_and_its_row_unmasked(tokenizer):
+    constraint = compile_response_format({"type": "json_object"}, tokenizer)
+    masks = BatchMasks([constraint.matcher(), constraint.matcher()])
+    letter = tokenizer.encode("a", add_special_tokens=False)[0]
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    refused = masks.step([letter, brace])  # an object cannot start with a letter
+    assert [i for i, _ in refused] == [0]
+    assert isinstance(refused[0][1], ConstraintViolation)
+    assert "json_object" in str(refused[0][1])
+    assert (masks.bitmask[0] == -1).all()  # sampled freely until the runner fails it
+    assert '"' in {tokenizer.decode([t]) for t in _allowed(masks.bitmask[1])}
+    assert masks.step([letter, tokenizer.encode('"', add_special_tokens=False)[0]]) == []
+
+
+def test_mask_logits_forbids_exactly_the_cleared_bits():
+    rng = np.random.default_rng(0)
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    logits = mx.array(rng.standard_normal((3, vocab)).astype(np.float32))
+    allowed = [{0, 5, 69}, set(range(vocab)), {31, 32, 33}]
+    words = np.zeros((3, mask_words(vocab)), dtype=np.int32)
+    for row, ids in enumerate(allowed):
+        bits = np.zeros(mask_words(vocab) * 32, dtype=np.uint8)
+        bits[list(ids)] = 1
+        words[row] = np.packbits(bits, bitorder="little").view(np.int32)
+    free = mx.array([False, False, True])  # row 2 is free: its bits are ignored
+    out = np.array(mask_logits(logits, mx.array(words), free))
+    for row in range(3):
+        kept = set(np.nonzero(np.isfinite(out[row]))[0].tolist())
+        assert kept == (set(range(vocab)) if row == 2 else allowed[row])
+        np.testing.assert_array_equal(out[row][sorted(kept)], np.array(logits)[row][sorted(kept)])
+
+
+def test_mask_logits_forbids_model_tokens_past_the_tokenizer():
+    # A model vocabulary padded past the tokenizer's (e.g. to a multiple of 64).
+    logits = mx.zeros((2, 100))
+    words = mx.array(np.full((2, mask_words(64)), -1, dtype=np.int32))
+    out = np.array(mask_logits(logits, words, mx.array([False, True])))
+    assert np.isfinite(out[0, :64]).all() and np.isneginf(out[0, 64:]).all()
+    assert np.isfinite(out[1]).all()
+
+
+def test_constraint_error_is_a_value_error_with_its_param():
+    err = ConstraintError("bad", param="tools")
+    assert isinstance(err, ValueError) and err.param == "tools" and str(err) == "bad"
+    assert json.dumps({"param": err.param})  # plain data, ready for an error body
+
+
+def test_compile_json_schema_names_its_field_for_tool_parameters(tokenizer):
+    params = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    tool = compile_json_schema(params, tokenizer, name="get_weather", param="tools")
+    assert (tool.kind, tool.name) == ("json_schema", "get_weather")
+    with pytest.raises(ConstraintError) as info:
+        compile_json_schema({"type": "objet"}, tokenizer, param="tools")
+    assert info.value.param == "tools"
+    assert info.value.message == "tools schema cannot be enforced: Invalid type: objet"
