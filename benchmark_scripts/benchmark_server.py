@@ -362,8 +362,9 @@ def main_mixed(args: argparse.Namespace, model: Path, env: dict[str, str]) -> di
 def main_constrained(args: argparse.Namespace) -> int:
     """The constrained-decoding row: benchmark_structured.py in a child (validity and cost).
 
-    In-process (engine, no HTTP) on the real default model: the same prompts
-    and output lengths with and without a grammar, at concurrency 16 by default.
+    Our server over HTTP on the real default model (``response_format`` on
+    ``/v1/chat/completions``): the same prompts and output lengths with and
+    without a grammar, at concurrency 16 by default.
     """
     out = args.out or ROOT / "figures" / "structured" / "results.json"
     cmd = [sys.executable, str(ROOT / "benchmark_scripts" / "benchmark_structured.py"),

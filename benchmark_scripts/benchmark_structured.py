@@ -1,7 +1,8 @@
 """Structured outputs on the real default model: validity, and what the grammar costs.
 
-Runs the engine in-process (the real scheduler, runner and output path; no
-HTTP) on SmolLM2-135M-Instruct as the server serves it, and measures:
+Starts ``python -m server`` on SmolLM2-135M-Instruct (the default model) and
+sends every request over HTTP as a client would (``/v1/chat/completions``
+with ``response_format``), and measures:
 
 1. validity: 50 constrained requests (``structured_schemas.py``'s five
    schemas x 10 prompts, half greedy, half sampled at temperature 0.7 with a
@@ -13,7 +14,8 @@ HTTP) on SmolLM2-135M-Instruct as the server serves it, and measures:
    constrained run's output lengths as ``max_tokens`` (the model's free
    answers run longer, so nearly all reach it: the token counts are reported),
    with the same prompts and sampling settings, so the difference is the
-   grammar. Rounds alternate which goes first.
+   grammar. Rounds alternate which goes first. Where the step time goes
+   comes from the server's step clock on ``/metrics``.
 
 Usage::
 
@@ -34,6 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from structured_schemas import CASES, SchemaCase, response_format  # noqa: E402
@@ -56,78 +60,72 @@ class Outcome:
     error: str = ""
 
 
-class InProcess:
-    """The real engine in this process; requests go in as GenerationRequest records."""
+class OverHTTP:
+    """Our server in a child process; each request a non-streaming chat completion."""
 
-    def __init__(self, settings: Any) -> None:
-        from server.engine.engine import Engine
+    def __init__(self, model: str, log_path: Path) -> None:
+        from server_process import ServerProcess
 
-        self.engine = Engine(settings)
-        self.engine.start()
-        if not self.engine.wait_ready(600):
-            raise RuntimeError(f"model failed to load: {self.engine.load_error}")
-        self.tokenizer = self.engine.loaded.tokenizer
+        self.server = ServerProcess(log_path, ["--model", model], env={
+            "VELOXQUANT_POOL_KV_MEMORY": "4GiB", "VELOXQUANT_BATCH_MAX_BATCH_SIZE": "64",
+            "VELOXQUANT_LIMITS_QUEUE_TIMEOUT_S": "600"}, startup_timeout_s=600).start()
+        self.base = self.server.base_url
+        self.model_name = httpx.get(self.base + "/v1/models").json()["data"][0]["id"]
+        self.client: httpx.AsyncClient | None = None
 
-    async def one(self, messages: list[dict], params: Any) -> Outcome:
-        from server.engine.protocol import (
-            ChatPrompt,
-            EventChannel,
-            Failed,
-            Finished,
-            GenerationRequest,
-            Rejected,
-            TokenEvent,
-        )
+    async def __aenter__(self) -> OverHTTP:
+        # One client per event loop: its pooled connections belong to the loop that made them.
+        self.client = httpx.AsyncClient(base_url=self.base, timeout=600,
+                                        limits=httpx.Limits(max_connections=128))
+        return self
 
-        channel = EventChannel(asyncio.get_running_loop())
-        request = GenerationRequest(f"bench-{id(channel)}",
-                                    ChatPrompt(tuple(messages)), params, channel)
-        self.engine.submit(request)
-        parts: list[str] = []
-        while True:
-            event = await channel.get()
-            if isinstance(event, TokenEvent):
-                parts.append(event.text)
-            elif isinstance(event, Finished):
-                return Outcome("".join(parts) + event.text, event.reason.value,
-                               event.usage.completion_tokens)
-            elif isinstance(event, (Failed, Rejected)):
-                return Outcome("".join(parts), "error", 0, f"{event.reason}: {event.message}")
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+
+    async def one(self, messages: list[dict], params: dict[str, Any]) -> Outcome:
+        reply = await self.client.post("/v1/chat/completions",
+                                       json={"messages": messages, **params})
+        if reply.status_code != 200:
+            return Outcome("", "error", 0, f"{reply.status_code}: {reply.text[:200]}")
+        body = reply.json()
+        choice = body["choices"][0]
+        return Outcome(choice["message"]["content"], choice["finish_reason"],
+                       body["usage"]["completion_tokens"])
+
+    def start_line(self) -> str:
+        """The server's start-up line naming the backend and dtype."""
+        return next((line for line in self.server.log().splitlines() if "backend:" in line), "")
 
     def close(self) -> None:
-        self.engine.stop()
+        self.server.stop()
 
 
 def chat(prompt: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
 
-def constrained_jobs(runner: InProcess, max_tokens: int,
-                     per_schema: int = 10) -> list[tuple[SchemaCase, list, Any]]:
-    """5 schemas x ``per_schema`` prompts: (case, messages, params), half greedy, half sampled."""
-    from server.engine.constraints import compile_response_format
-    from server.engine.protocol import SamplingParams
-
+def constrained_jobs(max_tokens: int,
+                     per_schema: int = 10) -> list[tuple[SchemaCase, list, dict[str, Any]]]:
+    """5 schemas x ``per_schema`` prompts: (case, messages, request fields), half greedy,
+    half sampled."""
     jobs = []
     for case in CASES:
-        constraint = compile_response_format(response_format(case), runner.tokenizer)
         for k in range(per_schema):
-            temp, seed = (0.0, None) if k < (per_schema + 1) // 2 else (0.7, 1000 + k)
-            params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed,
-                                    constraint=constraint)
+            params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0,
+                                      "response_format": response_format(case)}
+            if k >= (per_schema + 1) // 2:
+                params.update(temperature=0.7, seed=1000 + k)
             jobs.append((case, chat(f"{case.prompt} (Example {k + 1}.)"), params))
     return jobs
 
 
-async def validity(runner: InProcess, max_tokens: int, per_schema: int, n_free: int) -> dict:
+async def validity(runner: OverHTTP, max_tokens: int, per_schema: int, n_free: int) -> dict:
     """Constrained and free requests at once; each constrained answer parsed and validated."""
     import jsonschema
 
-    from server.engine.protocol import SamplingParams
-
-    jobs = constrained_jobs(runner, max_tokens, per_schema)
+    jobs = constrained_jobs(max_tokens, per_schema)
     free = [(chat(FREE_PROMPTS[i % len(FREE_PROMPTS)]),
-             SamplingParams(max_tokens=64, temperature=0.0 if i % 2 else 0.8))
+             {"max_tokens": 64, "temperature": 0.0 if i % 2 else 0.8})
             for i in range(n_free)]
     t0 = time.perf_counter()
     outs = await asyncio.gather(*[runner.one(m, p) for _, m, p in jobs],
@@ -161,7 +159,7 @@ async def validity(runner: InProcess, max_tokens: int, per_schema: int, n_free: 
     }
 
 
-async def closed_loop(runner: InProcess, jobs: list[tuple[list, Any]], concurrency: int) -> dict:
+async def closed_loop(runner: OverHTTP, jobs: list[tuple[list, Any]], concurrency: int) -> dict:
     """Run ``jobs`` keeping ``concurrency`` in flight; aggregate tok/s and the outcomes."""
     queue = list(enumerate(jobs))
     outs: list[Outcome | None] = [None] * len(jobs)
@@ -179,26 +177,27 @@ async def closed_loop(runner: InProcess, jobs: list[tuple[list, Any]], concurren
             "errors": sum(o.finish == "error" for o in outs)}
 
 
-async def measured(runner: InProcess, jobs: list[tuple[list, Any]], concurrency: int) -> dict:
-    """A closed-loop run plus the engine's decode steps and step-phase seconds during it."""
-    steps0, phases0 = runner.engine.clock.totals()
+async def measured(runner: OverHTTP, jobs: list[tuple[list, Any]], concurrency: int) -> dict:
+    """A closed-loop run plus the server's decode steps and step-phase seconds during it."""
+    from gpu_phases import engine_clock
+
+    before = await asyncio.to_thread(engine_clock, runner.base)
     run = await closed_loop(runner, jobs, concurrency)
-    steps1, phases1 = runner.engine.clock.totals()
-    run["steps"] = steps1 - steps0
-    run["phases"] = {k: phases1[k] - phases0[k] for k in phases1}
+    after = await asyncio.to_thread(engine_clock, runner.base)
+    run["steps"] = after.get("steps", 0.0) - before.get("steps", 0.0)
+    run["phases"] = {k: after[k] - before.get(k, 0.0) for k in after
+                     if k not in ("steps", "rows")}
     return run
 
 
-async def cost(runner: InProcess, concurrency: int, n_requests: int, rounds: int,
+async def cost(runner: OverHTTP, concurrency: int, n_requests: int, rounds: int,
                max_tokens: int) -> dict:
     """Constrained vs free at ``concurrency``: same prompts, same output lengths, alternating.
 
     The first constrained run fixes each request's length, the free runs'
     ``max_tokens``.
     """
-    import dataclasses
-
-    jobs = constrained_jobs(runner, max_tokens)
+    jobs = constrained_jobs(max_tokens)
     jobs = [jobs[(i * 7) % len(jobs)] for i in range(n_requests)]  # every schema, mixed order
     constrained = [(m, p) for _, m, p in jobs]
     await closed_loop(runner, constrained[:concurrency], concurrency)  # warm-up
@@ -206,7 +205,8 @@ async def cost(runner: InProcess, concurrency: int, n_requests: int, rounds: int
     runs["constrained"].append(await measured(runner, constrained, concurrency))
     # No logit bias to ban end tokens: it would move free rows off the batch sampler
     # (processors sample row by row), a cost the constrained rows do not pay.
-    free = [(m, dataclasses.replace(p, constraint=None, max_tokens=max(o.tokens, 1)))
+    free = [(m, {**{k: v for k, v in p.items() if k != "response_format"},
+                 "max_tokens": max(o.tokens, 1)})
             for (m, p), o in zip(constrained, runs["constrained"][0]["outs"], strict=True)]
     for rnd in range(rounds):
         order = [("free", free), ("constrained", constrained)]
@@ -222,7 +222,7 @@ async def cost(runner: InProcess, concurrency: int, n_requests: int, rounds: int
         seconds, tokens = sum(r["seconds"] for r in rs), sum(r["tokens"] for r in rs)
         steps = sum(r["steps"] for r in rs)
         phases = {k: sum(r["phases"][k] for r in rs) for k in rs[0]["phases"]}
-        out[name] = {"seconds": round(seconds, 2), "tokens": tokens, "decode_steps": steps,
+        out[name] = {"seconds": round(seconds, 2), "tokens": tokens, "decode_steps": int(steps),
                      "tok_per_s": round(tokens / seconds, 1),
                      "errors": sum(r["errors"] for r in rs),
                      "ms_per_step_by_phase": {k: round(1e3 * v / max(steps, 1), 2)
@@ -239,12 +239,12 @@ def host_overhead(constrained: dict, free: dict) -> dict:
     """What the grammar adds to a decode step on the host, apart from the model's time.
 
     On a CPU the model's time (the ``submit`` phase: MLX's CPU backend runs
-    the graph there) swings by 10-20% between runs on a shared machine, more
+    the graph there; ``read`` waits for it) swings by 10-20% between runs on a shared machine, more
     than the masks cost; the other phases are host work and steadier. The
     estimate puts the measured extra host time on top of the free run's step.
     """
     def host(ms: dict) -> float:
-        return sum(v for k, v in ms.items() if k not in ("submit", "prefill"))
+        return sum(v for k, v in ms.items() if k not in ("submit", "read", "prefill"))
 
     c, f = constrained["ms_per_step_by_phase"], free["ms_per_step_by_phase"]
     added = host(c) - host(f)
@@ -278,35 +278,33 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+async def in_session(runner: OverHTTP, work: Any) -> Any:
+    """Await ``work`` with the runner's HTTP client open (one client per event loop)."""
+    async with runner:
+        return await work
+
+
 def main() -> int:
     args = parse_args()
-    from server.settings import load_settings
-    from veloxquant_mlx.cpu_backend import ensure_optimized_blas
-
-    ensure_optimized_blas()  # as `python -m server` does, before MLX is imported
-    from veloxquant_mlx.cpu_backend import describe_backend
-
-    settings = load_settings(None, env={}, overrides={
-        "model": {"path": args.model}, "pool": {"kv_memory": "4GiB"},
-        "batch": {"max_batch_size": 64}, "limits": {"queue_timeout_s": 600.0}})
-    runner = InProcess(settings)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runner = OverHTTP(args.model, args.out.with_suffix(".server.log"))
     try:
         result: dict[str, Any] = {
-            "model": runner.engine.model_name, "revision": git_revision(),
-            "backend": describe_backend(runner.engine.loaded.dtype),
+            "model": runner.model_name, "revision": git_revision(), "transport": "HTTP",
+            "backend": runner.start_line().split("backend:", 1)[-1].strip(),
             "machine": {"platform": platform.platform(), "python": platform.python_version()},
         }
         if not args.skip_validity:
-            result["validity"] = asyncio.run(validity(runner, args.max_tokens, args.per_schema,
-                                                      args.free))
+            result["validity"] = asyncio.run(in_session(runner, validity(
+                runner, args.max_tokens, args.per_schema, args.free)))
             v = result["validity"]
             print(f"validity: {v['valid']}/{v['requests_constrained']} valid, "
                   f"{v['parsed']} parsed, finish {v['finish_reasons']}, {v['seconds']} s")
             for failure in v["failures"]:
                 print("  failed:", json.dumps(failure))
         if not args.skip_cost:
-            result["cost"] = asyncio.run(cost(runner, args.concurrency, args.requests,
-                                              args.rounds, args.max_tokens))
+            result["cost"] = asyncio.run(in_session(runner, cost(
+                runner, args.concurrency, args.requests, args.rounds, args.max_tokens)))
             c = result["cost"]
             print(f"cost c={c['concurrency']}: constrained {c['constrained']['tok_per_s']} "
                   f"tok/s, free {c['free']['tok_per_s']} tok/s, ratio "

@@ -5,6 +5,7 @@ Failures become :class:`RequestRejected` carrying the event the client gets.
 
 from __future__ import annotations
 
+from server.engine.chat_render import render_ids
 from server.engine.protocol import ChatPrompt, Reason, Rejected, SamplingParams
 from server.model_loader import LoadedModel
 
@@ -30,10 +31,7 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
     tokenizer = loaded.tokenizer
     try:
         if isinstance(prompt, ChatPrompt):
-            ids = tokenizer.apply_chat_template(
-                [dict(m) for m in prompt.messages], add_generation_prompt=True,
-                tokenize=True)
-            return list(ids)
+            return render_ids(tokenizer, prompt)
         if isinstance(prompt, str):
             return list(tokenizer.encode(prompt))
         vocab = _vocab_size(loaded)

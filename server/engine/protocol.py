@@ -70,9 +70,17 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Chat messages still to be rendered with the tokenizer's template."""
+    """Chat messages still to be rendered with the tokenizer's template.
 
-    messages: tuple[dict[str, str], ...]
+    Attributes:
+        messages: ``role`` and ``content`` (a string); an assistant message may
+            carry ``tool_calls`` (OpenAI's shape) and a tool message ``tool_call_id``.
+        tools: OpenAI tool objects offered to the model (rendered by
+            :mod:`server.engine.chat_render`); empty for none.
+    """
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(slots=True)

@@ -29,7 +29,9 @@ class FakeEngine:
     """Scripted engine: tokens "Hello", " world" unless the prompt asks otherwise.
 
     Prompt keywords: ``REJECT429``, ``REJECT400``, ``FAIL`` (model error after
-    one token), ``SILENT`` (admitted, then never answers: for disconnect tests).
+    one token), ``SILENT`` (admitted, then never answers: for disconnect tests),
+    ``SCRIPT:`` (the rest of the prompt is the answer, sent 3 characters per
+    token, finishing with ``stop``).
     """
 
     def __init__(self, ready: bool = True) -> None:
@@ -82,6 +84,13 @@ class FakeEngine:
             return
         put(Admitted(owner=1, prompt_tokens=3, reserved_blocks=2))
         if "SILENT" in text:
+            return
+        if "SCRIPT:" in text:
+            script = text.split("SCRIPT:", 1)[1]
+            pieces = [script[i:i + 3] for i in range(0, len(script), 3)]
+            for k, piece in enumerate(pieces):
+                put(TokenEvent(piece, k))
+            put(Finished(FinishReason.STOP, Usage(3, len(pieces), 2)))
             return
         put(TokenEvent("Hello", 1))
         if "FAIL" in text:

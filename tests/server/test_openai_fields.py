@@ -97,6 +97,16 @@ COMPLETION: dict[str, tuple[str, Any, Check | None]] = {
 }
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# A function whose only call is {"name": "f", "arguments": {}}: short enough for any model.
+CLOSED_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def one_call_to_f(r: httpx.Response, b: Any, _: Any) -> bool:
+    choice = chat(r).choices[0]
+    calls = choice.message.tool_calls or []
+    return choice.finish_reason == "tool_calls" and [(c.function.name, c.function.arguments)
+                                                      for c in calls] == [("f", "{}")]
 CHAT_FIELDS: dict[str, tuple[str, Any, Check | None]] = {
     "audio": ("refused", {"voice": "alloy", "format": "mp3"}, None),
     "frequency_penalty": ("honoured", 2.0, differs(chat)),
@@ -115,14 +125,19 @@ CHAT_FIELDS: dict[str, tuple[str, Any, Check | None]] = {
     "model": ("honoured", "no-such-model", lambda r, b, _: error_of(r, 404)["param"] == "model"),
     "moderation": ("refused", {"model": "omni-moderation-latest"}, None),
     "n": ("honoured", 2, lambda r, b, _: texts(chat(r)) == texts(b) * 2),
-    "parallel_tool_calls": ("refused", False, None),
+    # Forced calls are one call either way; tests/server/test_tool_calls.py shows the effect
+    # on parsed answers (one call kept, generation stopped after the first).
+    "parallel_tool_calls": ("honoured", {"parallel_tool_calls": False, "tools": [CLOSED_TOOL],
+                                         "tool_choice": "required", "max_tokens": 30},
+                            one_call_to_f),
     "prediction": ("noop", {"type": "content", "content": "a guess"}, same(chat)),
     "presence_penalty": ("honoured", 2.0, differs(chat)),
     "prompt_cache_key": ("noop", "cache-key", same(chat)),
     "prompt_cache_options": ("noop", {"ttl": "30m"}, same(chat)),
     "prompt_cache_retention": ("noop", "24h", same(chat)),
     "reasoning_effort": ("refused", "low", None),
-    "response_format": ("refused", {"type": "json_object"}, None),
+    "response_format": ("honoured", {"type": "json_object"},
+                        lambda r, b, _: chat(r).choices[0].message.content.startswith("{")),
     "safety_identifier": ("noop", "hashed-user", same(chat)),
     "seed": ("honoured", {"seed": 3, "temperature": 2.0}, seeded(chat)),
     "service_tier": ("noop", "auto", same(chat)),
@@ -134,8 +149,10 @@ CHAT_FIELDS: dict[str, tuple[str, Any, Check | None]] = {
     "stream_options": ("honoured", {"stream": True, "stream_options": {"include_usage": True}},
                        lambda r, b, _: chat_stream(r)[-1].usage == b.usage),
     "temperature": ("honoured", {"temperature": 2.0, "seed": 5}, differs(chat)),
-    "tool_choice": ("refused", "required", None),
-    "tools": ("refused", [TOOL], None),
+    "tool_choice": ("honoured", {"tool_choice": "required", "tools": [CLOSED_TOOL],
+                                 "max_tokens": 30}, one_call_to_f),
+    "tools": ("honoured", [TOOL],  # offered in the prompt: it grows
+              lambda r, b, _: chat(r).usage.prompt_tokens > b.usage.prompt_tokens),
     "top_logprobs": ("honoured", {"logprobs": True, "top_logprobs": 2},
                      lambda r, b, _: len(chat(r).choices[0].logprobs.content[0].top_logprobs) == 2),
     "top_p": ("honoured", {"temperature": 2.0, "seed": 5, "top_p": 1e-6}, same(chat)),

@@ -2,11 +2,12 @@
 
 One request per schema of ``benchmark_scripts/structured_schemas.py`` (nested
 objects, arrays of objects, enums, required fields, bounded numbers, a string
-pattern) at once, beside two free-text requests, through the real engine:
+pattern) at once, beside two free-text requests, over HTTP to a real
+``python -m server`` (``response_format`` on ``/v1/chat/completions``):
 every constrained answer ends with ``stop``, parses and validates. It runs
-``benchmark_structured.py``'s validity part in a child with the optimized BLAS
-preloaded, as ``python -m server`` runs (in this process's bundled BLAS the
-seven rows would take minutes). The 50-request version is that script's default.
+``benchmark_structured.py``'s validity part, which starts that server (with
+its optimized BLAS, as ``make serve`` does). The 50-request version is that
+script's default.
 """
 
 from __future__ import annotations

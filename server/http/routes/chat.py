@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import ChatPrompt, Finished, TokenEvent
+from server.engine.chat_render import TOOL_CALL_CLOSE
+from server.engine.protocol import ChatPrompt, Finished, SamplingParams, TokenEvent
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.fanout import Fanout, UsageTotal
@@ -22,22 +24,42 @@ from server.http.routes.params import (
     resolve_params,
 )
 from server.http.routes.sse import SSE_HEADERS, sse_stream
+from server.http.routes.structured import output_constraint
+from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.schemas import ChatCompletionRequest
-from server.http.schemas.refusals import refuse_unbuilt, refuse_unsupported
+from server.http.schemas.refusals import refuse_unsupported
+from server.http.schemas.tools import ToolPlan, tool_plan
 
 router = APIRouter()
 
 
-def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+def _chat_prompt(body: ChatCompletionRequest, tools: ToolPlan) -> ChatPrompt:
     messages = []
     for i, message in enumerate(body.messages):
         try:
-            text = message.text()
+            messages.append(message.rendered())
         except ValueError as exc:
             raise InvalidRequestError(f"messages[{i}].content: {exc}",
                                       param=f"messages.{i}.content") from None
-        messages.append({"role": message.role, "content": text})
-    return ChatPrompt(tuple(messages))
+    return ChatPrompt(tuple(messages), tuple(f.as_tool() for f in tools.offered))
+
+
+async def _with_grammar(params: SamplingParams, body: ChatCompletionRequest, engine: Any,
+                        tools: ToolPlan) -> SamplingParams:
+    """Add the output's grammar, and with ``parallel_tool_calls: false`` stop after one call."""
+    constraint = await output_constraint(engine, body.response_format, tools)
+    stop = params.stop
+    if tools.mode == "auto" and not tools.parallel:
+        stop += (TOOL_CALL_CLOSE,)
+    return dataclasses.replace(params, constraint=constraint, stop=stop)
+
+
+def _message(text: str, finish: str, tools: ToolPlan) -> tuple[dict[str, Any], str]:
+    """The assistant message of one choice and its finish reason (``tool_calls`` with calls)."""
+    content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 @router.post("/v1/chat/completions")
@@ -45,16 +67,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """Answer a conversation n times (``stream: true`` for Server-Sent Events)."""
     engine = get_engine(request)
     check_model(body.model, engine)
-    refuse_unbuilt(body)
     refuse_unsupported(body)
     check_stream_options(body)
     settings = request.app.state.settings
     check_choices(body.n, 1, settings)
+    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = resolve_params(body, settings, max_tokens, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
-    prompt, rid = _chat_prompt(body), new_id("chatcmpl")
+    prompt, rid = _chat_prompt(body, tools), new_id("chatcmpl")
+    params = await _with_grammar(params, body, engine, tools)
     fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),
                                     rid if body.n == 1 else f"{rid}-{i}")
                      for i in range(body.n)])
@@ -65,7 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     base = {"id": rid, "created": int(time.time()), "model": engine.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(fanout, base, body.logprobs, include_usage),
+        return StreamingResponse(_stream(fanout, base, body.logprobs, include_usage, tools),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         outs = await fanout.collect()
@@ -75,30 +98,45 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     for i, out in enumerate(outs):
         usage.add(0, out.finished.usage)
         logprobs = {"content": [chat_entry(r) for r in out.logprobs]} if body.logprobs else None
-        choices.append({"index": i, "logprobs": logprobs,
-                        "message": {"role": "assistant", "content": "".join(out.text_parts)},
-                        "finish_reason": out.finished.reason.value})
+        message, finish = _message("".join(out.text_parts), out.finished.reason.value, tools)
+        choices.append({"index": i, "logprobs": logprobs, "message": message,
+                        "finish_reason": finish})
     return JSONResponse({**base, "object": "chat.completion", "choices": choices,
                          "usage": usage.as_dict()})
 
 
-def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_usage: bool):
+def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_usage: bool,
+            tools: ToolPlan):
+    """SSE chunks; with tools, text that may be a call is held and sent as ``tool_calls``."""
     base = {**base, "object": "chat.completion.chunk"}
     usage = UsageTotal()
+    held = [ToolStream(tools) if tools.mode != "none" else None for _ in fanout.calls]
 
     def delta(i: int, content: dict[str, Any], finish: str | None, logprobs: Any = None):
         return {**base, "choices": [{"index": i, "delta": content, "logprobs": logprobs,
                                      "finish_reason": finish}]}
 
-    def on_token(i: int, event: TokenEvent) -> dict[str, Any]:
+    def on_token(i: int, event: TokenEvent) -> dict[str, Any] | None:
+        text = event.text if held[i] is None else held[i].feed(event.text)
         logprobs = None
-        if want_logprobs and event.logprob is not None:
+        if want_logprobs and event.logprob is not None and text == event.text:
             logprobs = {"content": [chat_entry(event.logprob)]}
-        return delta(i, {"content": event.text}, None, logprobs)
+        if not text and logprobs is None and held[i] is not None:
+            return None  # held back: it may be part of a tool call
+        return delta(i, {"content": text}, None, logprobs)
 
     def on_finish(i: int, event: Finished) -> list[dict[str, Any]]:
         usage.add(0, event.usage)
-        return [delta(i, {"content": event.text} if event.text else {}, event.reason.value)]
+        stream = held[i]
+        if stream is None:
+            return [delta(i, {"content": event.text} if event.text else {}, event.reason.value)]
+        now = stream.feed(event.text)
+        rest, calls = stream.finish()
+        rest = now + rest
+        chunks = [delta(i, {"content": rest}, None)] if rest else []
+        chunks += [delta(i, {"tool_calls": [{"index": k, **call}]}, None)
+                   for k, call in enumerate(calls)]
+        return chunks + [delta(i, {}, "tool_calls" if calls else event.reason.value)]
 
     def last() -> list[dict[str, Any]]:
         return [{**base, "choices": [], "usage": usage.as_dict()}] if include_usage else []

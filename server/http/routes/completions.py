@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -23,8 +24,9 @@ from server.http.routes.params import (
     resolve_params,
 )
 from server.http.routes.sse import SSE_HEADERS, sse_stream
+from server.http.routes.structured import output_constraint
 from server.http.schemas import CompletionRequest
-from server.http.schemas.refusals import refuse_unbuilt, refuse_unsupported
+from server.http.schemas.refusals import refuse_unsupported
 
 router = APIRouter()
 
@@ -43,7 +45,6 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 def _check(body: CompletionRequest, n_prompts: int, settings: Any) -> None:
     """The request-level rules beyond the schema's types and ranges."""
-    refuse_unbuilt(body)
     refuse_unsupported(body)
     check_stream_options(body)
     if body.best_of is not None and body.best_of != body.n:
@@ -66,6 +67,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     _check(body, len(prompts), settings)
     params = resolve_params(body, settings, body.max_tokens,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
+    constraint = await output_constraint(engine, body.response_format)
+    params = dataclasses.replace(params, constraint=constraint)
     rid = new_id("cmpl")
     try:
         echoes = await score_prompts(request, engine, prompts, body.logprobs) \

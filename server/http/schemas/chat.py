@@ -9,12 +9,42 @@ from pydantic import Field, model_validator
 from server.http.schemas.common import OpenAIModel, SamplingFields
 
 
+class ToolCallFunction(OpenAIModel):
+    """The function part of an earlier tool call (``arguments`` is JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    """A tool call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
-    """One message; ``content`` may be a string or a list of text parts."""
+    """One message; ``content`` may be a string or a list of text parts.
+
+    An assistant message may carry the ``tool_calls`` it made; a ``tool``
+    message answers one of them (``tool_call_id``).
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def rendered(self) -> dict[str, Any]:
+        """What the chat template gets: role, text content, and any tool-call fields."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         """The message's text, joining text parts; non-text parts are refused."""
@@ -44,10 +74,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Refused unless left at their default (refusals.refuse_unbuilt / refuse_unsupported).
+    # Checked into a plan by server.http.schemas.tools; forced calls use constrained decoding.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Refused unless left at their default (refusals.refuse_unsupported).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None

@@ -47,8 +47,7 @@ class SamplingFields(OpenAIModel):
 
     A field the server cannot honour is declared anyway and refused unless
     left at its default (:mod:`server.http.schemas.refusals`), so it is never
-    silently ignored: here ``response_format``, on the endpoints' own models
-    the rest.
+    silently ignored (on the endpoints' own models).
     """
 
     model: str | None = Field(default=None, description="Model id; see GET /v1/models.")
@@ -75,7 +74,8 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = Field(
         default=None, description="Only with stream: true (400 otherwise, as OpenAI).")
     user: str | None = None
-    # Refused unless "text" until constrained decoding lands (refusals.refuse_unbuilt).
+    # "text", "json_object" or "json_schema": enforced by constrained decoding
+    # (server.http.routes.structured).
     response_format: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:

@@ -1,0 +1,108 @@
+"""Chat messages (and offered tools) to prompt ids through the model's chat template.
+
+Templates written for tool use (Qwen2.5, Llama 3.1, Hermes, ...) mention
+``tools``; they get the tools and the conversation's tool calls as they
+expect them (``arguments`` as an object). Any other template (SmolLM2's,
+plain ChatML) gets the server's own convention, as plain text:
+
+- a system block that lists each function as JSON and asks for calls as
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (merged into
+  the conversation's own system message when it has one);
+- an assistant message's earlier calls written in that same form;
+- a ``tool`` message as a ``user`` message wrapped in
+  ``<tool_response>...</tool_response>`` (a template may refuse roles it
+  does not know).
+
+The HTTP side parses calls in either the tagged form or the bare JSON form
+that native templates ask for (``server.http.routes.tool_calls``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.engine.protocol import ChatPrompt
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+_TOOLS_INTRO = (
+    "You can call functions to help answer. Each function is described below as JSON, "
+    "with a JSON Schema of its arguments:\n")
+_TOOLS_HOWTO = (
+    "\nTo call a function, answer with a JSON object inside tags, one call per tag:\n"
+    f"{TOOL_CALL_OPEN}{{\"name\": \"<function name>\", \"arguments\": {{<arguments>}}}}"
+    f"{TOOL_CALL_CLOSE}\nIf no function is needed, answer normally.")
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template renders a ``tools`` list itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
+    """The prompt ids of a chat, generation prompt included.
+
+    Raises:
+        Exception: Whatever the template raises (the caller turns it into a 400).
+    """
+    if template_takes_tools(tokenizer):
+        messages = [_native(m) for m in prompt.messages]
+        extra = {"tools": list(prompt.tools)} if prompt.tools else {}
+    else:
+        messages = _with_tools_block([_as_text(m) for m in prompt.messages], prompt.tools)
+        extra = {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **extra)
+    return list(ids)
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """A call's arguments as an object when they are JSON text (what templates expect)."""
+    args = call.get("function", {}).get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def _native(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    return {**message, "tool_calls": [
+        {**call, "function": {"name": call["function"]["name"], "arguments": _arguments(call)}}
+        for call in calls]}
+
+
+def _as_text(message: dict[str, Any]) -> dict[str, str]:
+    """The message in roles and plain text any template renders."""
+    role, content = message["role"], message.get("content") or ""
+    if role == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    calls = message.get("tool_calls") or ()
+    written = [TOOL_CALL_OPEN + json.dumps({"name": c["function"]["name"],
+                                            "arguments": _arguments(c)}) + TOOL_CALL_CLOSE
+               for c in calls]
+    return {"role": role, "content": "\n".join([content, *written] if content else written)}
+
+
+def tools_block(tools: tuple[dict[str, Any], ...]) -> str:
+    """The system text that offers ``tools`` to a model whose template has no tool support."""
+    listed = "\n".join(json.dumps(tool["function"]) for tool in tools)
+    return _TOOLS_INTRO + listed + _TOOLS_HOWTO
+
+
+def _with_tools_block(messages: list[dict[str, str]],
+                      tools: tuple[dict[str, Any], ...]) -> list[dict[str, str]]:
+    if not tools:
+        return messages
+    block = tools_block(tools)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]
+        return [{"role": first["role"], "content": f"{first['content']}\n\n{block}"},
+                *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]

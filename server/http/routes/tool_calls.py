@@ -1,0 +1,120 @@
+"""Tool calls read back from the model's text: whole answers and streams.
+
+The model writes calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+(the convention :mod:`server.engine.chat_render` teaches, and Hermes/Qwen
+templates use), or as bare JSON, one object or a list (Llama 3.1 style; also
+what a forced call is, since constrained decoding emits exactly that JSON).
+A candidate counts as a call only when it parses, names an offered function
+and has object arguments (``"parameters"`` is taken for ``"arguments"``);
+anything else stays text, so a model that merely talks about JSON is not
+turned into a call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from server.engine.chat_render import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from server.http.schemas.tools import ToolPlan
+
+_TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) +
+                     r"|\Z)", re.DOTALL)
+
+
+def _call(obj: Any, names: set[str]) -> dict[str, Any] | None:
+    """An OpenAI tool call from a parsed candidate, or None when it is not one."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args)}}
+
+
+def _bare(text: str, names: set[str]) -> list[dict[str, Any]]:
+    """Calls when the whole text is one JSON call or a list of them; else none."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return []
+    calls = [_call(o, names) for o in (obj if isinstance(obj, list) else [obj])]
+    return calls if calls and all(calls) else []
+
+
+def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
+    """The text outside the calls (unstripped) and the calls, in order."""
+    names = {f.name for f in plan.offered}
+    calls = _bare(text.strip(), names)
+    if calls:
+        return "", calls
+    kept = _TAGGED.sub(lambda m: "" if _call(_loads(m.group(1)), names) else m.group(0), text)
+    calls = [c for c in (_call(_loads(m.group(1)), names) for m in _TAGGED.finditer(text)) if c]
+    return (kept, calls) if calls else (text, [])
+
+
+def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split a finished answer into its text and its tool calls.
+
+    Returns:
+        ``(content, calls)``: with calls, content is the text outside them
+        (None when only whitespace is left); with ``parallel_tool_calls: false``
+        at most one call is kept.
+    """
+    kept, calls = _split(text, plan)
+    if not calls:
+        return text, []
+    return (kept.strip() or None), calls if plan.parallel else calls[:1]
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text.strip())
+    except ValueError:
+        return None
+
+
+class ToolStream:
+    """One streamed choice's text, held back where it may be a tool call.
+
+    Text is passed on as content until it could be the start of a call: a
+    ``<tool_call>`` tag (or the start of one at the end of what came so far),
+    or an answer that opens with ``{`` or ``[``. From there it is held, and
+    :meth:`finish` says whether it was a call. A forced call is held whole.
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""  # everything so far
+        self.sent = 0  # characters of text already passed on as content
+
+    def feed(self, piece: str) -> str:
+        """Add generated text; returns what can be sent as content now."""
+        self.text += piece
+        if self.plan.forced_call or self.text.lstrip()[:1] in ("{", "["):
+            return ""
+        held = self.text.find(TOOL_CALL_OPEN, self.sent)
+        if held < 0:  # keep back a tail that may be the start of a tag
+            held = len(self.text)
+            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
+                    held -= k
+                    break
+        out, self.sent = self.text[self.sent:held], max(self.sent, held)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end: content not yet sent (text outside calls) and the calls."""
+        kept, calls = _split(self.text, self.plan)
+        if not calls:
+            return self.text[self.sent:], []
+        # What was sent all lies before the first call, so it is a prefix of ``kept``.
+        return kept[self.sent:].rstrip(), calls if self.plan.parallel else calls[:1]

@@ -1,0 +1,144 @@
+"""Chat ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked into one plan.
+
+OpenAI's shapes are loose JSON (``tools: [{"type": "function", "function":
+{"name", "description", "parameters"}}]``, ``tool_choice`` a string or an
+object); this module checks them once and gives the route a :class:`ToolPlan`:
+
+- ``mode``: ``"none"`` (no tools offered, plain text), ``"auto"`` (tools in
+  the prompt, the model decides, calls parsed from its text), ``"required"``
+  or ``"named"`` (the output *is* one call, held to the functions' parameter
+  schemas by constrained decoding, so its arguments always parse).
+- :meth:`ToolPlan.call_schema`: the JSON Schema of one call in the forced modes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from server.http.errors import InvalidRequestError
+
+# OpenAI's rule for function names.
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """One callable function as offered to the model."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_tool(self) -> dict[str, Any]:
+        """The OpenAI tool object (what chat templates with tool support take)."""
+        return {"type": "function", "function": {"name": self.name,
+                                                 "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a chat request asks of tools (see the module docstring)."""
+
+    functions: tuple[Function, ...]
+    mode: str  # "none" | "auto" | "required" | "named"
+    forced: str | None  # the function's name in "named" mode
+    parallel: bool
+
+    @property
+    def offered(self) -> tuple[Function, ...]:
+        """Functions shown to the model: none in "none" mode, only the forced one when named."""
+        if self.mode == "none":
+            return ()
+        if self.mode == "named":
+            return tuple(f for f in self.functions if f.name == self.forced)
+        return self.functions
+
+    @property
+    def forced_call(self) -> bool:
+        """True when the output must be a tool call (constrained decoding)."""
+        return self.mode in ("required", "named")
+
+    def call_schema(self) -> dict[str, Any]:
+        """JSON Schema of one call ``{"name": ..., "arguments": {...}}`` to an offered function.
+
+        One call, even when ``parallel`` allows more: the client asked for at
+        least one, and a forced array invites a small model to repeat items
+        until ``max_tokens`` cuts the JSON (which would then not parse).
+        """
+        options = [{"type": "object",
+                    "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                    "required": ["name", "arguments"], "additionalProperties": False}
+                   for f in self.offered]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+NO_TOOLS = ToolPlan((), "none", None, True)
+
+
+def _function(i: int, tool: Any) -> Function:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise InvalidRequestError(f"{where}.type must be \"function\" (the only tool type "
+                                  "this server runs)", param=where)
+    spec = tool.get("function")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(f"{where}.function must be an object with a name",
+                                  param=where)
+    name = spec.get("name")
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, "
+                                  f"'_' or '-'; got {name!r}", param=f"{where}.function.name")
+    description = spec.get("description") or ""
+    parameters = spec.get("parameters", _EMPTY_PARAMETERS)
+    if not isinstance(description, str):
+        raise InvalidRequestError(f"{where}.function.description must be a string",
+                                  param=f"{where}.function.description")
+    if not isinstance(parameters, dict):
+        raise InvalidRequestError(f"{where}.function.parameters must be a JSON Schema object",
+                                  param=f"{where}.function.parameters")
+    return Function(name, description, parameters)
+
+
+def _choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
+    """``(mode, forced name)`` from ``tool_choice`` (None: "auto" with tools, else "none")."""
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(f"tool_choice {choice!r} is unknown; use \"none\", "
+                                      "\"auto\", \"required\" or {\"type\": \"function\", "
+                                      "\"function\": {\"name\": ...}}", param="tool_choice")
+        if choice != "none" and not names:
+            raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or \
+            not isinstance(name, str):
+        raise InvalidRequestError("tool_choice as an object must be {\"type\": \"function\", "
+                                  "\"function\": {\"name\": ...}}", param="tool_choice")
+    if name not in names:
+        raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in tools",
+                                  param="tool_choice")
+    return "named", name
+
+
+def tool_plan(tools: list[Any] | None, tool_choice: Any,
+              parallel_tool_calls: bool | None) -> ToolPlan:
+    """Check the request's tool fields and say what the route must do.
+
+    Raises:
+        InvalidRequestError: A malformed tool, a duplicate function name, or a
+            ``tool_choice`` that is unknown, names no offered function, or asks
+            for calls with no tools.
+    """
+    functions = tuple(_function(i, tool) for i, tool in enumerate(tools or ()))
+    names = {f.name for f in functions}
+    if len(names) != len(functions):
+        raise InvalidRequestError("tools has two functions of the same name", param="tools")
+    mode, forced = _choice(tool_choice, names)
+    return ToolPlan(functions, mode, forced, parallel_tool_calls is not False)

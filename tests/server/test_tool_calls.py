@@ -1,0 +1,306 @@
+"""Tool calls: the plan from tools/tool_choice, the prompt, parsing, streams, forced calls.
+
+Parsing and streaming run against a scripted engine (``SCRIPT:`` answers, 3
+characters per token, so tags arrive split across tokens); forced calls run
+on the real tiny model, whose random weights could write anything a grammar
+allows, so only the grammar makes the arguments parse.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from server.engine.chat_render import render_ids, template_takes_tools, tools_block
+from server.engine.protocol import ChatPrompt
+from server.http.app import create_app
+from server.http.errors import InvalidRequestError
+from server.http.routes.tool_calls import ToolStream, parse_calls
+from server.http.schemas.tools import tool_plan
+from tests.server.conftest import LiveServer, make_settings
+from tests.server.fakes import FakeEngine
+from tests.server.openai_shapes import CHAT, chat, chat_stream
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object",
+                                  "properties": {"a": {"type": "integer"},
+                                                 "b": {"type": "integer"}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+# Arguments with few possible values: a complete call fits in a few tokens whatever the weights.
+PICK = {"type": "function", "function": {
+    "name": "pick", "parameters": {"type": "object",
+                                   "properties": {"op": {"enum": ["add", "sub"]},
+                                                  "exact": {"type": "boolean"}},
+                                   "required": ["op", "exact"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+TWO_CALLS = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+             '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+
+
+def auto(parallel: bool | None = None):
+    return tool_plan(TOOLS, "auto", parallel)
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([{"type": "retrieval"}], None, "tools[0]"),
+    ([{"type": "function", "function": {"name": "bad name"}}], None, "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None,
+     "tools[0].function.parameters"),
+    ([WEATHER, WEATHER], None, "tools"),
+    (TOOLS, "sometimes", "tool_choice"),
+    (None, "required", "tool_choice"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (TOOLS, {"type": "function"}, "tool_choice"),
+])
+def test_bad_tool_fields_name_the_field(tools, choice, param):
+    with pytest.raises(InvalidRequestError) as info:
+        tool_plan(tools, choice, None)
+    assert info.value.param == param
+
+
+def test_plan_modes():
+    assert tool_plan(None, None, None).mode == "none"
+    assert tool_plan(TOOLS, None, None).mode == "auto"
+    assert tool_plan(TOOLS, "none", None).offered == ()
+    named = tool_plan(TOOLS, {"type": "function", "function": {"name": "add"}}, False)
+    assert (named.mode, named.forced_call, named.parallel) == ("named", True, False)
+    assert [f.name for f in named.offered] == ["add"]
+
+
+def test_call_schema_accepts_calls_and_only_calls():
+    schema = tool_plan(TOOLS, "required", None).call_schema()
+    jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, schema)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, schema)
+    for wrong in ({"name": "add", "arguments": {"a": 1}}, {"name": "sub", "arguments": {}},
+                  {"name": "add", "arguments": {"a": 1, "b": 2}, "extra": 1}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
+# -- parsing -------------------------------------------------------------------------------
+
+def test_tagged_calls_are_parsed_and_the_text_kept():
+    content, calls = parse_calls(TWO_CALLS, auto())
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_parallel_false_keeps_the_first_call():
+    _, calls = parse_calls(TWO_CALLS, auto(parallel=False))
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("text,names", [
+    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', ["add"]),
+    ('[{"name": "add", "parameters": {"a": 1, "b": 2}}, '
+     '{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]', ["add", "get_weather"]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}', ["add"]),  # cut by the stop
+])
+def test_bare_json_and_unclosed_tags_are_calls(text, names):
+    content, calls = parse_calls(text, auto())
+    assert content is None and [c["function"]["name"] for c in calls] == names
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "delete_everything", "arguments": {}}',  # not an offered function
+    '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "add", "arguments": {</tool_call>',  # not JSON
+    'JSON looks like {"a": 1}.',
+])
+def test_what_is_not_a_call_stays_text(text):
+    assert parse_calls(text, auto()) == (text, [])
+
+
+def test_stream_holds_back_only_what_may_be_a_call():
+    stream = ToolStream(auto())
+    sent = "".join(stream.feed(TWO_CALLS[i:i + 3]) for i in range(0, len(TWO_CALLS), 3))
+    rest, calls = stream.finish()
+    assert sent + rest == "Let me check. "[:len(sent + rest)]
+    assert "<" not in sent and len(calls) == 2
+    plain = ToolStream(auto())
+    text = "a <b> and <tool is not a tag"
+    sent = "".join(plain.feed(text[i:i + 2]) for i in range(0, len(text), 2))
+    rest, calls = plain.finish()
+    assert sent + rest == text and calls == []
+
+
+# -- the prompt ----------------------------------------------------------------------------
+
+class RecordingTokenizer:
+    """Records what the chat template would get."""
+
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+        self.calls: list[tuple[list, dict]] = []
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.calls.append((messages, kwargs))
+        return [1, 2, 3]
+
+
+HISTORY = ({"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+           {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"})
+
+
+def test_a_template_without_tools_gets_the_servers_convention():
+    tok = RecordingTokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert not template_takes_tools(tok)
+    render_ids(tok, ChatPrompt(HISTORY, (WEATHER,)))
+    messages, kwargs = tok.calls[0]
+    assert "tools" not in kwargs and kwargs["add_generation_prompt"] is True
+    assert messages[0] == {"role": "system", "content": tools_block((WEATHER,))}
+    assert '"name": "get_weather"' in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content":
+                           '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                           '</tool_call>'}
+    assert messages[3] == {"role": "user",
+                           "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+
+
+def test_a_template_with_tools_gets_them_natively():
+    tok = RecordingTokenizer("{% if tools %}{{ tools }}{% endif %}")
+    render_ids(tok, ChatPrompt(HISTORY, (WEATHER,)))
+    messages, kwargs = tok.calls[0]
+    assert kwargs["tools"] == [WEATHER]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[2]["role"] == "tool"
+
+
+# -- routes, scripted answers --------------------------------------------------------------
+
+@pytest.fixture()
+def fake():
+    engine = FakeEngine()
+    with TestClient(create_app(make_settings(), engine)) as client:
+        yield engine, client
+
+
+def ask(client, script: str, **fields):
+    body = {"messages": [{"role": "user", "content": "SCRIPT:" + script}], **fields}
+    return client.post(CHAT, json=body)
+
+
+def test_auto_calls_come_back_as_tool_calls(fake):
+    engine, client = fake
+    answer = chat(ask(client, TWO_CALLS, tools=TOOLS))
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather", "add"]
+    assert engine.last_params().constraint is None
+    assert [t["function"]["name"] for t in engine.submitted[-1].prompt.tools] == \
+        ["get_weather", "add"]
+
+
+def test_parallel_false_stops_after_the_first_call(fake):
+    engine, client = fake
+    answer = chat(ask(client, TWO_CALLS, tools=TOOLS, parallel_tool_calls=False))
+    assert "</tool_call>" in engine.last_params().stop
+    assert len(answer.choices[0].message.tool_calls) == 1
+
+
+def test_no_tools_or_none_means_plain_text(fake):
+    engine, client = fake
+    for fields in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        answer = chat(ask(client, TWO_CALLS, **fields))
+        assert answer.choices[0].message.content == TWO_CALLS
+        assert answer.choices[0].message.tool_calls is None
+        assert engine.submitted[-1].prompt.tools == ()
+
+
+def test_streamed_calls_arrive_as_tool_call_deltas(fake):
+    _, client = fake
+    chunks = chat_stream(ask(client, TWO_CALLS, tools=TOOLS, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert content.strip() == "Let me check." and "<tool_call>" not in content
+    assert [(t.index, t.function.name) for t in calls] == [(0, "get_weather"), (1, "add")]
+    assert json.loads(calls[1].function.arguments) == {"a": 1, "b": 2}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_text_without_calls_is_all_content(fake):
+    _, client = fake
+    text = "No tools needed: <b>bold</b> {not json"
+    chunks = chat_stream(ask(client, text, tools=TOOLS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_conversation_with_earlier_calls_is_accepted(fake):
+    engine, client = fake
+    messages = [*HISTORY[:2], {**HISTORY[2]}, {"role": "user", "content": "SCRIPT:Thanks"}]
+    answer = chat(client.post(CHAT, json={"messages": messages, "tools": TOOLS}))
+    assert answer.choices[0].message.content == "Thanks"
+    assert engine.submitted[-1].prompt.messages[1]["tool_calls"][0]["id"] == "call_1"
+
+
+# -- forced calls on the real tiny model ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(live_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused")
+
+
+@pytest.mark.parametrize("choice,names", [
+    ("required", {"get_weather", "add", "pick"}),
+    ({"type": "function", "function": {"name": "pick"}}, {"pick"}),
+])
+def test_forced_calls_always_parse_and_match_their_schema(client, choice, names):
+    finished = 0
+    for seed in range(4):
+        out = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Add 1 and 2."}],
+            tools=[*TOOLS, PICK], tool_choice=choice, max_tokens=120, temperature=1.0,
+            seed=seed)
+        choice_out = out.choices[0]
+        if choice_out.finish_reason == "length":  # random weights may write a long string
+            assert choice_out.message.tool_calls is None
+            continue
+        finished += 1
+        assert choice_out.finish_reason == "tool_calls", choice_out
+        (call,) = choice_out.message.tool_calls
+        assert call.function.name in names
+        params = next(t for t in [*TOOLS, PICK] if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments),
+                            params["function"]["parameters"])
+    assert finished or choice == "required"  # "pick" alone always fits in 120 tokens
+
+
+def test_forced_call_with_closed_arguments_is_exact(client):
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Pick."}], tools=[PICK],
+        tool_choice="required", max_tokens=60, temperature=0)
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls"
+    args = json.loads(calls[0].function.arguments)
+    assert calls[0].function.name == "pick" and args["op"] in ("add", "sub")
+    assert isinstance(args["exact"], bool) and set(args) == {"op", "exact"}
+
+
+def test_forced_call_streams_as_one_tool_call(live_server):
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Pick."}], "tools": [ADD, PICK],
+            "tool_choice": {"type": "function", "function": {"name": "pick"}},
+            "max_tokens": 60, "temperature": 0, "stream": True}
+    chunks = chat_stream(httpx.post(live_server.base_url + CHAT, json=body, timeout=60))
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert len(calls) == 1 and calls[0].function.name == "pick"
+    assert set(json.loads(calls[0].function.arguments)) == {"op", "exact"}
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
