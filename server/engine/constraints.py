@@ -31,6 +31,11 @@ import numpy as np
 # How JSON is laid out: fixed separators, no free whitespace (see the module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+# Integers without bounds get I-JSON's interoperable range (RFC 7493: +-(2**53 - 1), what a
+# double holds exactly): a small model otherwise writes digits until max_tokens.
+SAFE_INTEGER = 2**53 - 1
+# Keywords whose values are data, not schemas: never rewritten.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _CACHE_SIZE = 256  # compiled constraints kept (clients repeat their schemas)
 
 
@@ -269,7 +274,30 @@ def compile_json_schema(schema: dict[str, Any], tokenizer: Any, *, name: str = "
     """
     if not isinstance(schema, dict):
         raise ConstraintError(f"{param}: the schema must be a JSON Schema object", param)
-    return _COMPILER.compile("json_schema", name, schema, tokenizer, param)
+    return _COMPILER.compile("json_schema", name, bound_integers(schema), tokenizer, param)
+
+
+def bound_integers(schema: Any) -> Any:
+    """A copy of ``schema`` whose unbounded integers stay within I-JSON's safe range.
+
+    An ``integer`` (alone or in a list of types) without ``minimum`` /
+    ``exclusiveMinimum`` gets ``minimum: -(2**53 - 1)``, and likewise above:
+    at most 16 digits, which every JSON parser reads exactly. Values of
+    ``const``, ``enum``, ``default`` and ``examples`` are data and kept as they are.
+    """
+    if isinstance(schema, list):
+        return [bound_integers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else bound_integers(value)
+           for key, value in schema.items()}
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
 
 
 def _build_matcher(schema: dict[str, Any], tokenizer: llguidance.LLTokenizer,

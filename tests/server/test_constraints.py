@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from server.engine.constraints import (
+    SAFE_INTEGER,
     BatchMasks,
     ConstraintError,
     ConstraintViolation,
+    bound_integers,
     compile_json_schema,
     compile_response_format,
     mask_words,
@@ -152,3 +154,32 @@ def test_compile_json_schema_names_its_field_for_tool_parameters(tokenizer):
         compile_json_schema({"type": "objet"}, tokenizer, param="tools")
     assert info.value.param == "tools"
     assert info.value.message == "tools schema cannot be enforced: Invalid type: objet"
+
+
+def test_unbounded_integers_get_the_safe_range_and_data_is_untouched():
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "m": {"type": ["integer", "null"], "minimum": 0},
+        "tag": {"const": {"type": "integer"}}, "items": {"type": "array",
+                                                        "items": {"type": "integer"}}}}
+    out = bound_integers(schema)
+    props = out["properties"]
+    assert props["n"] == {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    assert props["m"]["minimum"] == 0 and props["m"]["maximum"] == SAFE_INTEGER
+    assert props["tag"] == {"const": {"type": "integer"}}  # data, not a schema
+    assert props["items"]["items"]["maximum"] == SAFE_INTEGER
+    assert "minimum" not in schema["properties"]["n"]  # the client's schema is not changed
+
+
+def test_an_integer_longer_than_sixteen_digits_is_refused(tokenizer):
+    constraint = compile_response_format(_schema_format(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+        tokenizer)
+
+    def walks(text: str) -> bool:
+        matcher = constraint.matcher()
+        return all(matcher.ll.consume_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert walks('{"n": ' + "9" * 15 + "}")
+    assert walks('{"n": -9007199254740991}')
+    assert not walks('{"n": ' + "9" * 17)

@@ -9,11 +9,13 @@ allows, so only the grammar makes the arguments parse.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
 from server.engine.chat_render import render_ids, template_takes_tools, tools_block
 from server.engine.protocol import ChatPrompt
@@ -304,3 +306,22 @@ def test_forced_call_streams_as_one_tool_call(live_server):
     assert len(calls) == 1 and calls[0].function.name == "pick"
     assert set(json.loads(calls[0].function.arguments)) == {"op", "exact"}
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+# -- the openai client's own structured helpers --------------------------------------------
+
+class Pick(BaseModel):
+    op: Literal["add", "sub"]
+    exact: bool
+
+
+def test_client_parse_with_a_pydantic_format_and_a_pydantic_tool(client):
+    messages = [{"role": "user", "content": "Pick."}]
+    out = client.chat.completions.parse(model="tiny", messages=messages, response_format=Pick,
+                                        max_tokens=40, temperature=0)
+    assert isinstance(out.choices[0].message.parsed, Pick)
+    out = client.chat.completions.parse(model="tiny", messages=messages,
+                                        tools=[openai.pydantic_function_tool(Pick)],
+                                        tool_choice="required", max_tokens=40, temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "Pick" and isinstance(call.function.parsed_arguments, Pick)
