@@ -32,6 +32,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,7 +288,8 @@ async def in_session(runner: OverHTTP, work: Any) -> Any:
 def main() -> int:
     args = parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    runner = OverHTTP(args.model, args.out.with_suffix(".server.log"))
+    log = Path(tempfile.mkstemp(prefix="bench-structured-", suffix=".log")[1])
+    runner = OverHTTP(args.model, log)
     try:
         result: dict[str, Any] = {
             "model": runner.model_name, "revision": git_revision(), "transport": "HTTP",

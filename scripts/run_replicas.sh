@@ -69,7 +69,7 @@ port_busy "$LB_PORT" && die "port $LB_PORT is in use (pick another --lb-port)"
 mkdir -p "$LOG_DIR/nginx-temp" || die "cannot create $LOG_DIR"
 LOG_DIR="$(cd "$LOG_DIR" && pwd)"
 
-# The upstream list between the BEGIN/END markers is replaced by these N replicas (with
+# Each upstream list between BEGIN/END markers (least_conn, and by session) becomes these N replicas (with
 # the parameters of the shipped lines); the temp paths keep nginx out of /var/lib/nginx,
 # so the script also runs as a plain user.
 render_config() {

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
@@ -178,6 +180,30 @@ class EngineCollector:
         clock = getattr(self.engine, "clock", None)  # test doubles may have none
         if clock is not None:
             yield from _step_families(clock)
+        yield from _cache_families(getattr(self.engine, "prefix_cache", None))
+
+
+def _cache_families(cache: Any):
+    """Prefix caching: cached and evictable blocks, evictions, hit and query tokens.
+
+    All zero with prefix caching off, so dashboards and alerts see the same names.
+    """
+    counters = cache.counters if cache is not None else None
+    yield _gauge("veloxquant_block_pool_cached_blocks",
+                 "Blocks the prefix cache holds (not counted in blocks_in_use).",
+                 cache.cached_blocks if cache is not None else 0)
+    yield _gauge("veloxquant_block_pool_evictable_blocks",
+                 "Cached blocks no request references: free for admission, evicted LRU.",
+                 cache.evictable_blocks if cache is not None else 0)
+    yield CounterMetricFamily("veloxquant_block_pool_evictions",
+                              "Cached blocks evicted (freed) to make room or by a reset.",
+                              value=counters.evicted_blocks if counters else 0)
+    yield CounterMetricFamily("veloxquant_prefix_cache_query_tokens",
+                              "Prompt tokens looked up in the prefix cache.",
+                              value=counters.query_tokens if counters else 0)
+    yield CounterMetricFamily("veloxquant_prefix_cache_hit_tokens",
+                              "Prompt tokens served from cached blocks (not computed).",
+                              value=counters.hit_tokens if counters else 0)
 
 
 def _step_families(clock: Any):
@@ -203,10 +229,16 @@ def orphaned_blocks(pool: Any, live_requests: Callable[[], dict[int, str]]) -> i
 
     Reads the pool's owners before the live set: an owner that ends in between
     has already freed its blocks, so it adds 0 and never counts as an orphan.
+    The prefix cache's owner is a known one (its blocks are reported apart).
     """
     owners = pool.active_owners()
     live = live_requests()
-    return sum(pool.n_blocks_held(o) for o in owners if o not in live)
+    return sum(pool.n_blocks_held(o) for o in owners if o not in live and o != CACHE_OWNER)
+
+
+def request_blocks_in_use(pool: Any, stats: dict[str, Any]) -> int:
+    """Blocks requests hold: the pool's blocks in use less the prefix cache's."""
+    return stats["blocks_in_use"] - pool.n_blocks_held(CACHE_OWNER)
 
 
 # The families AllocationStats.to_prometheus() writes, in its order:
@@ -241,6 +273,9 @@ class PoolCollector:
     def collect(self):
         pool = self.pool() if callable(self.pool) else self.pool
         stats = pool.stats.snapshot().as_dict()
+        # Cached prefix blocks are shown apart (veloxquant_block_pool_cached_blocks):
+        # an idle server reads 0 in use even while it keeps a warm cache.
+        stats["blocks_in_use"] = request_blocks_in_use(pool, stats)
         for name, kind, doc, key in POOL_FAMILIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{self.prefix}_{name}", doc, value=stats[key])

@@ -42,8 +42,10 @@ from server.settings_sections import (  # noqa: F401  (re-exported: the settings
     MODEL_DTYPES,
     MODEL_PRESETS,
     BatchSection,
+    CacheSection,
     ConfigError,
     CpuSection,
+    KVSection,
     LimitsSection,
     ModelSection,
     PoolSection,
@@ -99,6 +101,8 @@ class Settings(BaseSettings):
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     batch: BatchSection = Field(default_factory=BatchSection)
     cpu: CpuSection = Field(default_factory=CpuSection)
+    cache: CacheSection = Field(default_factory=CacheSection)
+    kv: KVSection = Field(default_factory=KVSection)
     admin_token: str | None = Field(default=None, repr=False)
     api_key: str | None = Field(default=None, repr=False)
 

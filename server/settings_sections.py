@@ -204,6 +204,40 @@ class BatchSection(_Section):
     max_prefill_tokens_per_step: int = Field(default=2048, ge=1)
 
 
+KVFormatName = Literal["native", "q8", "q4"]
+KV_FORMAT_NAMES: tuple[str, ...] = get_args(KVFormatName)
+
+
+class KVSection(_Section):
+    """How the pool stores keys and values (``veloxquant_mlx.memory.kv_format``).
+
+    ``native`` keeps the model's compute dtype; ``q8``/``q4`` store affine
+    8/4-bit codes, per ``group_size`` values of a head (it must divide the
+    model's head_dim) a float16 scale and a zero point (q8, one byte) or a
+    float16 bias (q4). The same ``pool.kv_memory`` then holds ~1.9x / ~3.6x
+    the tokens of float16 KV at group_size 64.
+    """
+
+    format: KVFormatName = "native"
+    group_size: int = 64
+
+    @field_validator("group_size")
+    @classmethod
+    def _check_group(cls, group: int) -> int:
+        # The group sizes mx.quantize accepts (veloxquant_mlx.memory.kv_format.GROUP_SIZES).
+        if group not in (32, 64, 128):
+            raise ValueError(f"{group} is not a supported group size; choose 32, 64 or 128")
+        return group
+
+
+class CacheSection(_Section):
+    """Prefix caching (server.engine.prefix): full prompt blocks stay in the pool,
+    shared by later requests with the same prefix; unreferenced ones are evicted
+    least recently used first when admission needs the room."""
+
+    prefix_caching: bool = True
+
+
 class CpuSection(_Section):
     """CPU backend knobs (Linux): preload Debian's OpenBLAS under MLX."""
 

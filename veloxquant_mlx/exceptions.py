@@ -63,3 +63,7 @@ class PoolArgumentError(VeloxQuantError, ValueError):
 
 class PoolArgumentTypeError(VeloxQuantError, TypeError):
     """An argument to the block pool has a wrong type (e.g. a bool token count)."""
+
+
+class KVFormatError(VeloxQuantError, ValueError):
+    """A KV storage format is unknown or cannot hold this model's keys and values."""

@@ -13,14 +13,24 @@ already running requests may still draw (their reservation minus what they
 hold), cover its reservation. So a running request never meets an exhausted
 pool, whatever the others do. Runs on the engine thread; reads the pool
 through its thread-safe methods only.
+
+With prefix caching (server.engine.prefix), blocks no request references
+are *evictable* and count as free; a request's cached prefix blocks count as
+held (it references them), so its reservation only asks for the rest.
+:meth:`CapacityPlanner.make_room` evicts, least recently used first, once a
+request is admitted on the strength of evictable blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from veloxquant_mlx.memory import BlockPoolAllocator
+
+if TYPE_CHECKING:
+    from server.engine.prefix import PromptPrefixes
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +53,13 @@ class CapacityPlanner:
         n_layers: KV-cache layers per request.
     """
 
-    def __init__(self, pool: BlockPoolAllocator, n_layers: int) -> None:
+    def __init__(self, pool: BlockPoolAllocator, n_layers: int,
+                 prefixes: PromptPrefixes | None = None) -> None:
         self.pool = pool
         self.n_layers = n_layers
         self.block_size = pool.config.block_size
         self.streams = pool.config.streams
+        self.prefixes = prefixes
 
     def reservation(self, n_tokens: int) -> Reservation:
         """Blocks a request that may write ``n_tokens`` slots per layer can hold."""
@@ -96,27 +108,49 @@ class CapacityPlanner:
             "pool.grow_on_exhaustion)"
         )
 
-    def fits_now(self, need: Reservation, outstanding: dict[str, int]) -> bool:
+    def fits_now(self, need: Reservation, outstanding: dict[str, int],
+                 pinned: dict[str, int] | None = None) -> bool:
         """Whether ``need`` fits beside what running requests may still draw.
 
         Args:
-            need: The candidate's reservation.
+            need: The candidate's reservation (new blocks only).
             outstanding: Per stream, blocks running requests reserved but do not hold yet.
+            pinned: Per stream, evictable blocks the candidate itself will
+                reference (its cached prefix): they stop counting as free.
         """
         headroom = self._growth_headroom()
         if headroom is None:
             return True
+        pinned = pinned or {}
         deficit = 0
         for stream, blocks in need.per_stream.items():
-            spare = self.pool.n_free(stream) - outstanding.get(stream, 0)
+            spare = (self.pool.n_free(stream) + self._evictable(stream)
+                     - pinned.get(stream, 0) - outstanding.get(stream, 0))
             deficit += max(blocks - spare, 0)
         return deficit <= headroom
+
+    def make_room(self, need: Reservation, outstanding: dict[str, int]) -> int:
+        """Evict cached blocks until ``need`` fits the free blocks; returns blocks evicted.
+
+        Call after the candidate acquired its own prefix (so it is never evicted).
+        """
+        if self.prefixes is None:
+            return 0
+        short = {s: n - (self.pool.n_free(s) - outstanding.get(s, 0))
+                 for s, n in need.per_stream.items()}
+        return self.prefixes.evict({s: n for s, n in short.items() if n > 0})
+
+    def _evictable(self, stream: str) -> int:
+        return self.prefixes.evictable(stream) if self.prefixes is not None else 0
 
     def outstanding(self, running: Iterable[tuple[int, Reservation]]) -> dict[str, int]:
         """Blocks reserved by running requests (owner, reservation) but not yet held."""
         out = dict.fromkeys(self.streams, 0)
         for owner, reservation in running:
+            # Cached blocks it references count as held: they are in its table.
             held = dict.fromkeys(self.streams, 0)
+            if self.prefixes is not None:
+                held.update(self.prefixes.held_blocks(owner))
             for block in self.pool.blocks_for(owner):
                 held[block.stream] = held.get(block.stream, 0) + 1
             for stream, blocks in reservation.per_stream.items():

@@ -28,6 +28,8 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from server.engine.protocol import ConstraintError  # noqa: F401 - raised here, part of this API
+
 # How JSON is laid out: fixed separators, no free whitespace (see the module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -37,20 +39,6 @@ SAFE_INTEGER = 2**53 - 1
 # Keywords whose values are data, not schemas: never rewritten.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _CACHE_SIZE = 256  # compiled constraints kept (clients repeat their schemas)
-
-
-class ConstraintError(ValueError):
-    """A ``response_format`` the server cannot enforce (a client error: HTTP 400).
-
-    Attributes:
-        message: What is wrong, naming the field.
-        param: The request field at fault.
-    """
-
-    def __init__(self, message: str, param: str = "response_format") -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 class ConstraintViolation(RuntimeError):

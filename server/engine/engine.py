@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory
+from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory, kv_format_of
 from server.engine.kv_memory import describe as describe_kv
 from server.engine.output import OutputProcessor
+from server.engine.prefix import PromptPrefixes, cache_root
 from server.engine.preparer import Prepared, PromptPreparer
 from server.engine.protocol import (
     Admitted,
@@ -56,6 +57,7 @@ from server.settings import Settings
 from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
+from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("veloxquant.server")
 
@@ -122,6 +124,7 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.output: OutputProcessor | None = None
         self.kv: KVMemory | None = None  # the arena and byte figures, once the model is loaded
+        self.prefixes: PromptPrefixes | None = None  # prefix caching, once the model is loaded
         self.clock = StepClock()  # where step time goes (/metrics)
 
     # -- lifecycle (any thread) -----------------------------------------------
@@ -174,6 +177,29 @@ class Engine:
         self._inbox.put(_Command(fn, future))
         return future
 
+    def compile_constraint(self, response_format: dict[str, Any] | None = None,
+                           schema: dict[str, Any] | None = None, *, name: str = "schema",
+                           param: str = "response_format") -> Any:
+        """The grammar for a ``response_format``, or for a JSON ``schema`` (tool calls).
+
+        Blocks for the first schema of a model (~0.4 s: llguidance's token
+        index); call it from a worker thread. Cached, thread-safe
+        (:mod:`server.engine.constraints`).
+
+        Returns:
+            The compiled constraint for ``SamplingParams.constraint``, or None
+            when the output is free text.
+
+        Raises:
+            ConstraintError: The format or schema cannot be enforced (a 400).
+        """
+        from server.engine.constraints import compile_json_schema, compile_response_format
+
+        tokenizer = self.loaded.tokenizer
+        if schema is not None:
+            return compile_json_schema(schema, tokenizer, name=name, param=param)
+        return compile_response_format(response_format, tokenizer)
+
     def prompt_scorer(self, prompt: str | list[int],
                       top_n: int | None) -> ScoringJob | Rejected:
         """A job scoring ``prompt``'s own tokens (completions ``echo``), or its refusal.
@@ -216,6 +242,19 @@ class Engine:
             log.warning("forced shrink: %s", self.scheduler.degraded)
         return retired, kept
 
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Drop every cached block no request references (on the engine thread).
+
+        Returns:
+            A future of the number of blocks freed (0 with prefix caching off).
+        """
+        return self.run_on_engine(self.scheduler.reset_cache)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The pool's prefix cache (None: prefix caching off, or the model not loaded)."""
+        return self.prefixes.cache if self.prefixes is not None else None
+
     @property
     def degraded(self) -> str | None:
         """Why the server cannot serve every valid request any more (a forced shrink), else None."""
@@ -252,12 +291,17 @@ class Engine:
     def _load(self) -> bool:
         try:
             loaded = self._loader(self.settings.model)
-            layout = probe_kv_layout(loaded.model)
+            layout = probe_kv_layout(loaded.model, kv_format_of(self.settings))
             self.kv = self._plan_kv(layout)
-            self.scheduler = Scheduler(self.settings, self.pool, loaded, self.metrics)
+            if self.settings.cache.prefix_caching:
+                self.prefixes = PromptPrefixes(PrefixCache(self.pool),
+                                               cache_root(loaded.name, self.kv.arena),
+                                               self.pool.config.block_size)
+            self.scheduler = Scheduler(self.settings, self.pool, loaded, self.metrics,
+                                       self.prefixes)
             self.runner = ModelRunner(loaded.model, self.pool,
                                       self.settings.batch.prefill_chunk_size, self.kv.arena,
-                                      self.clock)
+                                      self.clock, self.prefixes)
             self.output = OutputProcessor(loaded.tokenizer)
             self._preparer = PromptPreparer(loaded, self.settings.limits, self.metrics,
                                             self._inbox.put)
@@ -326,7 +370,7 @@ class Engine:
 
     def _start(self, state: RequestState) -> None:
         try:
-            self.runner.add(state.owner, state.prompt_ids, state.request.params)
+            self.runner.add(state.owner, state.prompt_ids, state.request.params, state.prefix)
         except Exception as exc:
             log.exception("request %s failed to start", state.request_id)
             self._end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
@@ -377,6 +421,7 @@ class Engine:
         peaks: dict[int, int] = {}
         try:
             if self.runner is not None:
+                self._cache_outputs(states, reason)
                 peaks = self.runner.remove(s.owner for s in states)
         finally:
             for state in states:
@@ -384,9 +429,26 @@ class Engine:
                     state, max(held, peaks.get(state.owner, 0)))
                 self._notify_end(state, reason or state.finish, failure, message, kv_blocks)
 
+    def _cache_outputs(self, states: list[RequestState], reason: FinishReason | None) -> None:
+        """Requests that finished normally leave their output's full blocks in the cache.
+
+        Only stop and length ends: a failed call may not have written its KV.
+        Caching is an optimisation, so a fault here is logged, never raised.
+        """
+        if self.prefixes is None:
+            return
+        done = {s.owner for s in states
+                if (reason or s.finish) in (FinishReason.STOP, FinishReason.LENGTH)}
+        if not done:
+            return
+        try:
+            self.runner.publish_outputs(done)
+        except Exception:
+            log.exception("caching the output blocks of %d requests failed", len(done))
+
     def _notify_end(self, state: RequestState, reason: FinishReason, failure: Reason | None,
                     message: str, kv_blocks: int) -> None:
-        usage = Usage(len(state.prompt_ids), state.generated, kv_blocks)
+        usage = Usage(len(state.prompt_ids), state.generated, kv_blocks, state.cached_tokens)
         if reason is FinishReason.ERROR:
             failure = failure or Reason.MODEL_ERROR
             state.request.channel.put(Failed(failure, message or "generation failed", usage))

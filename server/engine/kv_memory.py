@@ -23,6 +23,8 @@ from typing import Any
 from server.settings import Settings
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena, KVLayout, workspace_bytes
+from veloxquant_mlx.memory.kv_format import KVFormat
+from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +41,33 @@ class KVMemory:
     bytes_per_block: int
     workspace_bytes: int
 
+    @property
+    def kv_format(self) -> str:
+        """The configured format's name: ``"native"``, ``"q8"`` or ``"q4"``."""
+        return self.arena.layout.kv_format.name
+
+    @property
+    def format_tag(self) -> str:
+        """What every block stores, as one string (``"fp32"``, ``"q8g64"``, ...).
+
+        Two blocks with equal tags hold interchangeable bytes, so a prefix
+        cache keys its block hashes with it.
+        """
+        return self.arena.format_tag
+
     def snapshot(self, pool: BlockPoolAllocator, reserved_blocks: int) -> dict[str, int]:
-        """``{in_use, reserved, workspace, capacity}`` in bytes."""
+        """``{in_use, cached, reserved, workspace, capacity}`` in bytes (in_use: requests')."""
         stats = pool.stats
         per = self.bytes_per_block
-        return {"in_use": stats.blocks_in_use() * per, "reserved": reserved_blocks * per,
+        cached = pool.n_blocks_held(CACHE_OWNER)  # the prefix cache's, shown apart
+        return {"in_use": (stats.blocks_in_use() - cached) * per, "cached": cached * per,
+                "reserved": reserved_blocks * per,
                 "workspace": self.workspace_bytes, "capacity": stats.n_blocks * per}
+
+
+def kv_format_of(settings: Settings) -> KVFormat:
+    """The ``[kv]`` section as the library's :class:`KVFormat`."""
+    return KVFormat(settings.kv.format, settings.kv.group_size)
 
 
 def blocks_for_bytes(settings: Settings, layout: KVLayout) -> int | None:
@@ -79,7 +102,7 @@ def describe(kv: KVMemory, pool: BlockPoolAllocator, layout: KVLayout) -> str:
     tokens = blocks * bs // (2 * layout.n_layers)
     return (f"KV pool: {blocks} blocks x {_size(kv.bytes_per_block)} ({bs} tokens of one "
             f"layer's k or v; {layout.n_kv_heads} heads x {layout.head_dim}, "
-            f"{str(layout.dtype).removeprefix('mlx.core.')}) = "
+            f"{str(layout.dtype).removeprefix('mlx.core.')}, stored as {kv.format_tag}) = "
             f"{_size(blocks * kv.bytes_per_block)}, {tokens} tokens in flight "
             f"({layout.n_layers} layers); workspace {_size(kv.workspace_bytes)}")
 

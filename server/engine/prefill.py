@@ -19,13 +19,14 @@ batch as a whole (``extend``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from server.engine.protocol import SamplingParams
 from server.engine.sampling import Sampler
+from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
 
@@ -59,6 +60,10 @@ class Row:
         logprobs: Distribution the pending token was drawn from (if asked for).
         pending: The row's current input token was not sent to the client yet.
         matcher: Its grammar's state (structured outputs), None for free text.
+        prefix_keys: Keys of the prompt's full blocks (prefix caching; else empty).
+        cached_blocks: Cached blocks its prompt starts on, ``[position][stream]``.
+        fed: Generated tokens fed to the model so far (kept only with prefix caching:
+            its output's full blocks are cached when it ends), else None.
     """
 
     owner: int
@@ -74,6 +79,13 @@ class Row:
     logprobs: mx.array | None = None
     pending: bool = False
     matcher: Matcher | None = None
+    prefix_keys: list[bytes] = field(default_factory=list)
+    cached_blocks: list[list[Block]] = field(default_factory=list)
+    fed: list[int] | None = None
+
+    def fed_ids(self, block_size: int) -> list[int]:
+        """The prompt tokens prefill computes: those after the shared blocks."""
+        return self.prompt_ids[len(self.cached_blocks) * block_size:]
 
 
 @dataclass(slots=True)
@@ -101,20 +113,25 @@ class PrefillGroup:
         group's model call failed once) prefill alone, so a fault is pinned on
         the request that causes it.
         """
+        bs = arena.block_size
         take = 1
-        width = len(waiting[0].prompt_ids)
+        width = len(waiting[0].fed_ids(bs))
         while take < len(waiting) and waiting[0].owner not in solo:
             if waiting[take].owner in solo:
                 break
-            w = max(width, len(waiting[take].prompt_ids))
+            w = max(width, len(waiting[take].fed_ids(bs)))
             if (take + 1) * w > max_tokens:
                 break
             take, width = take + 1, w
         rows = waiting[:take]
         del waiting[:take]
-        pads = [width - len(r.prompt_ids) for r in rows]
+        fed = [r.fed_ids(bs) for r in rows]
+        pads = [width - len(ids) for ids in fed]
         batch = make_paged_batch(model, arena, [r.owner for r in rows], pads)
-        prompts = [[0] * p + r.prompt_ids for p, r in zip(pads, rows, strict=True)]
+        for i, row in enumerate(rows):
+            if row.cached_blocks:  # its table starts on the cached blocks; only the rest is fed
+                batch.share_prefix(i, row.cached_blocks)
+        prompts = [[0] * p + ids for p, ids in zip(pads, fed, strict=True)]
         return cls(rows, batch, prompts, width)
 
     def advance(self, model: Any, chunk: int, budget: int) -> tuple[int, mx.array | None]:

@@ -68,6 +68,27 @@ class SamplingParams:
     constraint: Any = None
 
 
+# How a model without a tool-aware chat template is asked to write a tool call
+# (server.engine.chat_render) and how the HTTP side finds it in the text.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ConstraintError(ValueError):
+    """A ``response_format`` (or tool schema) the server cannot enforce: a client error.
+
+    Raised by :meth:`server.engine.engine.Engine.compile_constraint`.
+
+    Attributes:
+        message: What is wrong, naming the field.
+        param: The request field at fault.
+    """
+
+    def __init__(self, message: str, param: str = "response_format") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
     """Chat messages still to be rendered with the tokenizer's template.
@@ -164,13 +185,16 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     kv_blocks: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
-    def as_dict(self) -> dict[str, int]:
-        """OpenAI ``usage`` object plus our ``kv_blocks``."""
+    def as_dict(self) -> dict[str, Any]:
+        """OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens`` included) plus
+        our ``kv_blocks``."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "kv_blocks": self.kv_blocks,
         }
 

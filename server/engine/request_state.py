@@ -43,6 +43,8 @@ class RequestState:
         finish: Set by the output processor when the request is done.
         tail_flushed: The held-back text was sent (it is sent once).
         ended_on_eos: The last token was an end token, not a stop string.
+        prefix: What its prompt reuses and will publish (prefix caching).
+        cached_tokens: Prompt tokens it did not compute (``usage.prompt_tokens_details``).
     """
 
     request: GenerationRequest
@@ -60,6 +62,8 @@ class RequestState:
     finish: FinishReason | None = None
     tail_flushed: bool = False
     ended_on_eos: bool = False
+    prefix: Any = None  # its PrefixHit (server.engine.prefix) when prefix caching is on
+    cached_tokens: int = 0  # prompt tokens served from cached blocks
 
     @property
     def request_id(self) -> str:

@@ -44,6 +44,7 @@ device, so the masks are computed while the model runs)::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ import mlx.core as mx
 
 from server.engine.constraints import BatchMasks
 from server.engine.prefill import PrefillGroup, Row
+from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.protocol import SamplingParams
 from server.engine.sampling import (
     BatchSettings,
@@ -69,6 +71,8 @@ from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 # Called with a row's owner right before each model call that row takes part in;
 # raising fails that row alone (fault injection in tests).
 RowHook = Callable[[int], None]
+
+log = logging.getLogger("veloxquant.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +142,10 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
-                 arena: KVArena, clock: StepClock | None = None) -> None:
+                 arena: KVArena, clock: StepClock | None = None,
+                 prefixes: PromptPrefixes | None = None) -> None:
         self.model = model
+        self.prefixes = prefixes  # prefix caching: prefilled prompts publish their blocks
         self.pool = pool
         self.arena = arena
         self.chunk = prefill_chunk_size
@@ -156,12 +162,20 @@ class ModelRunner:
 
     # -- rows in and out -------------------------------------------------------
 
-    def add(self, owner: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request for prefill (no model work yet)."""
+    def add(self, owner: int, prompt_ids: list[int], params: SamplingParams,
+            prefix: PrefixHit | None = None) -> None:
+        """Queue a request for prefill (no model work yet).
+
+        ``prefix``: the cached blocks it starts on (acquired at admission) and
+        its prompt's block keys, when prefix caching is on.
+        """
         processors = build_logits_processors(params)
         row = Row(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
                   greedy=params.temperature == 0.0 and not processors, params=params,
                   shared=batchable(params))
+        if prefix is not None:
+            row.prefix_keys, row.cached_blocks = prefix.keys, prefix.blocks()
+            row.fed = []
         if processors:
             row.history = mx.array(prompt_ids)
         if params.constraint is not None:
@@ -238,7 +252,43 @@ class ModelRunner:
             if logits is not None:
                 self.group = None
                 self.joining.append(group)
+                self._publish(group)
         return out
+
+    def publish_outputs(self, owners: set[int]) -> int:
+        """Hand the full blocks of decode rows ``owners`` (prompt and output) to the cache.
+
+        Called as requests finish, before their rows leave: generated tokens
+        then sit in full blocks no call writes any more. A row whose stored
+        tokens do not match prompt plus fed tokens publishes nothing.
+
+        Returns:
+            Positions published.
+        """
+        if self.prefixes is None or self.batch is None:
+            return 0
+        published = 0
+        for row, paged in zip(self.rows, self.batch.rows, strict=True):
+            if row.owner in owners and row.fed:
+                published += self.prefixes.publish_output(
+                    row.owner, row.prefix_keys, row.prompt_ids + row.fed, paged.tokens,
+                    paged.blocks)
+        return published
+
+    def _publish(self, group: PrefillGroup) -> None:
+        """Hand the group's computed full prompt blocks to the prefix cache.
+
+        Their KV is written once this step's model work runs (MLX orders the
+        arena's updates), before any later request can read them.
+        """
+        if self.prefixes is None:
+            return
+        try:  # an optimisation: a fault here must not fail the prefilled rows
+            for row, paged in zip(group.rows, group.batch.rows, strict=True):
+                self.prefixes.publish(row.owner, row.prefix_keys, len(row.cached_blocks),
+                                      paged.blocks)
+        except Exception:
+            log.exception("caching the prompt blocks of a prefill group failed")
 
     def _run_hooks(self, rows: list[Row], hook: RowHook | None, out: RunOutput) -> None:
         if hook is None:
@@ -364,6 +414,8 @@ class ModelRunner:
             if row.pending:
                 out.append(Sampled(row.owner, tokens[i], row.logprobs))
             row.pending = True
+            if row.fed is not None:  # this call stored it: its output blocks hold it
+                row.fed.append(tokens[i])
             if row.want_logprobs:
                 row.logprobs = logprobs[i]
         self.inputs = nxt

@@ -8,9 +8,11 @@ Runs on the engine thread. It is the one owner of a request's lifetime:
                          can never fit after the pool shrank -> Rejected (capacity_changed)
     waiting -> admit()   first come first served, while the batch has room and
                          the pool can hold the reservation (server.engine.capacity):
-                         a fresh owner id, registered on the pool -> running
+                         a fresh owner id, registered on the pool, its cached prompt
+                         prefix referenced (server.engine.prefix) -> running
     running -> release() the owner is retired on the pool (its blocks went back
-                         when its rows left the runner) -> gone
+                         when its rows left the runner), its cache references
+                         dropped -> gone
 
 :meth:`admit` is the only place an owner is registered and :meth:`release`
 the only place one is retired; everything else reads :attr:`running`.
@@ -27,6 +29,7 @@ from collections.abc import Iterator
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.intake import RequestRejected
 from server.engine.output import StopMatcher
+from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.preparer import Prepared
 from server.engine.protocol import GenerationRequest, Reason, Rejected, ShrinkRefused
 from server.engine.request_state import PendingRequest, RequestState
@@ -51,13 +54,14 @@ class Scheduler:
     """
 
     def __init__(self, settings: Settings, pool: BlockPoolAllocator, loaded: LoadedModel,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, prefixes: PromptPrefixes | None = None) -> None:
         self.limits = settings.limits
         self.max_batch_size = settings.batch.max_batch_size
         self.pool = pool
         self.loaded = loaded
         self.metrics = metrics
-        self.planner = CapacityPlanner(pool, loaded.n_layers)
+        self.prefixes = prefixes  # prefix caching (None: off)
+        self.planner = CapacityPlanner(pool, loaded.n_layers, prefixes)
         self.waiting: deque[PendingRequest] = deque()
         self.running: dict[int, RequestState] = {}  # owner -> state; written under _lock
         self._lock = threading.Lock()
@@ -178,6 +182,8 @@ class Scheduler:
         """
         streams = self.pool.config.streams
         targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
+        if self.prefixes is not None:  # unreferenced cached blocks count as free: evict first
+            self.prefixes.evict({s: self.prefixes.evictable(s) for s in targets})
         outstanding = self.outstanding()
         floors = {s: max(target_free, outstanding.get(s, 0)) for s in targets}
         retiring = {s: max(self.pool.n_free(s) - floors[s], 0) for s in targets}
@@ -233,17 +239,33 @@ class Scheduler:
         outstanding = self.outstanding()
         while self.waiting and self._has_room():
             head = self.waiting[0]
-            if not self.planner.fits_now(head.reservation, outstanding):
+            hit = self.prefixes.lookup(head.prompt_ids) if self.prefixes is not None else None
+            need = _new_blocks(head.reservation, hit)
+            if not self.planner.fits_now(need, outstanding, hit.pinned() if hit else None):
                 # Nothing but a release (or a pool resize) can make it fit: skip
                 # the per-step re-check over every running request until then.
                 self._stuck = (self._releases, head)
                 break
             self.waiting.popleft()
-            for stream, blocks in head.reservation.per_stream.items():
+            state = self._register(head, hit)
+            self.planner.make_room(need, outstanding)  # its own prefix is referenced now
+            for stream, blocks in need.per_stream.items():
                 outstanding[stream] = outstanding.get(stream, 0) + blocks
-            yield self._register(head)
+            yield state
 
-    def _register(self, pending: PendingRequest) -> RequestState:
+    def reset_cache(self) -> int:
+        """Drop every unreferenced cached block (``POST /admin/cache/reset``).
+
+        Returns:
+            Blocks freed.
+        """
+        if self.prefixes is None:
+            return 0
+        freed = self.prefixes.reset()
+        self._stuck = None  # free blocks appeared: a stuck head may fit now
+        return freed
+
+    def _register(self, pending: PendingRequest, hit: PrefixHit | None = None) -> RequestState:
         request, tokenizer = pending.request, self.loaded.tokenizer
         state = RequestState(
             request=request, owner=next(self._owners), prompt_ids=pending.prompt_ids,
@@ -254,6 +276,9 @@ class Scheduler:
         with self._lock:
             self.running[state.owner] = state
         self.pool.register_owner(state.owner)
+        if hit is not None and self.prefixes is not None:
+            state.prefix = hit
+            state.cached_tokens = self.prefixes.acquire(state.owner, hit, len(state.prompt_ids))
         return state
 
     def release(self, state: RequestState, held: int = 0) -> int:
@@ -270,18 +295,22 @@ class Scheduler:
         Returns:
             The most blocks it held (for its usage record).
         """
-        left = 0
+        left = shared = 0
         try:
+            if self.prefixes is not None:  # cached blocks in its table count as held
+                shared = sum(self.prefixes.held_blocks(state.owner).values())
             left = self.pool.n_blocks_held(state.owner)
             if left:
                 self.pool.free_all(state.owner)
             else:
                 self.pool.release_owner(state.owner)
         finally:
+            if self.prefixes is not None:  # its cached blocks may become evictable
+                self.prefixes.release(state.owner)
             with self._lock:
                 self.running.pop(state.owner, None)
             self._releases += 1  # blocks came back: a stuck head may fit now
-        return max(held, left)
+        return max(held, left) + shared
 
     def cancelled(self) -> list[RequestState]:
         """Running requests whose client left or gave up."""
@@ -306,3 +335,12 @@ class Scheduler:
         """Answer every waiting request with ``event`` (the engine is stopping)."""
         while self.waiting:
             self.waiting.popleft().request.channel.put(event)
+
+
+def _new_blocks(reservation: Reservation, hit: PrefixHit | None) -> Reservation:
+    """The blocks a request must still draw: its reservation less its cached prefix."""
+    if hit is None or not hit.entries:
+        return reservation
+    shared = hit.per_stream()
+    return Reservation({s: max(n - shared.get(s, 0), 0)
+                        for s, n in reservation.per_stream.items()})

@@ -8,6 +8,7 @@ against the client's own pydantic types (tests/server/openai_shapes.py).
 from __future__ import annotations
 
 import json
+
 import httpx
 import openai
 import pytest

@@ -175,6 +175,21 @@ def test_n_choices_with_a_seed_differ_and_repeat(client):
     assert first.usage.completion_tokens == 24
 
 
+def test_n_choices_share_one_prefill_through_the_prefix_cache(client, live_server):
+    # 70 ids seen nowhere else: the first choice computes them, the other three start on
+    # its 4 full blocks ((70 - 1) // 16; the last prompt token is always computed).
+    prompt = [(97 * k + 31) % 251 + 5 for k in range(70)]
+    hits = "veloxquant_prefix_cache_hit_tokens_total"
+    before = live_server.metrics().get(hits, 0.0)
+    out = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=6,
+                                    temperature=0, logit_bias=NO_EOS)
+    assert live_server.metrics()[hits] - before == 3 * 64
+    assert out.usage.prompt_tokens == 70 and out.usage.prompt_tokens_details.cached_tokens == 64
+    alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                      temperature=0, logit_bias=NO_EOS)
+    assert [c.text for c in out.choices] == [alone.choices[0].text] * 4  # same greedy tokens
+
+
 def test_chat_n_choices(client, live_server):
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=4,
                                          temperature=1.0, seed=7, logprobs=True)

@@ -55,7 +55,7 @@ def test_completion_json_shape(client, engine):
     assert body["choices"][0]["text"] == "Hello world"
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                             "kv_blocks": 2}
+                             "prompt_tokens_details": {"cached_tokens": 0}, "kv_blocks": 2}
     params = engine.last_params()
     assert (params.max_tokens, params.temperature, params.stop, params.seed) == (5, 0.0, ("x",), 7)
 

@@ -381,6 +381,56 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
+    def transfer(self, blocks: Iterable[object], owner: object) -> None:
+        """Hand checked-out ``blocks`` over to ``owner``; nothing is freed or counted.
+
+        The prefix cache uses it to take a finished prompt block from the
+        request that wrote it, so the block outlives that request. Counters
+        and history are unchanged (the blocks stay in use). An owner left
+        holding nothing stays active (it is still running), as after
+        :meth:`register_owner`.
+
+        Raises:
+            ForeignBlockError: A block is not one of this pool's live blocks.
+            PoolArgumentError: A block is free (only checked-out blocks move).
+            PoolArgumentTypeError: ``owner`` is not an int.
+            Nothing moves when any of these is raised.
+        """
+        if type(owner) is not int:
+            raise _bad_argument(1, owner)
+        self._acquire()
+        try:
+            live = self._blocks
+            checked: list[Block] = []
+            for block in blocks:
+                if not isinstance(block, Block) or live.get(block.block_id) is not block:
+                    raise ForeignBlockError(
+                        f"{block!r} does not belong to this pool (or was retired by shrink); "
+                        "transfer blocks only on the pool that allocated them"
+                    )
+                if block.owner is None:
+                    raise PoolArgumentError(
+                        f"block {block.block_id} is free; only checked-out blocks can be "
+                        "transferred (allocate it first)"
+                    )
+                checked.append(block)
+            target = self._owned.get(owner)
+            if target is None:
+                target = self._owned[owner] = {}
+            self._released.discard(owner)
+            for block in checked:
+                old = block.owner
+                source = self._owned.get(old) if old is not None else None
+                if old is not None and source is not None:
+                    source.pop(block._key, None)
+                    if not source and old in self._released:  # a retired owner's last block
+                        del self._owned[old]
+                        self._released.discard(old)
+                block.owner = owner
+                target[block._key] = block
+        finally:
+            self._release()
+
     # -- owners -------------------------------------------------------------
 
     def register_owner(self, owner: object) -> None:

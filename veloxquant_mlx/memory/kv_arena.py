@@ -8,6 +8,9 @@ is exactly the blocks it holds, whatever the mix of lengths in a batch::
              block id b -> slots [b * block_size, (b + 1) * block_size)
              id n_ids   -> the trash block (padding columns are written there)
 
+    quantized formats (q8, q4; see kv_format.py) keep two arrays of the same slots:
+    codes  (H_kv, slots, code_width) uint8       params (H_kv, slots, param_width) float16
+
 A pool block keeps its meaning of the single-request cache: ``block_size``
 tokens of ONE layer's keys, or of one layer's values, for all KV heads. A
 request holds ``ceil(tokens / block_size)`` blocks per layer and stream, in
@@ -27,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.memory.kv_format import NATIVE, KVFormat
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,20 +42,32 @@ class KVLayout:
         n_kv_heads: KV heads per layer.
         head_dim: Dimension of each head (keys and values alike).
         dtype: The dtype keys and values are computed in.
+        kv_format: How blocks store them (the compute dtype, or q8/q4 codes).
     """
 
     n_layers: int
     n_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    kv_format: KVFormat = NATIVE
+
+    @property
+    def format_tag(self) -> str:
+        """The blocks' ``format`` tag (``"fp32"``, ``"q8g64"``, ...)."""
+        return self.kv_format.tag(self.dtype)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """Bytes one pool block stands for (one layer, k or v, all KV heads)."""
+        """Bytes one pool block stores (one layer, k or v, all KV heads, in the format)."""
+        return block_size * self.n_kv_heads * self.kv_format.vector_bytes(self.head_dim,
+                                                                          self.dtype)
+
+    def dense_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block's keys (or values) once decoded to the compute dtype."""
         return block_size * self.n_kv_heads * self.head_dim * self.dtype.size
 
     def bytes_per_token(self) -> int:
-        """KV bytes of one token over every layer, keys and values."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.size
+        """KV bytes of one token over every layer, keys and values (as stored)."""
+        return 2 * self.n_layers * self.bytes_per_block(1)
 
 
 class _Probe:
@@ -70,12 +86,17 @@ class _Probe:
         return None if N == 1 else "causal"
 
 
-def probe_kv_layout(model: Any) -> KVLayout:
+def probe_kv_layout(model: Any, kv_format: KVFormat = NATIVE) -> KVLayout:
     """Run one token through ``model`` to learn its KV heads, head_dim and dtype.
+
+    Args:
+        model: An mlx-lm model.
+        kv_format: How the arena will store keys and values.
 
     Raises:
         ValueError: Layers differ in shape or dtype, or keys and values
             differ in head_dim (the arena stores both in one array).
+        KVFormatError: ``kv_format``'s groups do not divide the head_dim.
     """
     probes = [_Probe() for _ in model.layers]
     mx.eval(model(mx.array([[0]]), cache=probes))
@@ -87,7 +108,8 @@ def probe_kv_layout(model: Any) -> KVLayout:
     if k_dim != v_dim:
         raise ValueError(f"keys ({k_dim}) and values ({v_dim}) differ in head_dim; the "
                          "KV arena stores both in one array")
-    return KVLayout(len(model.layers), heads, k_dim, dtype)
+    kv_format.check(k_dim)
+    return KVLayout(len(model.layers), heads, k_dim, dtype, kv_format)
 
 
 def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens: int) -> int:
@@ -97,10 +119,16 @@ def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens
     longest, ``ceil(max_tokens / block_size)`` blocks each, and the copy that
     appends the call's own columns to them (so twice that), plus the trash
     block. Layers run one after another, so one layer's gather is live at a
-    time.
+    time. A quantized format gathers its codes and params, then decodes them
+    (a cast, a multiply, an add: up to three decoded copies alive at once)
+    before the append, so it counts the gathered blocks as stored plus three
+    decoded copies.
     """
-    blocks = -(-max_tokens // block_size)
-    return (2 * 2 * max_rows * blocks + 1) * layout.bytes_per_block(block_size)
+    gathered = 2 * max_rows * -(-max_tokens // block_size)  # blocks, keys and values
+    stored, dense = layout.bytes_per_block(block_size), layout.dense_bytes_per_block(block_size)
+    if not layout.kv_format.quantized:
+        return (2 * gathered + 1) * stored
+    return gathered * (stored + 3 * dense) + stored
 
 
 class KVArena:
@@ -111,8 +139,10 @@ class KVArena:
         layout: The model's KV layout (:func:`probe_kv_layout`).
 
     Attributes:
-        data: ``(H_kv, (n_ids + 1) * block_size, D)``; replaced (not copied)
-            by every write, so read it afresh each time.
+        data: ``(H_kv, (n_ids + 1) * block_size, D)`` in the compute dtype, or
+            for a quantized format the pair ``(codes, params)`` (module
+            docstring); replaced (not copied) by every write, so read it
+            afresh each time. ``mx.eval(arena.data)`` works for both.
         trash: The block id padding columns are written to.
     """
 
@@ -144,13 +174,65 @@ class KVArena:
         ids = stats.n_blocks + stats.n_retired  # ids are never reused
         if ids <= self.n_ids and self.data is not None:
             return False
-        lay, bs = self.layout, self.block_size
-        fresh = mx.zeros((lay.n_kv_heads, (ids + 1 - self.n_ids) * bs, lay.head_dim),
-                         lay.dtype)
-        if self.data is None:
-            self.data = fresh
-        else:
-            self.data = mx.concatenate([self.data[:, : self.n_ids * bs], fresh], axis=1)
+        slots = (ids + 1 - self.n_ids) * self.block_size
+        fresh = [mx.zeros((self.layout.n_kv_heads, slots, width), dtype)
+                 for width, dtype in self._columns()]
+        kept = self.n_ids * self.block_size
+        if self.data is not None:
+            old = self.data if self.quantized else (self.data,)
+            fresh = [mx.concatenate([o[:, :kept], f], axis=1)
+                     for o, f in zip(old, fresh, strict=True)]
+        self.data = tuple(fresh) if self.quantized else fresh[0]
         self.n_ids = ids
         mx.eval(self.data)
         return True
+
+    @property
+    def quantized(self) -> bool:
+        """Whether blocks hold q8/q4 codes (``data`` is then ``(codes, params)``)."""
+        return self.layout.kv_format.quantized
+
+    @property
+    def format_tag(self) -> str:
+        """The ``format`` tag every block of this arena carries (``"fp32"``, ``"q8g64"``)."""
+        return self.layout.format_tag
+
+    def _columns(self) -> list[tuple[int, mx.Dtype]]:
+        """Width and dtype of each storage array, per head and slot."""
+        lay, fmt = self.layout, self.layout.kv_format
+        if not fmt.quantized:
+            return [(lay.head_dim, lay.dtype)]
+        return [(fmt.code_width(lay.head_dim), mx.uint8),
+                (fmt.param_width(lay.head_dim), mx.float16)]
+
+    def gather(self, heads: mx.array, table: mx.array, rows: int, width: int) -> mx.array:
+        """The blocks of ``table`` (``rows, blocks``) as ``(rows, H_kv, width, D)`` values.
+
+        Args:
+            heads: ``arange(H_kv)[None, :, None]`` (built once by the caller).
+            table: Block ids, one row of ids per output row.
+            rows: Output rows (``table``'s first dimension).
+            width: ``blocks x block_size`` columns per row.
+        """
+        def take(array: mx.array) -> mx.array:
+            blocks = array.reshape(array.shape[0], self.n_ids + 1, self.block_size, -1)
+            return blocks[heads, table[:, None, :]].reshape(rows, array.shape[0], width, -1)
+
+        if not self.quantized:
+            return take(self.data)
+        codes, params = self.data
+        return self.layout.kv_format.decode(take(codes), take(params), self.layout.dtype)
+
+    def store(self, heads: mx.array, slots: mx.array, values: mx.array) -> None:
+        """Write ``values`` (``H_kv, n, D``) into ``slots`` (``1, n``), encoding if quantized.
+
+        Args:
+            heads: ``arange(H_kv)[:, None]``.
+            slots: Arena slot of each column (block id x block_size + offset).
+            values: The keys or values to store, in the compute dtype.
+        """
+        if not self.quantized:
+            self.data[heads, slots] = values
+            return
+        for array, part in zip(self.data, self.layout.kv_format.encode(values), strict=True):
+            array[heads, slots] = part

@@ -12,6 +12,7 @@ its keys and values are. Nothing else holds KV::
     row b:  5 tokens   layer l keys -> blocks [3]
     one model call of n columns, layer l:
       gather  arena[:, table_l]  -> (rows, H_kv, longest_blocks * block_size, D)   transient
+              (a q8/q4 arena decodes its codes to the compute dtype here)
       append  the call's own n new keys/values of every row (attention sees both)
       mask    stored key j of row r visible  <=>  j < stored_r;  new column c' to
               query c  <=>  c' <= c and c' is not left padding
@@ -41,7 +42,7 @@ from mlx_lm.models import cache as _mlx_cache
 
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
-from veloxquant_mlx.memory.pool_kv_common import allocate_kv, format_of, free_past
+from veloxquant_mlx.memory.pool_kv_common import allocate_kv, free_past
 
 
 @dataclass(slots=True)
@@ -86,7 +87,7 @@ class PagedKVBatch:
         self.pool = arena.pool
         self.bs = arena.block_size
         self.n_streams = 2 * arena.layout.n_layers
-        self._fmt = format_of(arena.layout.dtype)
+        self._fmt = arena.format_tag  # one format per arena: a row's blocks never mix formats
         self.rows = [PagedRow(o, p, 0, [[] for _ in range(self.n_streams)],
                               np.zeros((self.n_streams, 4), np.int32))
                      for o, p in zip(owners, pads, strict=True)]
@@ -221,11 +222,10 @@ class PagedKVBatch:
         arena; one per model call instead of one per layer is what keeps that
         cost small.
         """
-        arena = self.arena
         rows, heads, _, dim = keys.shape
-        blocks = arena.data.reshape(heads, arena.n_ids + 1, self.bs, dim)
-        both = blocks[self._heads_g, self._table[layer][:, None, :]].reshape(
-            2 * rows, heads, self._width, dim)
+        # A quantized arena decodes here; the call's own columns stay exact
+        # until they are stored.
+        both = self.arena.gather(self._heads_g, self._table[layer], 2 * rows, self._width)
         self._pending.append(mx.concatenate([keys, values]))
         if layer == len(self.caches) - 1:
             self._store_pending(heads, dim)
@@ -235,10 +235,33 @@ class PagedKVBatch:
     def _store_pending(self, heads: int, dim: int) -> None:
         """Scatter every layer's new keys and values of this call into their slots."""
         new = mx.concatenate(self._pending).transpose(1, 0, 2, 3).reshape(heads, -1, dim)
-        self.arena.data[self._heads_w, self._slots.reshape(1, -1)] = new
+        self.arena.store(self._heads_w, self._slots.reshape(1, -1), new)
         self._pending = []
 
     # -- rows in and out -----------------------------------------------------------
+
+    def share_prefix(self, i: int, blocks: Sequence[Sequence[Block]]) -> None:
+        """Start row ``i`` on already computed full blocks (a cached prompt prefix).
+
+        The row's table begins with ``blocks`` (``blocks[j][s]``: position
+        ``j``, stream ``s``), which it reads but never writes or frees; its
+        first model call then feeds the tokens after them. Call before the
+        batch's first model call.
+
+        Raises:
+            ValueError: The batch already ran, or a position lacks a stream.
+        """
+        row = self.rows[i]
+        if self.columns or row.tokens:
+            raise ValueError("share_prefix() must come before the row's first model call")
+        if any(len(position) != self.n_streams for position in blocks):
+            raise ValueError(f"each shared position needs {self.n_streams} blocks "
+                             "(every layer's keys and values)")
+        row.blocks = [[position[s] for position in blocks] for s in range(self.n_streams)]
+        row.tokens = len(blocks) * self.bs
+        _copy_ids(row, 0)
+        self._offset_pre = self._offset_next = self._offsets()
+
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` (in that order); the others' blocks go back to the pool now."""
@@ -251,7 +274,8 @@ class PagedKVBatch:
         """Take ``other``'s rows (and blocks) after this batch's rows; no KV is copied.
 
         Raises:
-            ValueError: ``other`` is on another arena.
+            ValueError: ``other`` is on another arena (whose blocks may be of
+                another format: rows of one batch share one format).
         """
         if other.arena is not self.arena:
             raise ValueError("extend() takes a PagedKVBatch of the same arena")
@@ -264,7 +288,10 @@ class PagedKVBatch:
         self._free(self.rows)
 
     def _free(self, rows: Sequence[PagedRow]) -> None:
-        blocks = [b for row in rows for stream in row.blocks for b in stream]
+        # Only a row's own blocks: shared prefix blocks (see share_prefix) belong
+        # to the prefix cache, which drops the row's references on its own.
+        blocks = [b for row in rows for stream in row.blocks for b in stream
+                  if b.owner == row.owner]
         if blocks:
             self.pool.free(blocks)
         for row in rows:

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from server.engine.protocol import ShrinkRefused
 from server.http.auth import require_admin
 from server.http.errors import ConflictError, UnavailableError
+from server.metrics import request_blocks_in_use
+from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
 
 HISTORY_SHOWN = 16
 
@@ -37,9 +39,10 @@ def pool_view(request: Request) -> dict[str, Any]:
     history = pool.history() if callable(pool.history) else pool.history
     live = engine.live_requests()
     held = pool.blocks_held_by_owner()
+    held.pop(CACHE_OWNER, None)  # the cache's blocks are under "prefix_cache"
     config = pool.config
     return {
-        "stats": pool.stats.snapshot().as_dict(),
+        "stats": _stats(pool),
         # n_blocks: the pool's size now (after shrinks and growth), not the start-up size.
         "config": {"block_size": config.block_size, "n_blocks": pool.stats.n_blocks,
                    "separate_kv": config.separate_kv,
@@ -49,22 +52,27 @@ def pool_view(request: Request) -> dict[str, Any]:
         "history": [snap.as_dict() for snap in list(history)[-HISTORY_SHOWN:]],
         "owners": [{"owner": owner, "request_id": live.get(owner), "blocks": n}
                    for owner, n in sorted(held.items())],
+        "prefix_cache": _cache_view(engine),
         **kv_view(engine, request.app.state.metrics),
     }
 
 
-def kv_view(engine: Any, metrics: Any) -> dict[str, int | None]:
-    """KV bytes: per block, in use (live), reserved (last engine step), workspace (fixed).
+def kv_view(engine: Any, metrics: Any) -> dict[str, int | str | None]:
+    """KV format (name and block tag) and bytes: per block, in use (live), reserved (last
+    engine step), workspace (fixed).
 
     None before the model is loaded (the arena is laid out for the model).
     """
     kv = getattr(engine, "kv", None)
     if kv is None:
-        return dict.fromkeys(("kv_bytes_per_block", "kv_bytes_in_use", "kv_bytes_reserved",
-                              "kv_workspace_bytes"))
+        return dict.fromkeys(("kv_format", "kv_format_tag", "kv_bytes_per_block",
+                              "kv_bytes_in_use", "kv_bytes_reserved", "kv_workspace_bytes"))
     sample = metrics.kv_bytes() if metrics is not None else {}
-    return {"kv_bytes_per_block": kv.bytes_per_block,
-            "kv_bytes_in_use": engine.pool.stats.blocks_in_use() * kv.bytes_per_block,
+    return {"kv_format": kv.kv_format, "kv_format_tag": kv.format_tag,
+            "kv_bytes_per_block": kv.bytes_per_block,
+            "kv_bytes_in_use": request_blocks_in_use(
+                engine.pool, {"blocks_in_use": engine.pool.stats.blocks_in_use()})
+            * kv.bytes_per_block,
             "kv_bytes_reserved": sample.get("reserved", 0),
             "kv_workspace_bytes": kv.workspace_bytes}
 
@@ -91,4 +99,32 @@ async def admin_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
     except ShrinkRefused as exc:
         raise ConflictError(str(exc), param="target_free", code="shrink_refused") from None
     return {"retired": retired, "kept_free": kept, "degraded": engine.degraded,
-            "stats": engine.pool.stats.snapshot().as_dict()}
+            "stats": _stats(engine.pool)}
+
+
+@router.post("/cache/reset")
+async def admin_cache_reset(request: Request) -> dict[str, Any]:
+    """Drop every cached prefix block no running request references.
+
+    ``evicted``: pool blocks freed (0 with prefix caching off).
+    """
+    engine = request.app.state.engine
+    if not engine.is_ready:
+        raise UnavailableError("the engine is not running yet")
+    evicted = await asyncio.wrap_future(engine.reset_prefix_cache())
+    return {"evicted": evicted, "prefix_cache": _cache_view(engine)}
+
+
+def _stats(pool: Any) -> dict[str, Any]:
+    """The pool's stats, ``blocks_in_use`` counting requests' blocks only (as /metrics)."""
+    stats = pool.stats.snapshot().as_dict()
+    stats["blocks_in_use"] = request_blocks_in_use(pool, stats)
+    return stats
+
+
+def _cache_view(engine: Any) -> dict[str, Any]:
+    """Prefix caching figures; ``enabled`` false (and zeros) when it is off."""
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is None:
+        return {"enabled": False, "cached_blocks": 0, "evictable_blocks": 0}
+    return {"enabled": True, **cache.view()}

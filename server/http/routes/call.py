@@ -72,6 +72,7 @@ class GenerationCall:
         self.created = int(time.time())
         self.admitted: Admitted | None = None
         self._checked_at = time.monotonic()
+        self._ahead: list[Any] = []  # events read early by prefilled(), delivered first
 
     async def _next(self) -> Any:
         """The next event; checks the client and the engine at least every poll period.
@@ -79,6 +80,8 @@ class GenerationCall:
         The check runs on elapsed time, not only when the channel is quiet:
         a request streaming tokens back-to-back must notice its client left too.
         """
+        if self._ahead:
+            return self._ahead.pop(0)
         channel = self.request.channel
         now = time.monotonic()
         if now - self._checked_at >= DISCONNECT_POLL_S:
@@ -116,6 +119,19 @@ class GenerationCall:
             raise engine_error(event)
         self.admitted = event
         return event
+
+    async def prefilled(self) -> None:
+        """Wait until the prompt is prefilled: its first event (kept for :meth:`events`).
+
+        After this, the prompt's full blocks are in the prefix cache (the
+        engine publishes them when prefill ends), so choices submitted now
+        reuse them. Cancels the request on any early exit.
+        """
+        try:
+            self._ahead.append(await self._next())
+        except BaseException:
+            self.request.cancel()
+            raise
 
     async def events(self) -> AsyncIterator[TokenEvent | Finished]:
         """Token events, then the final :class:`Finished`; cancels on early exit.

@@ -9,11 +9,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.chat_render import TOOL_CALL_CLOSE
-from server.engine.protocol import ChatPrompt, Finished, SamplingParams, TokenEvent
+from server.engine.protocol import (
+    TOOL_CALL_CLOSE,
+    ChatPrompt,
+    Finished,
+    SamplingParams,
+    TokenEvent,
+)
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
-from server.http.routes.fanout import Fanout, UsageTotal
+from server.http.routes.fanout import Fanout, UsageTotal, shared_prefill
 from server.http.routes.logprobs import chat_entry
 from server.http.routes.params import (
     check_choices,
@@ -80,7 +85,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = await _with_grammar(params, body, engine, tools)
     fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),
                                     rid if body.n == 1 else f"{rid}-{i}")
-                     for i in range(body.n)])
+                     for i in range(body.n)], shared_prefill(body.n, settings))
     try:
         await fanout.start()
     except ClientGone:

@@ -13,7 +13,7 @@ from server.engine.protocol import Finished, SamplingParams, TokenEvent
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.echo import score_prompts
-from server.http.routes.fanout import Fanout, UsageTotal
+from server.http.routes.fanout import Fanout, UsageTotal, shared_prefill
 from server.http.routes.logprobs import LegacyLogprobs, merge_legacy
 from server.http.routes.params import (
     check_choices,
@@ -73,7 +73,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     try:
         echoes = await score_prompts(request, engine, prompts, body.logprobs) \
             if body.echo else None
-        fanout = Fanout(_calls(request, engine, prompts, body.n, params, rid))
+        fanout = Fanout(_calls(request, engine, prompts, body.n, params, rid),
+                        shared_prefill(body.n, settings))
         await fanout.start()
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)

@@ -5,6 +5,8 @@ together and merged here::
 
     choice j = prompt p x n + i  ->  GenerationCall j   (seed + i when seeded)
     start():   all admitted, or the first refusal answers and the rest are cancelled
+               (with prefix caching, each prompt's first choice is prefilled first and
+               the other n - 1 start on its cached blocks)
     collect(): every outcome, in choice order                      (JSON answers)
     events():  (j, event) pairs as they come, interleaved          (SSE answers)
 
@@ -36,10 +38,17 @@ class Fanout:
 
     Args:
         calls: One call per choice, in choice order.
+        share_prefill: Choices per prompt that share its prefill through the
+            prefix cache (``n`` when prefix caching is on, else 1): the first
+            choice of each prompt is prefilled before the others are submitted,
+            so they start on its cached blocks instead of computing the prompt
+            again. The others' first token comes one prefill later; the
+            prompt's compute is paid once instead of ``n`` times.
     """
 
-    def __init__(self, calls: list[GenerationCall]) -> None:
+    def __init__(self, calls: list[GenerationCall], share_prefill: int = 1) -> None:
         self.calls = calls
+        self.share_prefill = share_prefill
 
     def cancel(self) -> None:
         """Cancel every engine request (idempotent; finished ones are unaffected)."""
@@ -68,8 +77,18 @@ class Fanout:
             APIError: One was refused (the others are cancelled).
             ClientGone: The client left while waiting.
         """
-        if self.calls:
+        if not self.calls:
+            return
+        if self.share_prefill <= 1:
             await self._all([call.start() for call in self.calls])
+            return
+        leaders = self.calls[::self.share_prefill]
+        await self._all([self._lead(call) for call in leaders])
+        await self._all([call.start() for call in self.calls if call not in leaders])
+
+    async def _lead(self, call: GenerationCall) -> None:
+        await call.start()
+        await call.prefilled()
 
     async def collect(self) -> list[Outcome]:
         """Run every call to its end; outcomes in choice order."""
@@ -117,21 +136,30 @@ class Fanout:
             self.cancel()
 
 
+def shared_prefill(n: int, settings: Any) -> int:
+    """Choices per prompt that share one prefill: ``n`` with prefix caching on, else 1."""
+    return n if n > 1 and settings.cache.prefix_caching else 1
+
+
 class UsageTotal:
     """The ``usage`` of a multi-choice answer.
 
-    Prompt tokens count once per distinct prompt (n choices share it);
+    Prompt tokens count once per distinct prompt (n choices share it), and so
+    do its cached tokens (the most any of its choices reused);
     completion tokens and KV blocks add up over every choice.
     """
 
     def __init__(self) -> None:
         self._prompts: dict[int, int] = {}
+        self._cached: dict[int, int] = {}
         self.completion_tokens = 0
         self.kv_blocks = 0
 
     def add(self, prompt_index: int, usage: Usage) -> None:
         """Account a finished choice of prompt ``prompt_index``."""
         self._prompts[prompt_index] = usage.prompt_tokens
+        self._cached[prompt_index] = max(self._cached.get(prompt_index, 0),
+                                         usage.cached_tokens)
         self.completion_tokens += usage.completion_tokens
         self.kv_blocks += usage.kv_blocks
 
@@ -142,4 +170,4 @@ class UsageTotal:
     def as_dict(self) -> dict[str, int]:
         """OpenAI ``usage`` plus our ``kv_blocks``."""
         return Usage(sum(self._prompts.values()), self.completion_tokens,
-                     self.kv_blocks).as_dict()
+                     self.kv_blocks, sum(self._cached.values())).as_dict()

@@ -39,8 +39,15 @@ async def health(request: Request) -> JSONResponse:
 
 
 def _model_object(request: Request) -> dict[str, Any]:
-    return {"id": request.app.state.engine.model_name, "object": "model",
+    engine = request.app.state.engine
+    body = {"id": engine.model_name, "object": "model",
             "created": request.app.state.started_at, "owned_by": "veloxquant"}
+    kv = getattr(engine, "kv", None)  # None until the model is loaded (or a fake engine)
+    if kv is not None:
+        # Extra fields are allowed in the OpenAI model object (llama-server sends "meta" too).
+        body["meta"] = {"kv_format": kv.kv_format, "kv_format_tag": kv.format_tag,
+                        "kv_bytes_per_block": kv.bytes_per_block}
+    return body
 
 
 @models_router.get("/v1/models")

@@ -17,7 +17,7 @@ import re
 import secrets
 from typing import Any
 
-from server.engine.chat_render import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from server.engine.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from server.http.schemas.tools import ToolPlan
 
 _TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) +

@@ -1,0 +1,170 @@
+"""The engine's side of prefix caching: what a prompt can reuse, and what it leaves.
+
+The bookkeeping (hash chain, references, LRU) is the library's
+:class:`~veloxquant_mlx.memory.prefix_cache.PrefixCache`; this module decides
+when it is used (engine thread only)::
+
+    admission   lookup(prompt): full-block keys, the longest cached run
+                (at most (P - 1) // block_size blocks: the last prompt token is
+                always computed, its logits give the first token) -> acquire
+    prefill     the row's table starts on the shared blocks; only the rest is fed
+    prefilled   publish: the row's own full prompt blocks join the cache
+    finished    publish_output: full blocks of prompt + generated tokens join too
+    request end release: its references go; unreferenced blocks are evictable
+
+Keys hash the model's identity and the KV format (:func:`cache_root`), so a
+block computed by another model or stored in another format never matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.kv_arena import KVArena
+from veloxquant_mlx.memory.prefix_cache import (
+    CachedBlock,
+    PrefixCache,
+    chain_hashes,
+    prefix_root,
+)
+
+
+def kv_format_tag(arena: KVArena) -> str:
+    """The tag of how ``arena`` stores KV (``"fp32"``, ``"q8g64"``...): part of every key."""
+    layout = arena.layout
+    tag = getattr(layout, "format_tag", None)  # set by the KV-format work (issue 14)
+    return tag if isinstance(tag, str) else f"native-{layout.dtype}"
+
+
+def cache_root(model_name: str, arena: KVArena) -> bytes:
+    """Root of every key: the model, the dtype it computes in, the KV format, the block size."""
+    layout = arena.layout
+    model = f"{model_name}|{layout.dtype}|{layout.n_layers}x{layout.n_kv_heads}x{layout.head_dim}"
+    return prefix_root(model, kv_format_tag(arena), arena.block_size)
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """What one prompt reuses.
+
+    Attributes:
+        keys: Keys of every full block of the prompt (to publish later).
+        entries: The cached run it starts on (position order).
+    """
+
+    keys: list[bytes] = field(default_factory=list)
+    entries: list[CachedBlock] = field(default_factory=list)
+
+    def per_stream(self) -> dict[str, int]:
+        """Pool blocks the shared run covers, per stream."""
+        out: dict[str, int] = {}
+        for entry in self.entries:
+            for stream, n in entry.per_stream.items():
+                out[stream] = out.get(stream, 0) + n
+        return out
+
+    def pinned(self) -> dict[str, int]:
+        """Of those, blocks that are evictable now (acquiring them takes them off the LRU)."""
+        out: dict[str, int] = {}
+        for entry in self.entries:
+            if entry.refs == 0:
+                for stream, n in entry.per_stream.items():
+                    out[stream] = out.get(stream, 0) + n
+        return out
+
+    def blocks(self) -> list[list[Block]]:
+        """The shared blocks, position by position (each in table stream order)."""
+        return [entry.blocks for entry in self.entries]
+
+
+class PromptPrefixes:
+    """Prefix caching for one engine.
+
+    Args:
+        cache: The pool's prefix cache.
+        root: :func:`cache_root` of the served model and arena.
+        block_size: Tokens per block.
+    """
+
+    def __init__(self, cache: PrefixCache, root: bytes, block_size: int) -> None:
+        self.cache = cache
+        self.root = root
+        self.block_size = block_size
+
+    def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit:
+        """Keys of the prompt and the cached run it may start on (nothing acquired)."""
+        keys = chain_hashes(prompt_ids, self.block_size, self.root)
+        usable = (len(prompt_ids) - 1) // self.block_size
+        return PrefixHit(keys, self.cache.match(keys[:usable]))
+
+    def acquire(self, owner: int, hit: PrefixHit, prompt_tokens: int) -> int:
+        """``owner`` references ``hit``'s blocks; returns the prompt tokens they cover."""
+        self.cache.acquire(owner, hit.entries)
+        tokens = len(hit.entries) * self.block_size
+        self.cache.record_query(prompt_tokens, tokens)
+        return tokens
+
+    def publish(self, owner: int, keys: Sequence[bytes], shared: int,
+                table: Sequence[Sequence[Block]]) -> int:
+        """Take ``owner``'s computed full prompt blocks (positions ``shared`` on) into the cache.
+
+        Args:
+            owner: The request.
+            keys: Its prompt's full-block keys.
+            shared: Positions it started on (already cached).
+            table: Its blocks, ``table[stream][position]``.
+
+        Returns:
+            Positions published.
+        """
+        published = 0
+        for j in range(shared, len(keys)):
+            published += self.cache.publish(owner, keys[j], [stream[j] for stream in table])
+        return published
+
+    def publish_output(self, owner: int, prompt_keys: Sequence[bytes], tokens: Sequence[int],
+                       stored: int, table: Sequence[Sequence[Block]]) -> int:
+        """Publish the full blocks past the prompt's: prompt tail and generated tokens.
+
+        Args:
+            owner: The request (it is ending: nothing writes its blocks any more).
+            prompt_keys: Keys of its prompt's full blocks (published at prefill).
+            tokens: Prompt plus the generated tokens it fed to the model.
+            stored: Tokens its block table holds (must equal ``len(tokens)``).
+            table: Its blocks, ``table[stream][position]``.
+
+        Returns:
+            Positions published (0 when ``stored`` disagrees with ``tokens``).
+        """
+        if stored != len(tokens):
+            return 0
+        start = len(prompt_keys)
+        parent = prompt_keys[-1] if prompt_keys else self.root
+        keys = chain_hashes(tokens[start * self.block_size:], self.block_size, parent)
+        return self.publish(owner, [*prompt_keys, *keys], start, table)
+
+    def release(self, owner: int) -> None:
+        """Drop ``owner``'s references (the request ended)."""
+        self.cache.release(owner)
+
+    def evictable(self, stream: str) -> int:
+        """Blocks of ``stream`` eviction could free now."""
+        return self.cache.evictable(stream)
+
+    def evict(self, need: dict[str, int]) -> int:
+        """Free unreferenced blocks, least recently used first, ``need`` per stream.
+
+        Returns:
+            Blocks freed.
+        """
+        return self.cache.evict(need)
+
+    def reset(self) -> int:
+        """Drop every unreferenced block; returns blocks freed."""
+        return self.cache.reset()
+
+    def held_blocks(self, owner: int) -> dict[str, int]:
+        """Cached blocks ``owner`` references, per stream."""
+        return self.cache.held_blocks(owner)

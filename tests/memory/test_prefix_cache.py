@@ -1,0 +1,242 @@
+"""Prefix cache bookkeeping on tiny pools: keys, references, LRU eviction, invariants.
+
+One "layer" (two streams: its keys and its values) and block_size 4, so every
+cached position is one k block and one v block and ids can be asserted exactly.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from veloxquant_mlx.exceptions import ForeignBlockError, PoolArgumentError
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.prefix_cache import (
+    CACHE_OWNER,
+    PrefixCache,
+    chain_hashes,
+    prefix_root,
+)
+
+BS = 4
+ROOT = prefix_root("model-a", "fp32", BS)
+
+
+def make(n_blocks: int = 24) -> tuple[BlockPoolAllocator, PrefixCache]:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks))
+    return pool, PrefixCache(pool)
+
+
+def table(pool: BlockPoolAllocator, owner: int, positions: int):
+    """An owner's one-layer table: [k blocks, v blocks], ``positions`` each."""
+    return [pool.allocate("k", positions * BS, owner), pool.allocate("v", positions * BS, owner)]
+
+
+def position(tab, j: int):
+    return [stream[j] for stream in tab]
+
+
+def check_invariants(pool: BlockPoolAllocator, cache: PrefixCache, live: set[int]) -> None:
+    """Every block is free, cached, or held by a live owner; refs match references."""
+    cached_ids = {b.block_id for e in cache.entries() for b in e.blocks}
+    assert {b.block_id for b in pool.blocks_for(CACHE_OWNER)} == cached_ids
+    held = pool.blocks_held_by_owner()
+    assert set(held) - {CACHE_OWNER} <= live
+    assert sum(held.values()) == pool.stats.blocks_in_use()
+    assert pool.n_free("k") + pool.n_free("v") + pool.stats.blocks_in_use() == pool.stats.n_blocks
+    refs = {id(e): 0 for e in cache.entries()}
+    for owner in live:
+        for e in cache._held.get(owner, []):
+            refs[id(e)] += 1
+    assert set(cache.holders()) <= live
+    for e in cache.entries():
+        assert e.refs == refs[id(e)]
+        assert (e.key in cache._lru) == (e.refs == 0)
+    evictable = sum(len(e.blocks) for e in cache.entries() if e.refs == 0)
+    assert cache.evictable_blocks == evictable
+    assert cache.cached_blocks == len(cached_ids)
+
+
+def test_keys_chain_and_depend_on_model_and_format():
+    tokens = list(range(11))
+    keys = chain_hashes(tokens, BS, ROOT)
+    assert len(keys) == 2  # the partial last block has no key
+    assert chain_hashes(tokens[:8], BS, ROOT) == keys
+    assert chain_hashes(tokens[:4], BS, ROOT) == keys[:1]
+    assert chain_hashes([0, 1, 2, 9] + tokens[4:], BS, ROOT)[1] != keys[1]  # parent differs
+    other_model = chain_hashes(tokens, BS, prefix_root("model-b", "fp32", BS))
+    other_format = chain_hashes(tokens, BS, prefix_root("model-a", "q4g64", BS))
+    assert not set(keys) & set(other_model)
+    assert not set(keys) & set(other_format)
+
+
+def test_no_hit_across_models_or_formats():
+    pool, cache = make()
+    tokens = list(range(8))
+    tab = table(pool, 1, 2)
+    for j, key in enumerate(chain_hashes(tokens, BS, ROOT)):
+        cache.publish(1, key, position(tab, j))
+    assert len(cache.match(chain_hashes(tokens, BS, ROOT))) == 2
+    for root in (prefix_root("model-b", "fp32", BS), prefix_root("model-a", "q8g64", BS)):
+        assert cache.match(chain_hashes(tokens, BS, root)) == []
+
+
+def test_publish_moves_blocks_to_the_cache_owner():
+    pool, cache = make()
+    tab = table(pool, 1, 3)
+    in_use = pool.stats.blocks_in_use()
+    keys = chain_hashes(list(range(12)), BS, ROOT)
+    assert cache.publish(1, keys[0], position(tab, 0))
+    assert cache.publish(1, keys[1], position(tab, 1))
+    assert [b.block_id for b in pool.blocks_for(CACHE_OWNER)] == [
+        tab[0][0].block_id, tab[1][0].block_id, tab[0][1].block_id, tab[1][1].block_id]
+    assert pool.n_blocks_held(1) == 2  # position 2 (the one being written) stays its own
+    assert pool.stats.blocks_in_use() == in_use  # moved, not freed or allocated
+    assert cache.cached_blocks == 4 and cache.evictable_blocks == 0
+    assert cache.held_blocks(1) == {"k": 2, "v": 2}
+    check_invariants(pool, cache, {1})
+
+
+def test_duplicate_publish_keeps_the_first_and_leaves_the_copy_owned():
+    pool, cache = make()
+    key = chain_hashes(list(range(4)), BS, ROOT)[0]
+    a, b = table(pool, 1, 1), table(pool, 2, 1)
+    assert cache.publish(1, key, position(a, 0))
+    assert not cache.publish(2, key, position(b, 0))
+    assert pool.n_blocks_held(2) == 2 and cache.cached_blocks == 2
+    pool.free_all(2)
+    check_invariants(pool, cache, {1})
+
+
+def test_publish_refuses_blocks_the_owner_does_not_hold():
+    pool, cache = make()
+    key = chain_hashes(list(range(4)), BS, ROOT)[0]
+    tab = table(pool, 1, 1)
+    with pytest.raises(PoolArgumentError):
+        cache.publish(2, key, position(tab, 0))
+    assert cache.cached_blocks == 0 and pool.n_blocks_held(1) == 2
+
+
+def test_repeat_hits_whole_chain_and_partial_prefix_hits_its_head():
+    pool, cache = make()
+    first = list(range(12))
+    keys = chain_hashes(first, BS, ROOT)
+    tab = table(pool, 1, 3)
+    for j, key in enumerate(keys):
+        cache.publish(1, key, position(tab, j))
+    cache.release(1)
+    pool.free_all(1)
+    assert len(cache.match(keys)) == 3
+    shared_head = first[:5] + [99] * 7  # diverges inside block 1
+    assert [e.key for e in cache.match(chain_hashes(shared_head, BS, ROOT))] == keys[:1]
+
+
+def test_release_makes_entries_evictable_and_eviction_goes_tail_first():
+    pool, cache = make()
+    keys = chain_hashes(list(range(12)), BS, ROOT)
+    tab = table(pool, 1, 3)
+    for j, key in enumerate(keys):
+        cache.publish(1, key, position(tab, j))
+    cache.release(1)
+    pool.free_all(1)
+    assert cache.evictable("k") == 3 and cache.evictable("v") == 3
+    free_k = pool.n_free("k")
+    assert cache.evict({"k": 1}) == 2  # one position: its k and its v block
+    assert pool.n_free("k") == free_k + 1
+    assert [e.key for e in cache.match(keys)] == keys[:2]  # the tail went first
+    assert pool.blocks_for(CACHE_OWNER)[-1] is tab[1][1]
+    check_invariants(pool, cache, set())
+    assert cache.reset() == 4 and cache.cached_blocks == 0
+    assert pool.stats.blocks_in_use() == 0
+    assert cache.counters.evicted_blocks == 6
+
+
+def test_eviction_never_touches_referenced_blocks():
+    pool, cache = make()
+    keys = chain_hashes(list(range(8)), BS, ROOT)
+    tab = table(pool, 1, 2)
+    for j, key in enumerate(keys):
+        cache.publish(1, key, position(tab, j))
+    cache.release(1)
+    cache.acquire(2, cache.match(keys[:1]))  # a new request shares position 0
+    assert cache.evict({"k": 10, "v": 10}) == 2  # only position 1 was evictable
+    assert [e.key for e in cache.entries()] == keys[:1]
+    assert cache.reset() == 0
+    assert cache.entries()[0].blocks == position(tab, 0)
+    check_invariants(pool, cache, {2})
+    cache.release(2)
+    assert cache.evictable_blocks == 2
+    check_invariants(pool, cache, set())
+
+
+def test_transfer_rejects_foreign_and_free_blocks():
+    pool, _ = make()
+    other = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4))
+    foreign = other.allocate("k", 1, 1)
+    with pytest.raises(ForeignBlockError):
+        pool.transfer(foreign, CACHE_OWNER)
+    mine = pool.allocate("k", 1, 1)
+    pool.free(mine)
+    with pytest.raises(PoolArgumentError):
+        pool.transfer(mine, CACHE_OWNER)
+    assert pool.blocks_for(CACHE_OWNER) == []
+
+
+def test_transfer_keeps_counters_and_owner_active():
+    pool, _ = make()
+    pool.register_owner(1)
+    blocks = pool.allocate("k", 2 * BS, 1)
+    before = pool.stats.snapshot().as_dict()
+    history = len(pool.history)
+    pool.transfer(blocks, CACHE_OWNER)
+    assert pool.stats.snapshot().as_dict() == before
+    assert len(pool.history) == history
+    assert 1 in pool.active_owners() and pool.n_blocks_held(1) == 0
+    pool.free(blocks)
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_random_mix_of_requests_cancels_and_evictions_keeps_every_block_accounted():
+    rng = random.Random(13)
+    pool, cache = make(n_blocks=80)
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(1, 20))] for _ in range(12)]
+    live: dict[int, list] = {}
+    next_owner = 1
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.45 and len(live) < 5:
+            owner, next_owner = next_owner, next_owner + 1
+            prompt = rng.choice(prompts)
+            keys = chain_hashes(prompt, BS, ROOT)
+            hit = cache.match(keys[: (len(prompt) - 1) // BS])
+            need = -(-len(prompt) // BS) - len(hit)
+            spare = min(pool.n_free("k"), pool.n_free("v"))
+            if need > spare + min(cache.evictable("k"), cache.evictable("v")):
+                continue
+            cache.acquire(owner, hit)
+            cache.evict({"k": need - pool.n_free("k"), "v": need - pool.n_free("v")})
+            own = table(pool, owner, need)
+            tab = [[e.blocks[s] for e in hit] + own[s] for s in range(2)]
+            live[owner] = [keys, len(hit), tab]
+        elif op < 0.75 and live:  # prefill done: publish the full prompt blocks
+            owner = rng.choice(list(live))
+            keys, shared, tab = live[owner]
+            for j in range(shared, len(keys)):
+                cache.publish(owner, keys[j], position(tab, j))
+        elif op < 0.95 and live:  # finished or cancelled, published or not
+            owner = rng.choice(list(live))
+            del live[owner]
+            pool.free_all(owner)
+            cache.release(owner)
+        else:
+            cache.evict({"k": rng.randrange(4), "v": rng.randrange(4)})
+        check_invariants(pool, cache, set(live))
+    for owner in list(live):
+        pool.free_all(owner)
+        cache.release(owner)
+    check_invariants(pool, cache, set())
+    assert cache.evictable_blocks == cache.cached_blocks
+    assert pool.stats.blocks_in_use() == cache.cached_blocks
+    cache.reset()
+    assert pool.stats.blocks_in_use() == 0 and pool.n_free("k") + pool.n_free("v") == 80

@@ -1,0 +1,275 @@
+"""Prefix caching: full prompt blocks kept in the pool and shared by later requests.
+
+Pure bookkeeping, no MLX. A *cached block* is one block position of a
+prompt (``block_size`` tokens) across every stream of a request's block
+table (each layer's keys and values: ``2 * n_layers`` pool blocks), named by
+a chained hash::
+
+    root  = H(model, KV format, block size)          what else changes the KV
+    key_0 = H(root,  tokens[0:16])
+    key_1 = H(key_0, tokens[16:32])                   a key names its whole prefix
+    ...
+
+so two prompts share ``key_j`` exactly when their first ``16 * (j + 1)``
+tokens are equal and were computed by the same model into the same format.
+
+Ownership and life of a cached block::
+
+    request writes block j -> prompt prefilled -> publish: pool.transfer(.., CACHE_OWNER)
+        referenced (refs > 0) by the requests whose tables hold it: never evicted
+        unreferenced (refs == 0): evictable, in LRU order; counts as free for admission
+        evict: pool.free() -> back on the free list
+
+The cache's blocks are checked out to one owner, :data:`CACHE_OWNER`, so the
+pool still accounts every byte (they are in use, by the cache). Requests
+*reference* cached blocks, they never own them: a request frees only the
+blocks checked out to its own owner, and :meth:`PrefixCache.release` drops
+its references. A block being written is never published: only blocks whose
+``block_size`` slots are all prompt tokens already computed.
+
+Invariants (checked by the tests): every entry's blocks are checked out to
+``CACHE_OWNER``; ``refs`` equals the number of owners' references to it; an
+entry is in the LRU exactly when ``refs == 0``; the evictable counts are the
+LRU entries' blocks per stream.
+
+Not thread-safe: the engine thread is its only writer. Counters are plain
+ints, safe to read from a scrape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from veloxquant_mlx.exceptions import PoolArgumentError
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+CACHE_OWNER = -1
+"""The pool owner every cached block is checked out to (request owners are >= 1)."""
+
+
+def prefix_root(model: str, kv_format: str, block_size: int) -> bytes:
+    """The hash every chain starts from: what, besides the tokens, decides the KV.
+
+    Args:
+        model: Model identity (name and the dtype it computes in).
+        kv_format: How keys and values are stored (``"native"``, or a
+            compressed format).
+        block_size: Tokens per block.
+    """
+    return hashlib.sha256(f"{model}\0{kv_format}\0{block_size}".encode()).digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Keys of every full block of ``tokens`` (a partial last block has none)."""
+    keys, parent = [], root
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hashlib.sha256(parent)
+        h.update(array("q", tokens[start:start + block_size]).tobytes())
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True, eq=False)
+class CachedBlock:
+    """One cached block position: its pool blocks in every stream of a table.
+
+    Attributes:
+        key: Its chained hash.
+        blocks: Pool blocks, in the request table's stream order.
+        per_stream: How many of ``blocks`` are on each pool stream.
+        refs: Requests referencing it now.
+    """
+
+    key: bytes
+    blocks: list[Block]
+    per_stream: dict[str, int]
+    refs: int = 0
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """Cumulative counters (for /metrics).
+
+    Attributes:
+        query_tokens: Prompt tokens looked up.
+        hit_tokens: Of those, tokens served from cached blocks.
+        evicted_blocks: Pool blocks freed by eviction (and resets).
+        published_blocks: Pool blocks taken into the cache.
+    """
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+    published_blocks: int = 0
+
+
+@dataclass(slots=True)
+class PrefixCache:
+    """Cached blocks by key, their references, and the LRU of unreferenced ones.
+
+    Args:
+        pool: The shared pool the blocks belong to.
+    """
+
+    pool: BlockPoolAllocator
+    counters: CacheCounters = field(default_factory=CacheCounters)
+    _entries: dict[bytes, CachedBlock] = field(default_factory=dict)
+    _lru: OrderedDict[bytes, CachedBlock] = field(default_factory=OrderedDict)  # oldest first
+    _held: dict[int, list[CachedBlock]] = field(default_factory=dict)  # owner -> references
+    _evictable: Counter[str] = field(default_factory=Counter)  # blocks per stream in the LRU
+    _cached: int = 0  # pool blocks in entries
+
+    def __post_init__(self) -> None:
+        # Every stream's key exists from the start, so a scrape summing the counts
+        # on another thread never sees the dict change size.
+        self._evictable.update(dict.fromkeys(self.pool.config.streams, 0))
+
+    # -- requests ------------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes]) -> list[CachedBlock]:
+        """The longest run of cached entries that starts ``keys`` (nothing acquired)."""
+        found = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                break
+            found.append(entry)
+        return found
+
+    def acquire(self, owner: int, entries: Sequence[CachedBlock]) -> None:
+        """``owner`` references ``entries`` (they stop being evictable)."""
+        held = self._held.setdefault(owner, [])
+        for entry in entries:
+            if entry.refs == 0:
+                del self._lru[entry.key]
+                self._evictable.subtract(entry.per_stream)
+            entry.refs += 1
+            held.append(entry)
+
+    def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted prompt and how much of it came from the cache."""
+        self.counters.query_tokens += prompt_tokens
+        self.counters.hit_tokens += hit_tokens
+
+    def publish(self, owner: int, key: bytes, blocks: list[Block]) -> bool:
+        """Take ``owner``'s full, computed ``blocks`` of one position into the cache.
+
+        ``owner`` keeps referencing them. When ``key`` is cached already (a
+        request with the same prefix published first) nothing changes and the
+        blocks stay ``owner``'s, to be freed with it.
+
+        Returns:
+            True when the blocks were taken.
+
+        Raises:
+            PoolArgumentError: A block is not checked out to ``owner``.
+        """
+        if key in self._entries:
+            return False
+        for block in blocks:
+            if block.owner != owner:
+                raise PoolArgumentError(
+                    f"block {block.block_id} is held by {block.owner}, not {owner}; only a "
+                    "request's own written blocks can be published")
+        self.pool.transfer(blocks, CACHE_OWNER)
+        entry = CachedBlock(key, list(blocks), dict(Counter(b.stream for b in blocks)), refs=1)
+        self._entries[key] = entry
+        self._held.setdefault(owner, []).append(entry)
+        self._cached += len(blocks)
+        self.counters.published_blocks += len(blocks)
+        return True
+
+    def release(self, owner: int) -> None:
+        """Drop every reference ``owner`` holds; entries nobody references become evictable.
+
+        Released tail first, so a chain's last blocks are the first evicted
+        (its head, which more prompts share, stays longest).
+        """
+        for entry in reversed(self._held.pop(owner, [])):
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._lru[entry.key] = entry
+                self._evictable.update(entry.per_stream)
+
+    def held_blocks(self, owner: int) -> dict[str, int]:
+        """Cached pool blocks ``owner`` references, per stream."""
+        out: Counter[str] = Counter()
+        for entry in self._held.get(owner, ()):
+            out.update(entry.per_stream)
+        return dict(out)
+
+    # -- capacity ------------------------------------------------------------------
+
+    def evictable(self, stream: str) -> int:
+        """Pool blocks on ``stream`` that eviction could free now."""
+        return self._evictable[stream]
+
+    def evict(self, need: dict[str, int]) -> int:
+        """Free least recently used entries until ``need`` blocks per stream came free.
+
+        Stops early when nothing evictable is left; referenced entries are
+        never touched.
+
+        Returns:
+            Pool blocks freed.
+        """
+        left = {s: n for s, n in need.items() if n > 0}
+        freed = 0
+        while left and self._lru:
+            _, entry = self._lru.popitem(last=False)
+            freed += self._drop(entry)
+            for stream, n in entry.per_stream.items():
+                if stream in left:
+                    left[stream] -= n
+                    if left[stream] <= 0:
+                        del left[stream]
+        return freed
+
+    def reset(self) -> int:
+        """Evict every unreferenced entry; returns the pool blocks freed."""
+        freed = 0
+        while self._lru:
+            freed += self._drop(self._lru.popitem(last=False)[1])
+        return freed
+
+    def _drop(self, entry: CachedBlock) -> int:
+        """Forget an unreferenced entry (already off the LRU) and free its blocks."""
+        del self._entries[entry.key]
+        self._evictable.subtract(entry.per_stream)
+        self.pool.free(entry.blocks)
+        self._cached -= len(entry.blocks)
+        self.counters.evicted_blocks += len(entry.blocks)
+        return len(entry.blocks)
+
+    # -- observability ---------------------------------------------------------------
+
+    @property
+    def cached_blocks(self) -> int:
+        """Pool blocks the cache holds (referenced or not)."""
+        return self._cached
+
+    @property
+    def evictable_blocks(self) -> int:
+        """Pool blocks no request references (free for admission)."""
+        return sum(self._evictable.values())
+
+    def entries(self) -> list[CachedBlock]:
+        """Every entry (for checks and tests)."""
+        return list(self._entries.values())
+
+    def holders(self) -> dict[int, int]:
+        """Owner -> references it holds (for checks and tests)."""
+        return {owner: len(held) for owner, held in self._held.items() if held}
+
+    def view(self) -> dict[str, int]:
+        """The figures /admin/pool shows."""
+        c = self.counters
+        return {"cached_blocks": self._cached, "evictable_blocks": self.evictable_blocks,
+                "entries": len(self._entries), "query_tokens": c.query_tokens,
+                "hit_tokens": c.hit_tokens, "evicted_blocks": c.evicted_blocks,
+                "published_blocks": c.published_blocks}
