@@ -40,10 +40,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_prefix_cache import make_texts, summarize  # noqa: E402
+from benchmark_prefix_cache import make_texts, stream_chat, summarize  # noqa: E402
 from benchmark_server import git_revision  # noqa: E402
 from replica_set import ReplicaSet  # noqa: E402
 
@@ -52,28 +50,9 @@ DEFAULT_OUT = ROOT / "figures" / "scale_out" / "affinity.json"
 
 
 def chat_turn(url: str, messages: list[dict], max_tokens: int, session: str | None) -> dict:
-    """One streamed chat turn through the balancer: TTFT, answer and cached tokens."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"X-Session-Id": session} if session else {}
-    text, ttft, usage = [], None, {}
-    t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
-                      timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append(piece)
-            usage = chunk.get("usage") or usage
-    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "answer": "".join(text), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    """One streamed chat turn through the balancer, with the session header when given."""
+    return stream_chat(url, messages, max_tokens,
+                       headers={"X-Session-Id": session} if session else None)
 
 
 def conversation(url: str, system: str, turns: list[str], max_tokens: int,

@@ -96,13 +96,22 @@ def start(name: str, cmd: list[str], env: dict[str, str], model_id: str | None,
 
 
 def chat_turn(s: Running, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat request: TTFT, the answer, and the usage the server reports."""
-    body = {"model": s.model_id, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed chat request to server ``s`` (see :func:`stream_chat`)."""
+    return stream_chat(s.base, messages, max_tokens, model=s.model_id)
+
+
+def stream_chat(base: str, messages: list[dict], max_tokens: int, model: str | None = None,
+                headers: dict[str, str] | None = None) -> dict:
+    """One streamed, greedy chat request: TTFT, the answer, and the usage the server reports."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     text, ttft, usage = [], None, None
     t0 = time.perf_counter()
     with httpx.Client(timeout=600) as client, \
-            client.stream("POST", s.base + "/v1/chat/completions", json=body) as r:
+            client.stream("POST", base + "/v1/chat/completions", json=body,
+                          headers=headers or {}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
