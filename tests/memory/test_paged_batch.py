@@ -49,10 +49,11 @@ def _stock(model, prompt, steps):
     return out
 
 
-def _paged(model, arena, prompts, steps, owner0=1):
+def _paged(model, arena, prompts, steps, owner0=1, fast=False):
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
-    batch = make_paged_batch(model, arena, list(range(owner0, owner0 + len(prompts))), pads)
+    batch = make_paged_batch(model, arena, list(range(owner0, owner0 + len(prompts))), pads,
+                             fast_attention=fast)
     logits = model(mx.array([[0] * q + p for q, p in zip(pads, prompts, strict=True)]),
                    cache=batch.caches)[:, -1]
     out = [[] for _ in prompts]
@@ -89,6 +90,27 @@ def test_alone_and_in_a_batch_give_the_stock_logits(model):
     for want, got in zip(stock, together, strict=True):
         for a, b in zip(want, got, strict=True):
             assert mx.array_equal(a, b)  # bit-identical, padding and all
+    assert arena.pool.stats.blocks_in_use() == 0
+
+
+def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model):
+    """The CPU attention of paged_attention: same greedy tokens, logits within 1e-5."""
+    arena = _arena(model)
+    prompts = [_prompt(i, n) for i, n in enumerate((7, 33, 16, 50))]
+    stock = [_stock(model, p, 12) for p in prompts]
+    batch, together = _paged(model, arena, prompts, 12, fast=True)
+    batch.release()
+    alone = []
+    for i, p in enumerate(prompts):
+        one, rows = _paged(model, arena, [p], 12, owner0=10 + i, fast=True)
+        one.release()
+        alone.append(rows[0])
+    worst = 0.0
+    for want, got, solo in zip(stock, together, alone, strict=True):
+        for a, b, c in zip(want, got, solo, strict=True):
+            assert mx.argmax(a, -1).item() == mx.argmax(b, -1).item() == mx.argmax(c, -1).item()
+            worst = max(worst, mx.abs(a - b).max().item(), mx.abs(a - c).max().item())
+    assert 0.0 < worst < 1e-5  # really another computation, and a close one
     assert arena.pool.stats.blocks_in_use() == 0
 
 

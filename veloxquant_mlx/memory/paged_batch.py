@@ -73,17 +73,22 @@ class PagedKVBatch:
         arena: The pool's KV arena.
         owners: One owner id per row.
         left_padding: Leading padding columns of each row (prefill groups).
+        fast_attention: Attend through :mod:`~veloxquant_mlx.memory.paged_attention`
+            on the CPU (float32 logits within ~1e-6 of mlx-lm's); False keeps
+            mlx-lm's own attention, bit-identical to its stock ``KVCache``.
 
     Raises:
         ValueError: ``left_padding`` does not have one entry per owner.
     """
 
     def __init__(self, arena: KVArena, owners: Sequence[int],
-                 left_padding: Sequence[int] | None = None) -> None:
+                 left_padding: Sequence[int] | None = None,
+                 fast_attention: bool = True) -> None:
         pads = [0] * len(owners) if left_padding is None else [int(p) for p in left_padding]
         if len(pads) != len(owners):
             raise ValueError(f"left_padding has {len(pads)} entries for {len(owners)} owners")
         self.arena = arena
+        self.fast_attention = fast_attention
         self.pool = arena.pool
         self.bs = arena.block_size
         self.n_streams = 2 * arena.layout.n_layers
@@ -363,8 +368,13 @@ class PagedLayerCache(_mlx_cache._BaseCache):
 
 
 def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
-                     left_padding: Sequence[int] | None = None) -> PagedKVBatch:
+                     left_padding: Sequence[int] | None = None,
+                     fast_attention: bool = True) -> PagedKVBatch:
     """A :class:`PagedKVBatch` for ``model``; pass ``batch.caches`` as its cache.
+
+    With ``fast_attention`` (see :class:`PagedKVBatch`) the model's attention is
+    routed through :mod:`~veloxquant_mlx.memory.paged_attention` for these
+    caches (a faster softmax on the CPU; other caches and devices untouched).
 
     Raises:
         ValueError: The model's layer count is not the arena's.
@@ -372,5 +382,9 @@ def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
     if len(model.layers) != arena.layout.n_layers:
         raise ValueError(f"model has {len(model.layers)} layers, the arena was laid out "
                          f"for {arena.layout.n_layers}")
+    # Imported here: paged_attention checks its caches against PagedLayerCache.
+    from veloxquant_mlx.memory.paged_attention import install
+
+    install(model)  # the batch's attention on the CPU (see paged_attention)
     rows = [owners] if isinstance(owners, int) else list(owners)
-    return PagedKVBatch(arena, rows, left_padding)
+    return PagedKVBatch(arena, rows, left_padding, fast_attention)

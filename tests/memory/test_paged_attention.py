@@ -1,0 +1,79 @@
+"""The paged batch's CPU attention: its exp, its attention, and what it is routed for."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.memory import paged_attention
+from veloxquant_mlx.memory.paged_attention import attention, fast_exp, install, softmax
+
+
+def test_fast_exp_matches_exp_over_a_softmax_range():
+    x = mx.concatenate([-mx.random.uniform(shape=(200_000,)) * 87, mx.array([0.0, -0.5, -1e-8])])
+    got, want = fast_exp(x), mx.exp(x)  # exp(-87) = 1.6e-38: still a normal float32
+    assert (mx.abs(got - want) / want).max().item() < 2e-7
+    tiny = fast_exp(-87 - mx.random.uniform(shape=(1000,)) * 40)  # below float32's normals
+    assert tiny.max().item() < 2e-38
+    assert fast_exp(mx.array([0.0])).item() == 1.0
+
+
+def test_fast_exp_of_minus_inf_and_far_below_is_zero():
+    got = fast_exp(mx.array([-mx.inf, -200.0, -1000.0]))
+    assert got.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_softmax_rows_sum_to_one_along_either_axis():
+    s = mx.random.normal((3, 5, 7)) * 10
+    for axis in (-1, 1):
+        got = softmax(s, axis=axis)
+        assert mx.allclose(got, mx.softmax(s, axis=axis), atol=1e-6)
+        assert mx.allclose(got.sum(axis=axis), mx.ones(1), atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,new,keys", [(1, 65, 300), (4, 1, 130), (3, 5, 40), (2, 1, 1)])
+def test_attention_is_mlx_sdpa_within_float_rounding(rows, new, keys):
+    mx.random.seed(rows * 100 + new)
+    q = mx.random.normal((rows, 6, new, 32))
+    k = mx.random.normal((rows, 2, keys, 32))
+    v = mx.random.normal((rows, 2, keys, 32))
+    mask = (mx.random.uniform(shape=(rows, 1, new, keys)) < 0.8) | (mx.arange(keys) == 0)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    assert mx.allclose(attention(q, k, v, 0.2, mask), want, atol=2e-6)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2)
+    assert mx.allclose(attention(q, k, v, 0.2, None), want, atol=2e-6)
+
+
+def test_long_prompts_are_taken_in_blocks_with_the_same_result(monkeypatch):
+    q = mx.random.normal((1, 4, 50, 16))
+    k, v = mx.random.normal((1, 2, 60, 16)), mx.random.normal((1, 2, 60, 16))
+    mask = mx.arange(60)[None, None, None, :] <= mx.arange(50)[None, None, :, None] + 10
+    whole = attention(q, k, v, 0.25, mask)
+    monkeypatch.setattr(paged_attention, "SCORES_PER_BLOCK", 4 * 60 * 7)  # 7 columns a block
+    assert mx.allclose(attention(q, k, v, 0.25, mask), whole, atol=1e-6)
+
+
+def test_install_routes_only_paged_float32_cpu_calls(monkeypatch):
+    class Cache:  # not a paged cache: goes to the original
+        pass
+
+    module = type(sys)("fake_model_module")
+    calls = []
+
+    def original(queries, keys, values, cache, scale, mask, sinks=None):
+        calls.append(cache)
+        return queries
+
+    module.scaled_dot_product_attention = original
+    monkeypatch.setitem(sys.modules, "fake_model_module", module)
+    model = type("Model", (), {"__module__": "fake_model_module"})()
+    assert install(model) and install(model)  # idempotent
+    routed = module.scaled_dot_product_attention
+    assert routed.routed_from is original
+    q = mx.zeros((1, 2, 1, 4))
+    routed(q, q, q, cache=Cache(), scale=1.0, mask=None)
+    assert len(calls) == 1
+    bare = type("Model", (), {"__module__": "sys"})()  # a module without the function
+    assert not install(bare)

@@ -1,0 +1,164 @@
+"""Attention over a paged batch's gathered KV, fast on MLX's CPU backend.
+
+Why this exists: on the CPU, ``mx.fast.scaled_dot_product_attention`` falls
+back to plain ops whose softmax calls a scalar ``exp`` per score (measured
+here: ~12 ns each, 8 ms for the 665k scores of one layer of a 65-token
+prompt over a 1,072-token cached prefix; the two matmuls around it take
+1.4 ms). Attention over a long context was therefore most of a cached
+prompt's time to first token. This module computes the same attention with:
+
+- an ``exp`` built from MLX's vectorised elementwise ops (range reduction to
+  ``2**n * 2**f`` with ``|f| <= 1/2``, a degree-7 Taylor polynomial for
+  ``2**f``, ``2**n`` written into the float's exponent bits), fused by
+  ``mx.compile``: relative error under 2e-7 (float32's own rounding is
+  6e-8), ``exp(-inf) == 0`` exactly, 3-4x faster than ``mx.exp``;
+- for short queries (decode), scores computed as ``keys @ queries^T``: the
+  keys are read in their stored layout, where ``queries @ keys^T`` has BLAS
+  transpose every row's keys (1.85x slower measured at 16 rows x 1,100
+  tokens).
+
+:func:`install` routes the attention of one mlx-lm model module through
+:func:`attention` for float32 calls on a :class:`PagedLayerCache` on the
+CPU whose batch has ``fast_attention`` (the default); every other call
+(other caches, other dtypes, the GPU) goes to mlx-lm's own function
+unchanged, so the library's single-request path keeps its bit-identity
+contract, and ``fast_attention=False`` gives a paged batch the stock
+cache's very logits. The logits differ from mlx-lm's by ~1e-6 (the sums
+run in another order); measured on SmolLM2 with OpenBLAS: prefill 25%
+faster (a 65-token prompt over a 1,072-token cached prefix: 554 -> 412 ms;
+512 tokens cold: 3.29 -> 2.45 s), decode 3-6% faster.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory.paged_batch import PagedLayerCache
+
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+_TAYLOR = [_LN2**k / math.factorial(k) for k in range(8)]  # 2**f = sum (f ln2)^k / k!
+# Query columns (heads per KV head x new tokens) up to which the scores are
+# computed as keys @ queries^T (see the module docstring).
+KEYS_FIRST_MAX_COLUMNS = 16
+# Most scores one block of query columns computes at once (see attention()).
+SCORES_PER_BLOCK = 1 << 19
+
+
+def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """``2**f`` and the float32 bits of ``2**n`` with ``n + f = x log2(e)``."""
+    y = mx.maximum(x * _LOG2E, -127.0)  # 2**-127 is below float32's normal range
+    n = mx.floor(y + 0.5)
+    f = y - n
+    p = _TAYLOR[7]
+    for c in reversed(_TAYLOR[:7]):
+        p = p * f + c
+    # n = -127 gives exponent bits 0: exactly 0.0, which is what exp(-inf) needs.
+    return p, (n.astype(mx.int32) + 127) << 23
+
+
+# Shapeless: one trace serves every shape (a bit-cast cannot be traced
+# shapeless, so it stays outside, a free view of the int32 result).
+_exp_parts_fused = mx.compile(_exp_parts, shapeless=True)
+
+
+def fast_exp(x: mx.array) -> mx.array:
+    """``exp(x)`` for float32 ``x <= 0`` (what a softmax feeds it); -inf -> 0."""
+    p, bits = _exp_parts_fused(x)
+    return p * bits.view(mx.float32)
+
+
+def softmax(x: mx.array, axis: int) -> mx.array:
+    """Softmax of float32 scores along ``axis`` using :func:`fast_exp`."""
+    e = fast_exp(x - mx.max(x, axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+              mask: mx.array | None) -> mx.array:
+    """Grouped-query attention, as ``mx.fast.scaled_dot_product_attention`` computes it.
+
+    Long prompts are taken in blocks of query columns so that no block has
+    more than ``SCORES_PER_BLOCK`` scores: the fused exp slows down several
+    times once its arrays outgrow the CPU caches (measured: 2 ms for 665k
+    scores, 29 ms for 1.9M), and the transient scores stay small.
+
+    Args:
+        queries: ``(B, Hq, L, D)``.
+        keys: ``(B, Hkv, S, D)``; ``Hq`` is a multiple of ``Hkv``.
+        values: ``(B, Hkv, S, D)``.
+        scale: Applied to the queries.
+        mask: Boolean ``(B or 1, 1, L, S)``, True where a key is visible; or None.
+
+    Returns:
+        ``(B, Hq, L, D)``.
+    """
+    b, hq, n, _ = queries.shape
+    per_column = b * hq * keys.shape[2]
+    step = max(1, SCORES_PER_BLOCK // per_column)
+    if n <= step:
+        return _attend(queries, keys, values, scale, mask)
+    return mx.concatenate([
+        _attend(queries[:, :, i: i + step], keys, values, scale,
+                None if mask is None else mask[:, :, i: i + step])
+        for i in range(0, n, step)], axis=2)
+
+
+def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+            mask: mx.array | None) -> mx.array:
+    b, hq, n, d = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    rep = hq // hkv
+    q = (queries * scale).reshape(b, hkv, rep * n, d)
+    if rep * n <= KEYS_FIRST_MAX_COLUMNS:
+        scores = (keys @ q.swapaxes(-1, -2)).reshape(b, hkv, s, rep, n)
+        if mask is not None:
+            scores = mx.where(mask.swapaxes(-1, -2)[:, :, :, None, :], scores, -mx.inf)
+        weights = softmax(scores, axis=2).reshape(b, hkv, s, rep * n)
+        out = weights.swapaxes(-1, -2) @ values
+    else:
+        scores = (q @ keys.swapaxes(-1, -2)).reshape(b, hkv, rep, n, s)
+        if mask is not None:
+            scores = mx.where(mask[:, :, None], scores, -mx.inf)
+        out = softmax(scores, axis=-1).reshape(b, hkv, rep * n, s) @ values
+    return out.reshape(b, hq, n, d)
+
+
+def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask,
+                                     sinks=None):
+        if (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
+                and sinks is None
+                and queries.dtype == mx.float32 and keys.dtype == mx.float32
+                and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
+                and mx.default_device().type == mx.DeviceType.cpu):
+            return attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                        sinks=sinks)
+
+    scaled_dot_product_attention.routed_from = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def install(model: Any) -> bool:
+    """Route ``model``'s attention through :func:`attention` on paged CPU calls.
+
+    mlx-lm's model modules import ``scaled_dot_product_attention`` by name from
+    ``mlx_lm.models.base``; this replaces that name in ``model``'s module with
+    a router (idempotent). Models whose module does not use it are left alone.
+
+    Returns:
+        True if the module's attention is routed (now or already).
+    """
+    module = sys.modules.get(type(model).__module__)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None:
+        return False
+    if not hasattr(current, "routed_from"):
+        module.scaled_dot_product_attention = _routed(current)
+    return True
