@@ -114,7 +114,8 @@ def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model):
+@pytest.mark.parametrize("fast", [False, True])
+def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model, fast):
     arena = _arena(model, n_blocks=4096)
     pool, layout = arena.pool, arena.layout
     rng = random.Random(7)
@@ -127,7 +128,7 @@ def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model):
         if decode is None or (len(decode.rows) < 5 and rng.random() < 0.4):
             lengths = [rng.randint(1, 140) for _ in range(rng.randint(1, 2))]
             group, _ = _paged(model, arena, [_prompt(owner + k, n)
-                                             for k, n in enumerate(lengths)], 0, owner)
+                                             for k, n in enumerate(lengths)], 0, owner, fast)
             owner += len(lengths)
             first = mx.zeros((len(lengths),), mx.uint32) + 9
             if decode is None:

@@ -15,7 +15,11 @@ prompt's time to first token. This module computes the same attention with:
 - for short queries (decode), scores computed as ``keys @ queries^T``: the
   keys are read in their stored layout, where ``queries @ keys^T`` has BLAS
   transpose every row's keys (1.85x slower measured at 16 rows x 1,100
-  tokens).
+  tokens);
+- the tokens gathered from the arena and the call's new ones attended as two
+  parts under one softmax (:func:`attention_parts`), so the gathered keys
+  and values are never copied again into one concatenated buffer, and the
+  stored tokens' mask is one row per batch row, not one per query.
 
 :func:`install` routes the attention of one mlx-lm model module through
 :func:`attention` for float32 calls on a :class:`PagedLayerCache` on the
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -83,11 +87,6 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: mx.array | None) -> mx.array:
     """Grouped-query attention, as ``mx.fast.scaled_dot_product_attention`` computes it.
 
-    Long prompts are taken in blocks of query columns so that no block has
-    more than ``SCORES_PER_BLOCK`` scores: the fused exp slows down several
-    times once its arrays outgrow the CPU caches (measured: 2 ms for 665k
-    scores, 29 ms for 1.9M), and the transient scores stay small.
-
     Args:
         queries: ``(B, Hq, L, D)``.
         keys: ``(B, Hkv, S, D)``; ``Hq`` is a multiple of ``Hkv``.
@@ -98,34 +97,67 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     Returns:
         ``(B, Hq, L, D)``.
     """
+    return attention_parts(queries, [keys], [values], scale, [mask])
+
+
+def attention_parts(queries: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
+                    scale: float, masks: Sequence[mx.array | None]) -> mx.array:
+    """:func:`attention` over keys and values given in parts along the sequence.
+
+    The result is that of the parts concatenated (one softmax over all of
+    them), without copying them into one buffer: a paged batch passes the
+    tokens it gathered from the arena and the call's own new ones.
+    ``masks[i]`` is part ``i``'s boolean mask, ``(B or 1, 1, L or 1, S_i)``,
+    or None.
+
+    Long prompts are taken in blocks of query columns so that no block has
+    more than ``SCORES_PER_BLOCK`` scores: the fused exp slows down several
+    times once its arrays outgrow the CPU caches (measured: 2 ms for 665k
+    scores, 29 ms for 1.9M), and the transient scores stay small.
+    """
     b, hq, n, _ = queries.shape
-    per_column = b * hq * keys.shape[2]
-    step = max(1, SCORES_PER_BLOCK // per_column)
+    step = max(1, SCORES_PER_BLOCK // (b * hq * sum(k.shape[2] for k in keys)))
     if n <= step:
-        return _attend(queries, keys, values, scale, mask)
+        return _attend(queries, keys, values, scale, masks)
+
+    def rows(m: mx.array | None, i: int) -> mx.array | None:
+        return m if m is None or m.shape[2] == 1 else m[:, :, i: i + step]
+
     return mx.concatenate([
-        _attend(queries[:, :, i: i + step], keys, values, scale,
-                None if mask is None else mask[:, :, i: i + step])
+        _attend(queries[:, :, i: i + step], keys, values, scale, [rows(m, i) for m in masks])
         for i in range(0, n, step)], axis=2)
 
 
-def _attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-            mask: mx.array | None) -> mx.array:
+def _attend(queries: mx.array, keys: Sequence[mx.array], values: Sequence[mx.array],
+            scale: float, masks: Sequence[mx.array | None]) -> mx.array:
     b, hq, n, d = queries.shape
-    hkv, s = keys.shape[1], keys.shape[2]
+    hkv = keys[0].shape[1]
     rep = hq // hkv
     q = (queries * scale).reshape(b, hkv, rep * n, d)
-    if rep * n <= KEYS_FIRST_MAX_COLUMNS:
-        scores = (keys @ q.swapaxes(-1, -2)).reshape(b, hkv, s, rep, n)
-        if mask is not None:
-            scores = mx.where(mask.swapaxes(-1, -2)[:, :, :, None, :], scores, -mx.inf)
-        weights = softmax(scores, axis=2).reshape(b, hkv, s, rep * n)
-        out = weights.swapaxes(-1, -2) @ values
-    else:
-        scores = (q @ keys.swapaxes(-1, -2)).reshape(b, hkv, rep, n, s)
-        if mask is not None:
-            scores = mx.where(mask[:, :, None], scores, -mx.inf)
-        out = softmax(scores, axis=-1).reshape(b, hkv, rep * n, s) @ values
+    keys_first = rep * n <= KEYS_FIRST_MAX_COLUMNS
+    scores = []
+    for k, m in zip(keys, masks, strict=True):
+        if keys_first:  # (B, Hkv, S_i, rep, L)
+            part = (k @ q.swapaxes(-1, -2)).reshape(b, hkv, k.shape[2], rep, n)
+            if m is not None:
+                part = mx.where(m.swapaxes(-1, -2)[:, :, :, None, :], part, -mx.inf)
+        else:  # (B, Hkv, rep, L, S_i)
+            part = (q @ k.swapaxes(-1, -2)).reshape(b, hkv, rep, n, k.shape[2])
+            if m is not None:
+                part = mx.where(m[:, :, None], part, -mx.inf)
+        scores.append(part)
+    axis = 2 if keys_first else 4
+    weights = softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=axis),
+                      axis=axis)
+    out, start = None, 0
+    for k, v in zip(keys, values, strict=True):
+        size = k.shape[2]
+        if keys_first:
+            w = weights[:, :, start: start + size].reshape(b, hkv, size, rep * n).swapaxes(-1, -2)
+        else:
+            w = weights[..., start: start + size].reshape(b, hkv, rep * n, size)
+        out = w @ v if out is None else out + w @ v
+        start += size
     return out.reshape(b, hq, n, d)
 
 
@@ -137,6 +169,9 @@ def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 and queries.dtype == mx.float32 and keys.dtype == mx.float32
                 and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
                 and mx.default_device().type == mx.DeviceType.cpu):
+            parts = cache.attention_parts(mask)
+            if parts is not None:  # the batch's own mask: attend over its parts
+                return attention_parts(queries, *parts[:2], scale, parts[2])
             return attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)

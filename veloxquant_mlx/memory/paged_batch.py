@@ -102,6 +102,8 @@ class PagedKVBatch:
         self._table: mx.array | None = None
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
+        self._mask_parts: tuple[mx.array, mx.array] | None = None
+        self._any_past = False  # some row had stored tokens before the call
         self._width = 0
         self._past: mx.array | None = None  # tokens each row stored before the call
         self._lead: mx.array | None = None  # left-padding columns each row feeds in the call
@@ -190,8 +192,9 @@ class PagedKVBatch:
         layers = self.n_streams // 2
         self._table = mx.array(table.reshape(layers, 2 * len(rows), width))
         self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
-        self._width, self._mask = width * bs, None
+        self._width, self._mask, self._mask_parts = width * bs, None, None
         self._past, self._lead = mx.array(tokens.astype(np.int32)), mx.array(lead.astype(np.int32))
+        self._any_past = bool(tokens.any())
         self._pending = []
         self.columns += n
 
@@ -205,27 +208,22 @@ class PagedKVBatch:
         never used, but a row with no visible key would be NaN).
         """
         if self._mask is None:
-            stored = mx.arange(self._width)[None, None, :] < self._past[:, None, None]
-            c = mx.arange(n)
-            causal = c[None, :] <= c[:, None]
-            real = c[None, None, :] >= self._lead[:, None, None]
-            own = (c[None, :] == c[:, None])[None]
-            fresh = causal[None] & (real | own)
-            stored = mx.broadcast_to(stored, (len(self.rows), n, self._width))
-            self._mask = mx.concatenate([stored, fresh], axis=-1)[:, None]
+            stored, fresh = self.mask_parts(n)
+            stored = mx.broadcast_to(stored, (len(self.rows), 1, n, self._width))
+            self._mask = mx.concatenate([stored, fresh], axis=-1)
         return self._mask
 
     def write_and_gather(self, layer: int, keys: mx.array,
                          values: mx.array) -> tuple[mx.array, mx.array]:
-        """Return every row's stored keys/values followed by this call's; store them later.
+        """Return every row's stored keys and values; store this call's ``keys``/``values`` later.
 
         The stored tokens come out of the arena with one gather (keys' and
-        values' tables are stacked). The call's own columns are appended, not
-        written first: every layer's new columns go into the arena in ONE
-        scatter, after the last layer. On a GPU a buffer that in-flight kernels
-        still read cannot be updated in place, so each scatter copies the whole
-        arena; one per model call instead of one per layer is what keeps that
-        cost small.
+        values' tables are stacked). The call's own columns are not written
+        first (attention sees them next to the stored ones): every layer's
+        new columns go into the arena in ONE scatter, after the last layer.
+        On a GPU a buffer that in-flight kernels still read cannot be updated
+        in place, so each scatter copies the whole arena; one per model call
+        instead of one per layer is what keeps that cost small.
         """
         rows, heads, _, dim = keys.shape
         # A quantized arena decodes here; the call's own columns stay exact
@@ -234,8 +232,18 @@ class PagedKVBatch:
         self._pending.append(mx.concatenate([keys, values]))
         if layer == len(self.caches) - 1:
             self._store_pending(heads, dim)
-        return (mx.concatenate([both[:rows], keys], axis=2),
-                mx.concatenate([both[rows:], values], axis=2))
+        return both[:rows], both[rows:]
+
+    def mask_parts(self, n: int) -> tuple[mx.array, mx.array]:
+        """:meth:`mask` in two parts: stored ``(rows, 1, 1, keys)``, new ``(rows, 1, n, n)``."""
+        if self._mask_parts is None:
+            stored = mx.arange(self._width)[None, None, None, :] < self._past[:, None, None, None]
+            c = mx.arange(n)
+            causal = c[None, :] <= c[:, None]
+            real = c[None, None, :] >= self._lead[:, None, None]
+            own = (c[None, :] == c[:, None])[None]
+            self._mask_parts = (stored, (causal[None] & (real | own))[:, None])
+        return self._mask_parts
 
     def _store_pending(self, heads: int, dim: int) -> None:
         """Scatter every layer's new keys and values of this call into their slots."""
@@ -327,6 +335,7 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         self.batch = batch
         self.layer = layer
         self.written = 0  # columns this layer appended
+        self.parts: tuple[list, list] | None = None  # last call's (keys, values): stored, new
 
     @property
     def offset(self) -> mx.array:
@@ -344,7 +353,27 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         if self.written == b.columns:
             b.begin(keys.shape[2])
         self.written = b.columns
-        return b.write_and_gather(self.layer, keys, values)
+        stored_keys, stored_values = b.write_and_gather(self.layer, keys, values)
+        if b.fast_attention:  # taken (and dropped) by this call's attention
+            self.parts = ([stored_keys, keys], [stored_values, values])
+        # Lazy: never computed when attention takes the parts (attention_parts).
+        return (mx.concatenate([stored_keys, keys], axis=2),
+                mx.concatenate([stored_values, values], axis=2))
+
+    def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
+        """The last call's keys, values and masks in two parts (stored, new).
+
+        None unless ``mask`` is the batch's own mask of that call (a model
+        that passed another mask attends over the concatenated arrays).
+        """
+        b, parts, self.parts = self.batch, self.parts, None  # held no longer than the call
+        if mask is None or mask is not b._mask or parts is None:
+            return None
+        (stored_keys, keys), (stored_values, values) = parts
+        stored_mask, new_mask = b.mask_parts(keys.shape[2])
+        if not b._any_past:  # nothing stored yet (a first prefill chunk): the gather is never run
+            return [keys], [values], [new_mask]
+        return [stored_keys, keys], [stored_values, values], [stored_mask, new_mask]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Boolean mask hiding other rows' padding and future columns."""
