@@ -8,7 +8,13 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.memory import paged_attention
-from veloxquant_mlx.memory.paged_attention import attention, fast_exp, install, softmax
+from veloxquant_mlx.memory.paged_attention import (
+    attention,
+    attention_parts,
+    fast_exp,
+    install,
+    softmax,
+)
 
 
 def test_fast_exp_matches_exp_over_a_softmax_range():
@@ -53,6 +59,33 @@ def test_long_prompts_are_taken_in_blocks_with_the_same_result(monkeypatch):
     whole = attention(q, k, v, 0.25, mask)
     monkeypatch.setattr(paged_attention, "SCORES_PER_BLOCK", 4 * 60 * 7)  # 7 columns a block
     assert mx.allclose(attention(q, k, v, 0.25, mask), whole, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows_per_block", [7, 1000])
+def test_parts_under_one_softmax_equal_the_concatenated_keys(monkeypatch, rows_per_block):
+    """Stored keys plus a causal new part, in blocks or not: attention over the whole."""
+    mx.random.seed(3)
+    rows, new, stored = 2, 40, 25
+    q = mx.random.normal((rows, 4, new, 16))
+    k1, v1 = mx.random.normal((rows, 2, stored, 16)), mx.random.normal((rows, 2, stored, 16))
+    k2, v2 = mx.random.normal((rows, 2, new, 16)), mx.random.normal((rows, 2, new, 16))
+    past = mx.array([25, 9])  # row 1 stored fewer tokens than the gathered width
+    m1 = mx.arange(stored)[None, None, None, :] < past[:, None, None, None]
+    c = mx.arange(new)
+    m2 = mx.broadcast_to((c[None, :] <= c[:, None])[None, None], (rows, 1, new, new))
+    whole = attention(q, mx.concatenate([k1, k2], 2), mx.concatenate([v1, v2], 2), 0.25,
+                      mx.concatenate([mx.broadcast_to(m1, (rows, 1, new, stored)), m2], -1))
+    monkeypatch.setattr(paged_attention, "SCORES_PER_BLOCK", 4 * (stored + new) * rows_per_block)
+    for causal in (False, True):
+        got = attention_parts(q, [k1, k2], [v1, v2], 0.25, [m1, m2], causal_last=causal)
+        assert mx.allclose(got, whole, atol=1e-6)
+
+
+def test_causal_last_needs_a_square_last_part():
+    q = mx.random.normal((1, 2, 4, 8))
+    k = mx.random.normal((1, 2, 5, 8))
+    with pytest.raises(ValueError, match="causal_last"):
+        attention_parts(q, [k], [k], 1.0, [None], causal_last=True)
 
 
 def test_install_routes_only_paged_float32_cpu_calls(monkeypatch):

@@ -102,8 +102,9 @@ class PagedKVBatch:
         self._table: mx.array | None = None
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
-        self._mask_parts: tuple[mx.array, mx.array] | None = None
+        self._mask_parts: tuple[mx.array | None, mx.array] | None = None
         self._any_past = False  # some row had stored tokens before the call
+        self._all_past = False
         self._width = 0
         self._past: mx.array | None = None  # tokens each row stored before the call
         self._lead: mx.array | None = None  # left-padding columns each row feeds in the call
@@ -190,11 +191,18 @@ class PagedKVBatch:
         self._offset_next = self._offsets()
         # Per layer: keys' rows then values' rows, as write_and_gather stacks them.
         layers = self.n_streams // 2
-        self._table = mx.array(table.reshape(layers, 2 * len(rows), width))
+        # Attention reads only the blocks that held tokens before the call (at
+        # least one): the blocks just grown for this call's columns are not
+        # written yet, so gathering them would only add masked keys (a second
+        # 512-token prefill chunk would attend over 1,024 stored columns).
+        stored = max(1, -(-int(tokens.max()) // bs))
+        table = table[..., :stored].reshape(layers, 2 * len(rows), stored)
+        self._table = mx.array(np.ascontiguousarray(table))
         self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
-        self._width, self._mask, self._mask_parts = width * bs, None, None
+        self._width, self._mask, self._mask_parts = stored * bs, None, None
         self._past, self._lead = mx.array(tokens.astype(np.int32)), mx.array(lead.astype(np.int32))
         self._any_past = bool(tokens.any())
+        self._all_past = bool((tokens == self._width).all())  # every stored column visible
         self._pending = []
         self.columns += n
 
@@ -209,6 +217,7 @@ class PagedKVBatch:
         """
         if self._mask is None:
             stored, fresh = self.mask_parts(n)
+            stored = mx.ones((1, 1, 1, 1), mx.bool_) if stored is None else stored
             stored = mx.broadcast_to(stored, (len(self.rows), 1, n, self._width))
             self._mask = mx.concatenate([stored, fresh], axis=-1)
         return self._mask
@@ -234,10 +243,15 @@ class PagedKVBatch:
             self._store_pending(heads, dim)
         return both[:rows], both[rows:]
 
-    def mask_parts(self, n: int) -> tuple[mx.array, mx.array]:
-        """:meth:`mask` in two parts: stored ``(rows, 1, 1, keys)``, new ``(rows, 1, n, n)``."""
+    def mask_parts(self, n: int) -> tuple[mx.array | None, mx.array]:
+        """:meth:`mask` in two parts: stored ``(rows, 1, 1, keys)``, new ``(rows, 1, n, n)``.
+
+        The stored part is None when every row sees every stored column (a
+        lone prompt's later chunk): attention then skips masking those scores.
+        """
         if self._mask_parts is None:
-            stored = mx.arange(self._width)[None, None, None, :] < self._past[:, None, None, None]
+            stored = None if self._all_past else (
+                mx.arange(self._width)[None, None, None, :] < self._past[:, None, None, None])
             c = mx.arange(n)
             causal = c[None, :] <= c[:, None]
             real = c[None, None, :] >= self._lead[:, None, None]
