@@ -16,10 +16,17 @@ import random
 import mlx.core as mx
 import pytest
 
-from tests.memory.test_paged_batch import BS, _held_exactly, _paged, _prompt, _stock
+from tests.memory.test_paged_batch import (
+    BS,
+    _held_exactly,
+    _joins_and_leaves,
+    _paged,
+    _prompt,
+    _stock,
+)
 from veloxquant_mlx.exceptions import KVFormatError, VeloxQuantError
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout, workspace_bytes
+from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 from veloxquant_mlx.memory.kv_format import KVFormat
 
 
@@ -142,30 +149,5 @@ def test_every_block_of_a_request_has_the_arena_format(model):
 
 @pytest.mark.parametrize("name", ["native", "q8", "q4"])
 def test_memory_above_idle_stays_within_blocks_plus_workspace(model, name):
-    arena = _arena(model, KVFormat(name, 32), n_blocks=4096)
-    pool, layout = arena.pool, arena.layout
-    rng = random.Random(11)
-    mx.eval(arena.data)
-    idle = mx.get_active_memory()
-    per_block = layout.bytes_per_block(BS)
-    bound = workspace_bytes(layout, BS, max_rows=6, max_tokens=140 + 30)
-    decode, inputs, owner = None, None, 100
-    for _ in range(25):
-        if decode is None or (len(decode.rows) < 5 and rng.random() < 0.5):
-            lengths = [rng.randint(1, 140) for _ in range(rng.randint(1, 2))]
-            group, _ = _paged(model, arena, [_prompt(owner + k, n)
-                                             for k, n in enumerate(lengths)], 0, owner)
-            owner += len(lengths)
-            first = mx.zeros((len(lengths),), mx.uint32) + 9
-            if decode is None:
-                decode, inputs = group, first
-            else:
-                decode.extend(group)
-                inputs = mx.concatenate([inputs, first])
-        logits = model(inputs[:, None], cache=decode.caches)[:, -1]
-        inputs = mx.argmax(logits, -1).astype(mx.uint32)
-        mx.eval(inputs)
-        _held_exactly(pool, decode, layout.n_layers)
-        assert mx.get_active_memory() - idle <= pool.stats.blocks_in_use() * per_block + bound
-    decode.release()
-    assert pool.stats.blocks_in_use() == 0
+    _joins_and_leaves(model, _arena(model, KVFormat(name, 32), n_blocks=4096),
+                      random.Random(11), 25, join_p=0.5)

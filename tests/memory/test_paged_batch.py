@@ -114,18 +114,21 @@ def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model, fast):
-    arena = _arena(model, n_blocks=4096)
+def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False):
+    """Decode ``steps`` times while groups of random prompts join (and rows leave).
+
+    After every step each owner holds exactly its tokens' blocks and MLX
+    memory above idle stays within the blocks in use plus the workspace
+    bound; at the end every block is back in the pool.
+    """
     pool, layout = arena.pool, arena.layout
-    rng = random.Random(7)
     mx.eval(arena.data)
     idle = mx.get_active_memory()
     per_block = layout.bytes_per_block(BS)
     bound = workspace_bytes(layout, BS, max_rows=6, max_tokens=140 + 30)
     decode, inputs, owner = None, None, 100
-    for _ in range(40):
-        if decode is None or (len(decode.rows) < 5 and rng.random() < 0.4):
+    for _ in range(steps):
+        if decode is None or (len(decode.rows) < 5 and rng.random() < join_p):
             lengths = [rng.randint(1, 140) for _ in range(rng.randint(1, 2))]
             group, _ = _paged(model, arena, [_prompt(owner + k, n)
                                              for k, n in enumerate(lengths)], 0, owner, fast)
@@ -136,7 +139,7 @@ def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model, fast)
             else:
                 decode.extend(group)
                 inputs = mx.concatenate([inputs, first])
-        if decode.rows and rng.random() < 0.3:
+        if leave_p and decode.rows and rng.random() < leave_p:
             keep = sorted(rng.sample(range(len(decode.rows)), rng.randint(0, len(decode.rows))))
             decode.filter(keep)
             inputs = inputs[mx.array(keep, dtype=mx.int32)] if keep else None
@@ -151,6 +154,12 @@ def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model, fast)
     if decode is not None:
         decode.release()
     assert pool.stats.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model, fast):
+    _joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(7), 40,
+                      join_p=0.4, leave_p=0.3, fast=fast)
 
 
 def test_running_out_changes_nothing(model):

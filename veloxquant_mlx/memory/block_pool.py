@@ -343,15 +343,7 @@ class BlockPoolAllocator:
         """
         self._acquire()
         try:
-            live = self._blocks
-            checked: list[Block] = []
-            for block in blocks:
-                if not isinstance(block, Block) or live.get(block.block_id) is not block:
-                    raise ForeignBlockError(
-                        f"{block!r} does not belong to this pool (or was retired by shrink); "
-                        "free blocks only on the pool that allocated them"
-                    )
-                checked.append(block)
+            checked = [self._live_block(block, "free") for block in blocks]
             to_free = []
             for block in checked:
                 owner = block.owner
@@ -368,6 +360,15 @@ class BlockPoolAllocator:
                 self._push_back(to_free)
         finally:
             self._release()
+
+    def _live_block(self, block: object, verb: str) -> Block:
+        """``block`` if it is one of this pool's live blocks; else ForeignBlockError."""
+        if not isinstance(block, Block) or self._blocks.get(block.block_id) is not block:
+            raise ForeignBlockError(
+                f"{block!r} does not belong to this pool (or was retired by shrink); "
+                f"{verb} blocks only on the pool that allocated them"
+            )
+        return block
 
     def free_all(self, owner: int) -> None:
         """Return every block checked out to ``owner`` and retire the owner id."""
@@ -400,14 +401,9 @@ class BlockPoolAllocator:
             raise _bad_argument(1, owner)
         self._acquire()
         try:
-            live = self._blocks
             checked: list[Block] = []
-            for block in blocks:
-                if not isinstance(block, Block) or live.get(block.block_id) is not block:
-                    raise ForeignBlockError(
-                        f"{block!r} does not belong to this pool (or was retired by shrink); "
-                        "transfer blocks only on the pool that allocated them"
-                    )
+            for item in blocks:
+                block = self._live_block(item, "transfer")
                 if block.owner is None:
                     raise PoolArgumentError(
                         f"block {block.block_id} is free; only checked-out blocks can be "
