@@ -1,16 +1,21 @@
-"""Optional native build of the allocator's hot path.
+"""Optional native builds: the allocator's hot path, and the single-row sgemm forward.
 
 The block pool's bookkeeping (records.py, block_pool.py) is plain, fully
 typed Python. When mypyc and a C compiler are available at install time it is
 compiled to a C extension, which roughly halves the per-call cost; if either
 is missing or the build fails, the pure-Python modules are used unchanged.
 Set VELOXQUANT_PURE_PYTHON=1 to skip the native build.
+
+On Linux, ``veloxquant_mlx/sgemv_forward.c`` becomes a shared object that the
+CPU backend preloads ahead of OpenBLAS (never imported by Python; see its
+header and ``veloxquant_mlx/cpu_backend.py``). Without a compiler it is
+simply not there, and MLX's one-row float32 products stay on OpenBLAS's sgemm.
 """
 
 import os
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE_MODULES = ["veloxquant_mlx/memory/records.py", "veloxquant_mlx/memory/block_pool.py"]
@@ -46,4 +51,12 @@ def native_extensions() -> list:
         return []
 
 
-setup(ext_modules=native_extensions(), cmdclass={"build_ext": OptionalBuildExt})
+def sgemv_forward() -> list:
+    if not sys.platform.startswith("linux"):
+        return []
+    return [Extension("veloxquant_mlx._sgemv_forward", ["veloxquant_mlx/sgemv_forward.c"],
+                      extra_compile_args=["-O2"], libraries=["dl"])]
+
+
+setup(ext_modules=native_extensions() + sgemv_forward(),
+      cmdclass={"build_ext": OptionalBuildExt})

@@ -25,6 +25,8 @@ NON_SETTING_ENV: dict[str, str] = {
     "VELOXQUANT_NO_BLAS_PRELOAD": "skip the OpenBLAS re-exec (veloxquant_mlx/cpu_backend.py)",
     "VELOXQUANT_BLAS_PRELOADED": "marker set by the OpenBLAS re-exec "
                                  "(veloxquant_mlx/cpu_backend.py)",
+    "VELOXQUANT_NO_SGEMV_FORWARD": "preload OpenBLAS without the one-row sgemv forward "
+                                   "(veloxquant_mlx/cpu_backend.py)",
     "VELOXQUANT_PURE_PYTHON": "use the pure-Python allocator (setup.py, "
                               "veloxquant_mlx/memory/__init__.py)",
 }

@@ -17,6 +17,13 @@ re-executes the current process once with it set::
                         VELOXQUANT_BLAS_PRELOADED=<openblas>)
                 └─ ensure_optimized_blas(True) -> marker set: no-op, carry on
 
+Ahead of OpenBLAS the preload puts ``veloxquant_mlx/_sgemv_forward*.so`` when the install
+built it (``setup.py``; source ``sgemv_forward.c``): it defines ``cblas_sgemm``, serves the
+one-row products of single-stream decode with OpenBLAS's ``cblas_sgemv`` (which reads the
+weights about twice as fast as sgemm does for one row) and forwards every other call::
+
+    LD_PRELOAD=<veloxquant_mlx/_sgemv_forward...so>:<openblas>
+
 On a GPU the re-exec is skipped: matmuls run on cuBLAS or Metal there, so a preload would
 buy nothing and cost a probe and a restart. macOS means Metal; on Linux, MLX's CUDA build
 is recognised without importing MLX (:func:`veloxquant_mlx.mlx_device.mlx_build`). MLX
@@ -27,6 +34,8 @@ Process-level environment variables (the only environment this module reads; the
 the process image, not server configuration):
 
 * ``VELOXQUANT_NO_BLAS_PRELOAD=1`` -- never re-exec (same as ``enabled=False``).
+* ``VELOXQUANT_NO_SGEMV_FORWARD=1`` -- preload OpenBLAS alone, without the one-row forward
+  (for measuring what it buys).
 * ``VELOXQUANT_BLAS_PRELOADED`` -- set on the re-executed process; prevents a second re-exec
   even when the preload did not take.
 * ``OPENBLAS_THREAD_TIMEOUT`` -- set to 4 on the re-executed process unless already set.
@@ -48,6 +57,8 @@ from pathlib import Path
 from veloxquant_mlx.mlx_device import describe_device, gpu_expected, mlx_build
 
 OPT_OUT_ENV = "VELOXQUANT_NO_BLAS_PRELOAD"
+FORWARD_OPT_OUT_ENV = "VELOXQUANT_NO_SGEMV_FORWARD"
+FORWARD_STEM = "_sgemv_forward"
 MARKER_ENV = "VELOXQUANT_BLAS_PRELOADED"
 # log2 of the cycles an idle OpenBLAS thread spins before sleeping (OpenBLAS's minimum).
 THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
@@ -64,19 +75,23 @@ _CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
-# Runs in a child with the candidate preloaded: one 64x64 sgemm through the global
-# ``cblas_sgemm``. A library built for another CPU dies here (SIGILL), not in the server.
+# Runs in a child with the candidate preloaded: a 64x64 sgemm and one-row products (what
+# the sgemv forward serves, both ways round) through the global ``cblas_sgemm``. A library
+# built for another CPU dies here (SIGILL), not in the server.
 _PROBE = """
 import ctypes, sys
 g = ctypes.CDLL(None)
 n = 64
 a = (ctypes.c_float * (n * n))(*([1.0] * (n * n)))
-c = (ctypes.c_float * (n * n))()
 f = g.cblas_sgemm
 f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
               ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-f(101, 111, 111, n, n, n, 1.0, a, n, a, n, 0.0, c, n)
-sys.exit(0 if all(v == n for v in c) else 3)
+ok = True
+for m, trans_b in ((n, 111), (1, 111), (1, 112)):
+    c = (ctypes.c_float * (n * n))(*([float("nan")] * (n * n)))
+    f(101, 111, trans_b, m, n, n, 1.0, a, n, a, n, 0.0, c, n)
+    ok = ok and all(v == n for v in c[: m * n])
+sys.exit(0 if ok else 3)
 """
 
 
@@ -85,17 +100,20 @@ class ActiveBlas:
     """The BLAS that MLX's ``cblas_sgemm`` calls resolve to in this process.
 
     Attributes:
-        path: The shared object providing ``cblas_sgemm``, or None when none is loaded yet.
+        path: The BLAS library serving ``cblas_sgemm`` (behind the sgemv forward when that
+            is preloaded), or None when none is loaded yet.
         preloaded: True when it comes from the global scope (``LD_PRELOAD``), i.e. it
             overrides the copy bundled with MLX.
         config: OpenBLAS's ``openblas_get_config()`` string when available.
         threads: OpenBLAS's thread count when available.
+        forward: The preloaded one-row sgemv forward, when it is in front.
     """
 
     path: Path | None
     preloaded: bool
     config: str | None = None
     threads: int | None = None
+    forward: Path | None = None
 
 
 class _DlInfo(ctypes.Structure):
@@ -124,17 +142,43 @@ def find_optimized_blas() -> Path | None:
     return None
 
 
-def probe_blas(path: Path, timeout: float = 20.0) -> bool:
-    """Check, in a child process, that ``path`` preloads and computes an sgemm correctly.
+def find_sgemv_forward(env: dict[str, str] | None = None) -> Path | None:
+    """Return the built one-row sgemv forward (see the module docstring), if any.
+
+    Args:
+        env: The environment whose ``VELOXQUANT_NO_SGEMV_FORWARD`` counts; defaults to
+            ``os.environ``.
+
+    Returns:
+        ``veloxquant_mlx/_sgemv_forward*.so``; None off Linux, when the install did not
+        build it, or when the environment opts out.
+    """
+    env = os.environ if env is None else env
+    if sys.platform != "linux" or env.get(FORWARD_OPT_OUT_ENV, "") not in ("", "0"):
+        return None
+    built = sorted(Path(__file__).resolve().parent.glob(f"{FORWARD_STEM}*.so"))
+    return built[0] if built else None
+
+
+def preload_list(lib: Path, env: dict[str, str] | None = None) -> list[Path]:
+    """What to preload for ``lib``: the sgemv forward (when built) first, then ``lib``."""
+    forward = find_sgemv_forward(env)
+    return [forward, lib] if forward is not None else [lib]
+
+
+def probe_blas(path: Path, timeout: float = 20.0, forward: Path | None = None) -> bool:
+    """Check, in a child process, that ``path`` preloads and computes sgemms correctly.
 
     Args:
         path: The candidate library.
         timeout: Seconds to wait for the child.
+        forward: The sgemv forward to preload in front of ``path``, if any.
 
     Returns:
-        True when the child exited cleanly with the right product.
+        True when the child exited cleanly with the right products.
     """
-    env = dict(os.environ, LD_PRELOAD=str(path))
+    preload = f"{forward}:{path}" if forward is not None else str(path)
+    env = dict(os.environ, LD_PRELOAD=preload)
     try:
         done = subprocess.run(
             [sys.executable, "-I", "-S", "-c", _PROBE],
@@ -183,6 +227,9 @@ def active_blas() -> ActiveBlas:
     preloaded = _global_symbol_path("cblas_sgemm")
     if preloaded is None:
         return ActiveBlas(path=_mapped_bundled_blas(), preloaded=False)
+    forward = None
+    if preloaded.name.startswith(FORWARD_STEM):  # the BLAS is where its sgemv comes from
+        forward, preloaded = preloaded, _global_symbol_path("cblas_sgemv") or preloaded
     handle = ctypes.CDLL(None)
     config = threads = None
     if hasattr(handle, "openblas_get_config"):
@@ -190,7 +237,8 @@ def active_blas() -> ActiveBlas:
         config = handle.openblas_get_config().decode(errors="replace").strip()
     if hasattr(handle, "openblas_get_num_threads"):
         threads = int(handle.openblas_get_num_threads())
-    return ActiveBlas(path=preloaded, preloaded=True, config=config, threads=threads)
+    return ActiveBlas(path=preloaded, preloaded=True, config=config, threads=threads,
+                      forward=forward)
 
 
 def child_env(preload: bool, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -207,9 +255,10 @@ def child_env(preload: bool, base: dict[str, str] | None = None) -> dict[str, st
     """
     env = dict(os.environ if base is None else base)
     lib = find_optimized_blas()
-    kept = [p for p in env.get("LD_PRELOAD", "").split(":") if p and (lib is None or p != str(lib))]
+    ours = {str(p) for p in preload_list(lib, {})} if lib is not None else set()
+    kept = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p not in ours]
     if preload and lib is not None:
-        kept.insert(0, str(lib))
+        kept[:0] = [str(p) for p in preload_list(lib, env)]
         env[MARKER_ENV] = str(lib)
         env.setdefault(THREAD_TIMEOUT_ENV, THREAD_TIMEOUT)
         env.pop(OPT_OUT_ENV, None)
@@ -257,9 +306,16 @@ def ensure_optimized_blas(enabled: bool = True) -> None:
         return
     lib = find_optimized_blas()
     argv = _reexec_argv()
-    if lib is None or argv is None or not probe_blas(lib):
+    if lib is None or argv is None:
         return
     env = child_env(preload=True)
+    forward = find_sgemv_forward()
+    if forward is not None and not probe_blas(lib, forward=forward):
+        # OpenBLAS alone may still be fine: never let the forward cost the whole preload.
+        env = child_env(preload=True, base=dict(os.environ, **{FORWARD_OPT_OUT_ENV: "1"}))
+        forward = None
+    if forward is None and not probe_blas(lib):
+        return
     # Buffered output would be lost with the old process image.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -306,6 +362,8 @@ def _describe_cpu_blas() -> str:
         extra = "; ".join(
             s for s in (blas.config, f"{blas.threads} threads" if blas.threads else "") if s
         )
+        if blas.forward is not None:
+            extra = f"{extra}; one-row products as sgemv" if extra else "one-row products as sgemv"
         return f"BLAS: optimized (preloaded {blas.path}{'; ' + extra if extra else ''})"
     hint = "install libopenblas0-pthread for ~30x faster float32 matmuls"
     return f"BLAS: MLX's bundled reference BLAS ({blas.path}); {hint}"
