@@ -16,7 +16,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from veloxquant_mlx.memory import BlockPoolAllocator, BlockPoolExhaustedError, PoolConfig
+from veloxquant_mlx.memory import (
+    BlockPoolAllocator,
+    BlockPoolExhaustedError,
+    PoolConfig,
+    paged_attention,
+)
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout, workspace_bytes
 from veloxquant_mlx.memory.paged_batch import make_paged_batch
 
@@ -93,8 +98,15 @@ def test_alone_and_in_a_batch_give_the_stock_logits(model):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model):
-    """The CPU attention of paged_attention: same greedy tokens, logits within 1e-5."""
+@pytest.mark.parametrize("min_scores", [0, paged_attention.FAST_MIN_SCORES])
+def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model, monkeypatch,
+                                                                    min_scores):
+    """The CPU attention of paged_attention: same greedy tokens, logits within 1e-5.
+
+    With ``min_scores`` 0 every call takes it, decode included; by default the
+    small decode calls stay on mlx-lm's attention and the prompts take it.
+    """
+    monkeypatch.setattr(paged_attention, "FAST_MIN_SCORES", min_scores)
     arena = _arena(model)
     prompts = [_prompt(i, n) for i, n in enumerate((7, 33, 16, 50))]
     stock = [_stock(model, p, 12) for p in prompts]
@@ -181,3 +193,24 @@ def test_the_arena_grows_with_the_pool(model):
     for a, b in zip(_stock(model, prompt, 6), got[0], strict=True):
         assert mx.array_equal(a, b)
     batch.release()
+
+
+def test_small_calls_stay_on_mlx_lms_attention(model, monkeypatch):
+    """Under FAST_MIN_SCORES scores a layer the router hands the call back to mlx-lm."""
+    fast_calls = []
+    real = paged_attention.attention_parts
+
+    def counted(queries, *args, **kwargs):
+        fast_calls.append(queries.shape)
+        return real(queries, *args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "attention_parts", counted)
+    arena = _arena(model)
+    prompt = _prompt(0, 40)
+    batch, _ = _paged(model, arena, [prompt], 3, fast=True)
+    layers = len(model.layers)
+    heads = fast_calls[0][1]
+    assert heads * 40 * 40 >= paged_attention.FAST_MIN_SCORES  # the prompt: fast
+    assert len(fast_calls) == layers  # one prompt call per layer, none of the decodes
+    batch.release()
+    assert arena.pool.stats.blocks_in_use() == 0
