@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "SmolLM2-135M-Instruct), tiny | small (offline random test models), "
                         "a local mlx-lm folder, a .gguf file, or a Hugging Face repo id")
     parser.add_argument("--log-level", choices=LOG_LEVELS, help="log level")
+    parser.add_argument("--distributed", type=int, metavar="N",
+                        help="split the model over N processes on this machine (tensor "
+                        "parallel, mx.distributed ring backend on loopback); rank 0 serves")
     return parser.parse_args(argv)
 
 
@@ -46,7 +49,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides = {"server": server}
     if args.model is not None:
         overrides["model"] = {"path": args.model}
-    return load_settings(args.config, overrides=overrides)
+    if args.distributed is not None:
+        overrides["distributed"] = {"ranks": args.distributed}
+    settings = load_settings(args.config, overrides=overrides)
+    if settings.distributed.ranks > 1 and settings.cache.prefix_caching:
+        # A cache hit changes what one rank computes (server.engine.distributed).
+        settings = settings.replace(cache=settings.cache.model_copy(
+            update={"prefix_caching": False}))
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.distributed.ranks > 1:
+        return _serve_distributed(settings)
+    return _serve(settings)
+
+
+def _serve(settings: Settings) -> int:
+    """Serve HTTP in this process until stopped (rank 0 when the model is split)."""
     from server.file_limit import import_mlx_lm
 
     import_mlx_lm()  # first import of mlx_lm: keeps it from lowering the open-file limit
@@ -82,6 +99,40 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM drains (server/http/serve.py); a non-loopback bind without an API key warns.
     serve(create_app(settings), settings)
     return 0
+
+
+def _serve_distributed(settings: Settings) -> int:
+    """Rank 0 serves (and starts ranks 1.. here unless ``mlx.launch`` did); the others follow."""
+    import subprocess
+
+    from server.engine import distributed
+    from server.file_limit import import_mlx_lm
+
+    import_mlx_lm()
+    from server.model_loader import ModelSourceError, resolve_model_path
+
+    try:  # before the copies start: building or converting the model happens once
+        resolve_model_path(settings.model)
+    except ModelSourceError as exc:
+        print(f"veloxquant-serve: {exc}", file=sys.stderr)
+        return 2
+    followers = distributed.spawn_local_ranks(settings.distributed.ranks,
+                                              [sys.executable, *sys.orig_argv[1:]])
+    rank = int(os.environ.get(distributed.RANK_ENV, "0"))
+    try:
+        if rank != 0:
+            group = distributed.join_group(settings.distributed.ranks)
+            return distributed.serve_follower(settings, group)
+        return _serve(settings)
+    except distributed.DistributedError as exc:
+        print(f"veloxquant-serve: rank {rank}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for proc in followers:  # they exit when rank 0's engine says stop
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def run() -> NoReturn:

@@ -45,6 +45,7 @@ from server.settings_sections import (  # noqa: F401  (re-exported: the settings
     CacheSection,
     ConfigError,
     CpuSection,
+    DistributedSection,
     KVSection,
     LimitsSection,
     ModelSection,
@@ -103,6 +104,7 @@ class Settings(BaseSettings):
     cpu: CpuSection = Field(default_factory=CpuSection)
     cache: CacheSection = Field(default_factory=CacheSection)
     kv: KVSection = Field(default_factory=KVSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
     admin_token: str | None = Field(default=None, repr=False)
     api_key: str | None = Field(default=None, repr=False)
 

@@ -238,6 +238,14 @@ class CacheSection(_Section):
     prefix_caching: bool = True
 
 
+class DistributedSection(_Section):
+    """One model over several processes (server.engine.distributed): tensor parallel
+    over mx.distributed's ring backend; rank 0 serves HTTP, owns admission and the pool
+    figures, the other ranks follow each step. 1 = one process (off)."""
+
+    ranks: int = Field(default=1, ge=1, le=64)
+
+
 class CpuSection(_Section):
     """CPU backend knobs (Linux): preload Debian's OpenBLAS under MLX."""
 

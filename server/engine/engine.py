@@ -211,6 +211,10 @@ class Engine:
         loaded = self.loaded
         if loaded is None:
             return Rejected(Reason.SHUTTING_DOWN, "the model is not loaded")
+        if self.settings.distributed.ranks > 1:  # a model call only rank 0 would make
+            return Rejected(Reason.INVALID_VALUE, "echo and prompt logprobs are not "
+                            "available while the model is split over ranks "
+                            "(distributed.ranks > 1)")
         return new_job(loaded, self.settings.limits.max_prompt_tokens,
                        self.settings.batch.prefill_chunk_size, prompt, top_n)
 
@@ -260,6 +264,13 @@ class Engine:
         """Why the server cannot serve every valid request any more (a forced shrink), else None."""
         return self.scheduler.degraded if self.scheduler else None
 
+    def rank_figures(self) -> concurrent.futures.Future | None:
+        """Every rank's pool figures (a future), when the model is split over ranks; else None."""
+        runner = self.runner
+        if runner is None or not hasattr(runner, "rank_figures"):
+            return None
+        return self.run_on_engine(runner.rank_figures)
+
     def live_requests(self) -> dict[int, str]:
         """Owner id -> request id of every request holding (or about to hold) blocks."""
         return self.scheduler.live_requests() if self.scheduler else {}
@@ -290,7 +301,16 @@ class Engine:
 
     def _load(self) -> bool:
         try:
+            group = None
+            if self.settings.distributed.ranks > 1:  # rank 0 of a split model
+                from server.engine.distributed import join_group
+
+                group = join_group(self.settings.distributed.ranks)
             loaded = self._loader(self.settings.model)
+            if group is not None:
+                from server.engine.distributed import shard_model
+
+                shard_model(loaded.model, group)
             layout = probe_kv_layout(loaded.model, kv_format_of(self.settings))
             self.kv = self._plan_kv(layout)
             if self.settings.cache.prefix_caching:
@@ -302,6 +322,10 @@ class Engine:
             self.runner = ModelRunner(loaded.model, self.pool,
                                       self.settings.batch.prefill_chunk_size, self.kv.arena,
                                       self.clock, self.prefixes)
+            if group is not None:  # the other ranks repeat this runner's calls
+                from server.engine.distributed import LeaderRunner, RankLink
+
+                self.runner = LeaderRunner(self.runner, RankLink(group))
             self.output = OutputProcessor(loaded.tokenizer)
             self._preparer = PromptPreparer(loaded, self.settings.limits, self.metrics,
                                             self._inbox.put)

@@ -159,6 +159,10 @@ class ModelRunner:
         self._plan: _SamplingPlan | None = None  # how the decode rows sample (rows change: None)
         self._refused: list[tuple[int, Exception]] = []  # owners whose grammar refused a token
         self.clock = clock or StepClock()
+        # Every token a row feeds passes through here (lazily): the identity, except
+        # on a model split over ranks, where it hands every rank rank 0's tokens
+        # (server.engine.distributed.token_sharer).
+        self.share_tokens: Callable[[mx.array], mx.array] = _same
 
     # -- rows in and out -------------------------------------------------------
 
@@ -328,7 +332,7 @@ class ModelRunner:
                 words = mx.array(row.matcher.constraint.first_mask()[None])
                 token, _ = self._sample_one(row, mask_logits(raw, words, mx.array([False])))
                 logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-            row.first, row.pending = token.astype(mx.uint32), True
+            row.first, row.pending = self.share_tokens(token.astype(mx.uint32)), True
             row.logprobs = logprobs[0] if row.want_logprobs else None
 
     def _sample_one(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -421,7 +425,7 @@ class ModelRunner:
                 row.fed.append(tokens[i])
             if row.want_logprobs:
                 row.logprobs = logprobs[i]
-        self.inputs = nxt
+        self.inputs = self.share_tokens(nxt)
         return out
 
     def _constrain(self, logits: mx.array, tokens: list[int], plan: _SamplingPlan) -> mx.array:
@@ -470,6 +474,10 @@ class ModelRunner:
         self._plan = _SamplingPlan(greedy, settings, own, masks, free,
                                    any(r.want_logprobs for r in self.rows))
         return self._plan
+
+
+def _same(tokens: mx.array) -> mx.array:
+    return tokens
 
 
 @dataclass(frozen=True, slots=True)

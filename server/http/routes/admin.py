@@ -79,8 +79,14 @@ def kv_view(engine: Any, metrics: Any) -> dict[str, int | str | None]:
 
 @router.get("/pool")
 async def admin_pool(request: Request) -> dict[str, Any]:
-    """The pool as an operator sees it."""
-    return pool_view(request)
+    """The pool as an operator sees it; with a model split over ranks, every rank's pool."""
+    view = pool_view(request)
+    ranks = getattr(request.app.state.engine, "rank_figures", None)
+    figures = ranks() if ranks is not None else None
+    if figures is not None:
+        view["ranks"] = [{"rank": rank, **row}
+                         for rank, row in enumerate(await asyncio.wrap_future(figures))]
+    return view
 
 
 @router.post("/shrink")

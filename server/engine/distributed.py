@@ -1,0 +1,289 @@
+"""One model over several processes with ``mx.distributed``: rank 0 serves, the others follow.
+
+The model is split tensor-parallel by mlx-lm's ``Model.shard`` (each rank
+holds its share of every layer's attention heads and MLP columns; two
+all-sums per layer join the shares), over MLX's ``ring`` backend (TCP; on
+one machine, loopback ports). Each rank keeps its own share of the KV heads
+in its own pool and arena.
+
+Rank 0 is the whole server: HTTP, admission, scheduling, sampling,
+detokenizing, the pool figures. The other ranks run only a
+:class:`~server.engine.runner.ModelRunner` and repeat rank 0's runner calls,
+in the same order, so that every rank makes the same model calls and their
+collectives line up::
+
+    rank 0: LeaderRunner                         rank r > 0: follow()
+      add / remove            -> recorded
+      prefill(budget)         -> exchange(ops) ->  apply ops; prefill(budget)
+      decode()                -> exchange(ops) ->  apply ops; decode()
+      close()                 -> exchange(stop) -> close; exit 0
+                              <- each rank's pool figures ride back on every exchange
+
+The tokens every rank feeds are rank 0's: the runner passes each sampled
+token through :func:`token_sharer`, an all-sum to which only rank 0
+contributes, inside the step's graph; followers never need their own draws
+to agree and rank 0's host never waits for them.
+
+Left out on purpose, since each would have one rank run a model call the
+others do not: prefix caching (a hit changes the prompt a rank computes),
+prompt scoring (``echo`` runs the model outside the step), fault hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from server.engine.protocol import SamplingParams
+from server.engine.runner import ModelRunner, RowHook, RunOutput
+
+log = logging.getLogger("veloxquant.server")
+
+RANK_ENV, HOSTFILE_ENV = "MLX_RANK", "MLX_HOSTFILE"  # what mx.distributed's ring backend reads
+FIGURES = ("blocks_in_use", "blocks_free", "n_blocks")  # each rank's pool, on every exchange
+
+
+class DistributedError(RuntimeError):
+    """The model cannot be split over the ranks, or the ranks cannot meet."""
+
+
+# -- start-up ------------------------------------------------------------------
+
+
+def spawn_local_ranks(ranks: int, argv: list[str]) -> list[subprocess.Popen]:
+    """Make this process rank 0 of ``ranks`` on loopback and start ranks 1.. as copies of it.
+
+    A no-op (returns ``[]``) when this process already has a rank: started by
+    ``mlx.launch``, or a copy started here. The ring's hostfile lists one
+    free loopback port per rank.
+    """
+    if RANK_ENV in os.environ or ranks <= 1:
+        return []
+    ports = []
+    for _ in range(ranks):
+        with socket.socket() as probe:  # the ring listens on these; the OS picks free ones
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    fd, hostfile = tempfile.mkstemp(prefix="veloxquant-ring-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump([[f"127.0.0.1:{port}"] for port in ports], f)
+    os.environ[HOSTFILE_ENV], os.environ[RANK_ENV] = hostfile, "0"
+    return [subprocess.Popen(argv, env=dict(os.environ, **{RANK_ENV: str(rank)}),
+                             preexec_fn=_die_with_parent)
+            for rank in range(1, ranks)]
+
+
+def _die_with_parent() -> None:
+    """In a spawned rank: SIGKILL when rank 0 dies (Linux), so no rank outlives it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def join_group(ranks: int) -> Any:
+    """The ring group of ``ranks`` processes this one belongs to (blocks until all meet).
+
+    Raises:
+        DistributedError: The group's size is not ``ranks``.
+    """
+    group = mx.distributed.init(strict=True, backend="ring")
+    if group.size() != ranks:
+        raise DistributedError(f"distributed.ranks is {ranks} but the ring has "
+                               f"{group.size()} processes (MLX_HOSTFILE)")
+    return group
+
+
+def shard_model(model: Any, group: Any) -> None:
+    """Split ``model`` over ``group`` with mlx-lm's ``shard`` (tensor parallel).
+
+    Raises:
+        DistributedError: The family has no ``shard`` in mlx-lm, or its heads do
+            not divide among the ranks.
+    """
+    size = group.size()
+    if not hasattr(model, "shard"):
+        raise DistributedError(f"mlx-lm has no tensor-parallel split for "
+                               f"{type(model).__module__} models")
+    args = model.args
+    heads = args.num_attention_heads
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise DistributedError(f"{heads} attention heads and {kv_heads} KV heads do not "
+                               f"divide among {size} ranks")
+    model.shard(group)
+    mx.eval(model.parameters())
+
+
+def token_sharer(group: Any):
+    """``share(tokens)``: rank 0's tokens on every rank (an all-sum only rank 0 adds to)."""
+    leader = group.rank() == 0
+
+    def share(tokens: mx.array) -> mx.array:
+        # A follower adds zeros computed FROM its own tokens: with constant zeros
+        # its all-sum would depend on nothing, MLX could run it before the
+        # model's all-sums that rank 0 runs first, and the ranks would deadlock.
+        mine = tokens.astype(mx.int32)
+        if not leader:
+            mine = mine * 0
+        return mx.distributed.all_sum(mine, group=group).astype(tokens.dtype)
+
+    return share
+
+
+# -- the per-step exchange -------------------------------------------------------
+
+
+class RankLink:
+    """Rank 0's op lists out to the followers; every rank's pool figures back, each call."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.figures: list[dict[str, int]] = [dict.fromkeys(FIGURES, 0)
+                                              for _ in range(self.size)]
+
+    def exchange(self, ops: list | None, figures: Iterable[int]) -> list:
+        """Send ``ops`` (rank 0) or receive them (others); everyone shares ``figures``.
+
+        Two all-sums: a header (payload length from rank 0, one row of figures
+        per rank), then the payload as int32 words, when there is one.
+        """
+        header = np.zeros((self.size, 1 + len(FIGURES)), np.int32)
+        header[self.rank, 1:] = list(figures)
+        payload = b""
+        if self.rank == 0:
+            payload = pickle.dumps(ops or [])
+            header[0, 0] = len(payload)
+        total = np.array(self._sum(header))
+        self.figures = [dict(zip(FIGURES, map(int, row[1:]), strict=True)) for row in total]
+        length = int(total[0, 0])
+        if length == 0:
+            return []
+        words = np.zeros(-(-length // 4), np.int32)
+        if self.rank == 0:
+            words.view(np.uint8)[:length] = np.frombuffer(payload, np.uint8)
+        got = np.array(self._sum(words), np.int32)
+        return pickle.loads(got.view(np.uint8)[:length].tobytes())
+
+    def _sum(self, array: np.ndarray) -> mx.array:
+        out = mx.distributed.all_sum(mx.array(array), group=self.group)
+        mx.eval(out)
+        return out
+
+
+def pool_figures(pool: Any) -> tuple[int, int, int]:
+    """A pool's :data:`FIGURES`."""
+    free = sum(pool.n_free(s) for s in pool.config.streams)
+    return pool.stats.blocks_in_use(), free, pool.stats.n_blocks
+
+
+# -- rank 0 --------------------------------------------------------------------
+
+
+class LeaderRunner:
+    """Rank 0's runner: records add/remove, hands them to the followers before each model call.
+
+    Every other attribute is the wrapped :class:`ModelRunner`'s.
+    """
+
+    def __init__(self, runner: ModelRunner, link: RankLink) -> None:
+        self._runner, self._link, self._ops = runner, link, []
+        runner.share_tokens = token_sharer(link.group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def add(self, owner: int, prompt_ids: list[int], params: SamplingParams,
+            prefix: Any = None) -> None:
+        if prefix is not None:
+            raise DistributedError("prefix caching is off with distributed serving")
+        self._runner.add(owner, prompt_ids, params, None)
+        # A follower's draws are replaced by rank 0's: it needs no grammar and no seed.
+        self._ops.append(("add", owner, list(prompt_ids),
+                          dataclasses.replace(params, constraint=None)))
+
+    def remove(self, owners: Iterable[int]) -> dict[int, int]:
+        owners = list(owners)
+        self._ops.append(("remove", owners))
+        return self._runner.remove(owners)
+
+    def prefill(self, budget: int, hook: RowHook | None = None) -> RunOutput:
+        self.flush(("prefill", budget))
+        return self._runner.prefill(budget, None)
+
+    def decode(self, hook: RowHook | None = None) -> RunOutput:
+        self.flush(("decode",))
+        return self._runner.decode(None)
+
+    def close(self) -> None:
+        self._runner.close()
+        self.flush(("stop",))
+
+    def flush(self, *ops: tuple) -> None:
+        """Send what was recorded, then ``ops``; refresh every rank's pool figures."""
+        pending, self._ops = self._ops + list(ops), []
+        self._link.exchange(pending, pool_figures(self._runner.pool))
+
+    def rank_figures(self) -> list[dict[str, int]]:
+        """Every rank's pool figures, fresh (call on the engine thread)."""
+        self.flush()
+        self._link.figures[0] = dict(zip(FIGURES, pool_figures(self._runner.pool), strict=True))
+        return self._link.figures
+
+
+# -- ranks 1.. -------------------------------------------------------------------
+
+
+def follow(runner: ModelRunner, link: RankLink) -> None:
+    """Repeat rank 0's runner calls until it says stop (ranks > 0)."""
+    runner.share_tokens = token_sharer(link.group)
+    while True:
+        for op in link.exchange(None, pool_figures(runner.pool)):
+            kind = op[0]
+            if kind == "add":
+                runner.add(op[1], op[2], op[3], None)
+            elif kind == "remove":
+                runner.remove(op[1])
+            elif kind == "prefill":
+                runner.prefill(op[1])
+            elif kind == "decode":
+                runner.decode()
+            elif kind == "stop":
+                runner.close()
+                return
+            else:
+                raise DistributedError(f"unknown op from rank 0: {kind!r}")
+
+
+def serve_follower(settings: Any, group: Any) -> int:
+    """A follower process's whole life: load and shard the model, then :func:`follow`."""
+    from server.engine.engine import make_pool
+    from server.engine.kv_memory import blocks_for_bytes, build_kv_memory, kv_format_of
+    from server.model_loader import load_model
+    from veloxquant_mlx.memory.kv_arena import probe_kv_layout
+
+    loaded = load_model(settings.model)
+    shard_model(loaded.model, group)
+    layout = probe_kv_layout(loaded.model, kv_format_of(settings))
+    pool = make_pool(settings, blocks_for_bytes(settings, layout))
+    kv = build_kv_memory(settings, pool, layout)
+    runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena)
+    log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
+    follow(runner, RankLink(group))
+    log.info("rank %d: rank 0 stopped; exiting", group.rank())
+    sys.stdout.flush()
+    return 0

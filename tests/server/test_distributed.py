@@ -1,0 +1,116 @@
+"""One model over two processes (``--distributed 2``): same answers, both ranks' pools, clean stop.
+
+The tiny model (4 heads, 2 KV heads) is split tensor-parallel over two ranks
+on loopback (mx.distributed's ring backend); rank 0 serves. Its greedy
+output must be the one-process server's, text for text: the split only
+changes the order of the sums inside two matmuls per layer (logits move by
+float32 rounding, ~1e-6 on this model), far from any greedy choice here.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.engine.distributed import DistributedError, shard_model
+from server.settings import load_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark_scripts"))
+from server_process import ServerProcess  # noqa: E402
+
+ADMIN = "admin-token-ranks"
+PROMPTS = ["The pool holds", "Blocks go back when", "Rank zero serves while"]
+NO_EOS = {"1": -100, "3": -100}  # the tiny model's end tokens never win: a long answer
+
+
+def _greedy(base: str, prompt: str, max_tokens: int = 16) -> str:
+    r = httpx.post(base + "/v1/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                         "logit_bias": NO_EOS})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _ranks(base: str) -> list[dict]:
+    r = httpx.get(base + "/admin/pool", headers={"Authorization": f"Bearer {ADMIN}"},
+                  timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["ranks"]
+
+
+def test_two_ranks_answer_as_one_and_report_both_pools(tiny_model_path, live_server, tmp_path):
+    want = [_greedy(live_server.base_url, p) for p in PROMPTS]
+    server = ServerProcess(tmp_path / "ranks.log",
+                           ["--model", str(tiny_model_path), "--distributed", "2"],
+                           {"VELOXQUANT_ADMIN_TOKEN": ADMIN}, startup_timeout_s=180)
+    with server:
+        base = server.base_url
+        assert [_greedy(base, p) for p in PROMPTS] == want
+
+        # A long answer in flight: both ranks hold its blocks (each its share of the heads).
+        seen: list[list[dict]] = []
+        done = threading.Event()
+
+        def long_answer() -> None:
+            try:
+                _greedy(base, PROMPTS[0], max_tokens=300)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=long_answer)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not done.is_set() and time.monotonic() < deadline:
+            ranks = _ranks(base)
+            if all(r["blocks_in_use"] > 0 for r in ranks):
+                seen.append(ranks)
+            time.sleep(0.05)
+        thread.join(60)
+        assert seen, "no /admin/pool read caught the request on both ranks"
+        for ranks in seen:
+            assert [r["rank"] for r in ranks] == [0, 1]
+            assert ranks[0]["blocks_in_use"] == ranks[1]["blocks_in_use"]
+            assert ranks[0]["n_blocks"] == ranks[1]["n_blocks"]
+        idle = _ranks(base)
+        assert [r["blocks_in_use"] for r in idle] == [0, 0]
+        assert all(r["blocks_free"] == r["n_blocks"] for r in idle)
+
+        # Prompt scoring would be a model call on rank 0 alone: refused, as a client error.
+        echo = httpx.post(base + "/v1/completions", timeout=60,
+                          json={"prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 1})
+        assert echo.status_code == 400 and "ranks" in echo.json()["error"]["message"]
+
+        server.terminate()
+        assert server.wait(60) == 0
+    log = server.log()
+    assert "rank 1 of 2: following rank 0" in log
+    assert "rank 1: rank 0 stopped; exiting" in log
+
+
+def test_distributed_turns_prefix_caching_off():
+    import server.__main__ as entry
+
+    settings = entry.settings_from_args(entry.parse_args(["--distributed", "2"]))
+    assert settings.distributed.ranks == 2 and not settings.cache.prefix_caching
+    assert load_settings(None, env={}).distributed.ranks == 1
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_heads_that_do_not_divide_are_refused(tiny_model):
+    model = tiny_model[0]
+    with pytest.raises(DistributedError, match="do not divide among 3 ranks"):
+        shard_model(model, _Group(3))
+    with pytest.raises(DistributedError, match="no tensor-parallel split"):
+        shard_model(object(), _Group(2))
