@@ -112,8 +112,8 @@ def _serve_distributed(settings: Settings) -> int:
     from server.model_loader import ModelSourceError, resolve_model_path
 
     try:  # before the copies start: building or converting the model happens once
-        resolve_model_path(settings.model)
-    except ModelSourceError as exc:
+        distributed.check_split(resolve_model_path(settings.model), settings.distributed.ranks)
+    except (ModelSourceError, distributed.DistributedError) as exc:
         print(f"veloxquant-serve: {exc}", file=sys.stderr)
         return 2
     followers = distributed.spawn_local_ranks(settings.distributed.ranks,

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -105,6 +106,20 @@ def join_group(ranks: int) -> Any:
         raise DistributedError(f"distributed.ranks is {ranks} but the ring has "
                                f"{group.size()} processes (MLX_HOSTFILE)")
     return group
+
+
+def check_split(model_dir: Any, ranks: int) -> None:
+    """Refuse, before any rank starts, a model whose heads do not divide among ``ranks``.
+
+    Raises:
+        DistributedError: They do not (read from the folder's ``config.json``).
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(config.get("num_attention_heads", 0))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if not heads or heads % ranks or kv_heads % ranks:
+        raise DistributedError(f"{heads} attention heads and {kv_heads} KV heads do not "
+                               f"divide among {ranks} ranks")
 
 
 def shard_model(model: Any, group: Any) -> None:
@@ -239,7 +254,12 @@ class LeaderRunner:
         self._link.exchange(pending, pool_figures(self._runner.pool))
 
     def rank_figures(self) -> list[dict[str, int]]:
-        """Every rank's pool figures, fresh (call on the engine thread)."""
+        """Every rank's pool figures, fresh (call on the engine thread).
+
+        Two exchanges: a follower reports its figures as it receives ops, so
+        the second one carries what it holds after the first one's removals.
+        """
+        self.flush()
         self.flush()
         self._link.figures[0] = dict(zip(FIGURES, pool_figures(self._runner.pool), strict=True))
         return self._link.figures

@@ -9,6 +9,8 @@ float32 rounding, ~1e-6 on this model), far from any greedy choice here.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.engine.distributed import DistributedError, shard_model
+from server.engine.distributed import DistributedError, check_split, shard_model
 from server.settings import load_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark_scripts"))
@@ -114,3 +116,17 @@ def test_heads_that_do_not_divide_are_refused(tiny_model):
         shard_model(model, _Group(3))
     with pytest.raises(DistributedError, match="no tensor-parallel split"):
         shard_model(object(), _Group(2))
+
+
+def test_a_split_that_cannot_be_made_stops_start_up_with_exit_2(tiny_model_path, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9,
+                                                      "num_key_value_heads": 3}))
+    with pytest.raises(DistributedError, match="9 attention heads and 3 KV heads"):
+        check_split(tmp_path, 2)
+    check_split(tmp_path, 3)
+    done = subprocess.run([sys.executable, "-m", "server", "--model", str(tiny_model_path),
+                           "--distributed", "3", "--port", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2
+    assert "4 attention heads and 2 KV heads do not divide among 3 ranks" in done.stderr
