@@ -217,6 +217,7 @@ class LeaderRunner:
 
     def __init__(self, runner: ModelRunner, link: RankLink) -> None:
         self._runner, self._link, self._ops = runner, link, []
+        self._lost = False  # an exchange failed: the ring is gone for good
         runner.share_tokens = token_sharer(link.group)
 
     def __getattr__(self, name: str) -> Any:
@@ -245,13 +246,22 @@ class LeaderRunner:
         return self._runner.decode(None)
 
     def close(self) -> None:
+        if self._lost:  # MLX work waiting on a dead peer never finishes: do not wait for it
+            return
         self._runner.close()
-        self.flush(("stop",))
+        try:
+            self.flush(("stop",))
+        except Exception:  # the engine still has to finish shutting down
+            log.exception("could not tell the other ranks to stop")
 
     def flush(self, *ops: tuple) -> None:
         """Send what was recorded, then ``ops``; refresh every rank's pool figures."""
         pending, self._ops = self._ops + list(ops), []
-        self._link.exchange(pending, pool_figures(self._runner.pool))
+        try:
+            self._link.exchange(pending, pool_figures(self._runner.pool))
+        except Exception as exc:
+            self._lost = True
+            raise DistributedError(f"lost the other ranks: {exc}") from exc
 
     def rank_figures(self) -> list[dict[str, int]]:
         """Every rank's pool figures, fresh (call on the engine thread).

@@ -294,6 +294,7 @@ class Engine:
                     self.clock.lap("memory")
             except Exception:  # a bug in the loop itself: fail everything cleanly
                 log.exception("engine loop crashed")
+                self._stopping.set()  # not ready from now on: /health says 503
             finally:
                 self._shutdown()
         finally:

@@ -130,3 +130,34 @@ def test_a_split_that_cannot_be_made_stops_start_up_with_exit_2(tiny_model_path,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 2
     assert "4 attention heads and 2 KV heads do not divide among 3 ranks" in done.stderr
+
+
+def _follower_pid(rank0: int) -> int:
+    """The rank-1 process rank 0 started (its child with MLX_RANK=1)."""
+    for child in Path(f"/proc/{rank0}/task/{rank0}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if b"MLX_RANK=1" in environ:
+            return int(child)
+    raise AssertionError("rank 0 has no rank-1 child")
+
+
+def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path, tmp_path):
+    import os
+    import signal
+
+    server = ServerProcess(tmp_path / "lost.log",
+                           ["--model", str(tiny_model_path), "--distributed", "2"],
+                           startup_timeout_s=180)
+    with server:
+        base = server.base_url
+        assert _greedy(base, PROMPTS[0], max_tokens=4)
+        os.kill(_follower_pid(server.pid), signal.SIGKILL)
+        for _ in range(2):  # the one that meets the broken ring, then one after it
+            r = httpx.post(base + "/v1/completions", timeout=60,
+                           json={"prompt": "x", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] in ("shutting_down", "unavailable")
+        assert httpx.get(base + "/health", timeout=10).status_code == 503
+        server.terminate()
+        assert server.wait(60) == 0
+    assert "lost the other ranks" in server.log()
