@@ -269,6 +269,10 @@ class Engine:
         runner = self.runner
         if runner is None or not hasattr(runner, "rank_figures"):
             return None
+        if not self.is_ready:  # no loop to run the exchange
+            stopped: concurrent.futures.Future = concurrent.futures.Future()
+            stopped.set_exception(RuntimeError("the engine is not running"))
+            return stopped
         return self.run_on_engine(runner.rank_figures)
 
     def live_requests(self) -> dict[int, str]:

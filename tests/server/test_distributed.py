@@ -147,7 +147,7 @@ def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path
 
     server = ServerProcess(tmp_path / "lost.log",
                            ["--model", str(tiny_model_path), "--distributed", "2"],
-                           startup_timeout_s=180)
+                           {"VELOXQUANT_ADMIN_TOKEN": ADMIN}, startup_timeout_s=180)
     with server:
         base = server.base_url
         assert _greedy(base, PROMPTS[0], max_tokens=4)
@@ -158,6 +158,9 @@ def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] in ("shutting_down", "unavailable")
         assert httpx.get(base + "/health", timeout=10).status_code == 503
+        pool = httpx.get(base + "/admin/pool", timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN}"})
+        assert pool.status_code == 503 and "ranks did not answer" in pool.text
         server.terminate()
         assert server.wait(60) == 0
     assert "lost the other ranks" in server.log()

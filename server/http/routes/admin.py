@@ -15,6 +15,7 @@ from server.metrics import request_blocks_in_use
 from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
 
 HISTORY_SHOWN = 16
+RANKS_TIMEOUT_S = 10.0  # longest wait for every rank's pool figures (/admin/pool)
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -84,8 +85,11 @@ async def admin_pool(request: Request) -> dict[str, Any]:
     ranks = getattr(request.app.state.engine, "rank_figures", None)
     figures = ranks() if ranks is not None else None
     if figures is not None:
-        view["ranks"] = [{"rank": rank, **row}
-                         for rank, row in enumerate(await asyncio.wrap_future(figures))]
+        try:  # from the engine thread, which may be busy with a step or stopped for good
+            rows = await asyncio.wait_for(asyncio.wrap_future(figures), RANKS_TIMEOUT_S)
+        except Exception as exc:
+            raise UnavailableError(f"the other ranks did not answer: {exc!r}") from exc
+        view["ranks"] = [{"rank": rank, **row} for rank, row in enumerate(rows)]
     return view
 
 
