@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import NoReturn
 
 from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
@@ -133,6 +134,8 @@ def _serve_distributed(settings: Settings) -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if followers:  # the ring's hostfile is ours (spawn_local_ranks wrote it)
+            Path(os.environ[distributed.HOSTFILE_ENV]).unlink(missing_ok=True)
 
 
 def run() -> NoReturn:

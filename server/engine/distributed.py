@@ -175,7 +175,9 @@ class RankLink:
         """Send ``ops`` (rank 0) or receive them (others); everyone shares ``figures``.
 
         Two all-sums: a header (payload length from rank 0, one row of figures
-        per rank), then the payload as int32 words, when there is one.
+        per rank), then the payload as int32 words, when there is one. The ops
+        are pickled: the ring links processes of one deployment, on loopback or
+        on the cluster network mx.distributed already has to trust.
         """
         header = np.zeros((self.size, 1 + len(FIGURES)), np.int32)
         header[self.rank, 1:] = list(figures)
