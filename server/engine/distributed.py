@@ -116,7 +116,10 @@ def check_split(model_dir: Any, ranks: int) -> None:
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     heads = int(config.get("num_attention_heads", 0))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    _check_heads(heads, int(config.get("num_key_value_heads") or heads), ranks)
+
+
+def _check_heads(heads: int, kv_heads: int, ranks: int) -> None:
     if not heads or heads % ranks or kv_heads % ranks:
         raise DistributedError(f"{heads} attention heads and {kv_heads} KV heads do not "
                                f"divide among {ranks} ranks")
@@ -133,12 +136,8 @@ def shard_model(model: Any, group: Any) -> None:
     if not hasattr(model, "shard"):
         raise DistributedError(f"mlx-lm has no tensor-parallel split for "
                                f"{type(model).__module__} models")
-    args = model.args
-    heads = args.num_attention_heads
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    if heads % size or kv_heads % size:
-        raise DistributedError(f"{heads} attention heads and {kv_heads} KV heads do not "
-                               f"divide among {size} ranks")
+    heads = model.args.num_attention_heads
+    _check_heads(heads, getattr(model.args, "num_key_value_heads", None) or heads, size)
     model.shard(group)
     mx.eval(model.parameters())
 
@@ -272,8 +271,7 @@ class LeaderRunner:
         the second one carries what it holds after the first one's removals.
         """
         self.flush()
-        self.flush()
-        self._link.figures[0] = dict(zip(FIGURES, pool_figures(self._runner.pool), strict=True))
+        self.flush()  # rank 0's own row is its pool as of this exchange
         return self._link.figures
 
 
