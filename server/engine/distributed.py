@@ -301,16 +301,15 @@ def follow(runner: ModelRunner, link: RankLink) -> None:
 
 def serve_follower(settings: Any, group: Any) -> int:
     """A follower process's whole life: load and shard the model, then :func:`follow`."""
-    from server.engine.engine import make_pool
-    from server.engine.kv_memory import blocks_for_bytes, build_kv_memory, kv_format_of
+    from server.engine.engine import plan_kv
+    from server.engine.kv_memory import kv_format_of
     from server.model_loader import load_model
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 
     loaded = load_model(settings.model)
     shard_model(loaded.model, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
-    pool = make_pool(settings, blocks_for_bytes(settings, layout))
-    kv = build_kv_memory(settings, pool, layout)
+    pool, kv = plan_kv(settings, layout)
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena)
     log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
     follow(runner, RankLink(group))

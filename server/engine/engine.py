@@ -90,6 +90,16 @@ def make_pool(settings: Settings, n_blocks: int | None = None) -> BlockPoolAlloc
     )
 
 
+def plan_kv(settings: Settings, layout: KVLayout,
+            pool: BlockPoolAllocator | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
+    """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
+    ``[pool]``) and its KV arena. Call before anything holds blocks."""
+    blocks = blocks_for_bytes(settings, layout)
+    if blocks is not None or pool is None:
+        pool = make_pool(settings, blocks)
+    return pool, build_kv_memory(settings, pool, layout)
+
+
 class Engine:
     """Owns the model thread, the scheduler, the runner and the shared pool.
 
@@ -317,7 +327,7 @@ class Engine:
 
                 shard_model(loaded.model, group)
             layout = probe_kv_layout(loaded.model, kv_format_of(self.settings))
-            self.kv = self._plan_kv(layout)
+            self.pool, self.kv = plan_kv(self.settings, layout, self.pool)
             if self.settings.cache.prefix_caching:
                 self.prefixes = PromptPrefixes(PrefixCache(self.pool),
                                                cache_root(loaded.name, self.kv.arena),
@@ -348,12 +358,6 @@ class Engine:
             self._ready.set()
         return True
 
-    def _plan_kv(self, layout: KVLayout) -> KVMemory:
-        """Size the pool from ``pool.kv_memory`` (if set), then allocate its KV arena."""
-        blocks = blocks_for_bytes(self.settings, layout)
-        if blocks is not None:  # nothing holds blocks before the model is loaded
-            self.pool = make_pool(self.settings, blocks)
-        return build_kv_memory(self.settings, self.pool, layout)
 
     def _intake(self, timeout: float) -> None:
         try:
