@@ -54,8 +54,10 @@ def native_extensions() -> list:
 def sgemv_forward() -> list:
     if not sys.platform.startswith("linux"):
         return []
-    return [Extension("veloxquant_mlx._sgemv_forward", ["veloxquant_mlx/sgemv_forward.c"],
-                      extra_compile_args=["-O2"], libraries=["dl"])]
+    return [Extension("veloxquant_mlx._sgemv_forward",
+                      ["veloxquant_mlx/sgemv_forward.c", "veloxquant_mlx/quant_matmul.c"],
+                      depends=["veloxquant_mlx/quant_matmul.h"],
+                      extra_compile_args=["-O2", "-pthread"], libraries=["dl", "pthread"])]
 
 
 setup(ext_modules=native_extensions() + sgemv_forward(),

@@ -55,6 +55,7 @@ class LoadedModel:
     dtype: str
     quantized: bool
     weights: str = ""  # how the weights are held, for the start-up line
+    quantized_copies: Any = None  # QuantizedCopies serving small products, if any
 
 
 def resolve_model_path(section: ModelSection) -> Path:
@@ -164,9 +165,13 @@ def load_model(section: ModelSection) -> LoadedModel:
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
                         dequantize_budget(section.max_dequantized_bytes),
                         stored_dtype=stored_float_dtype(model))
-    apply_plan(model, plan)
+    copies = apply_plan(model, plan, section.quantized_matmul_rows)
     if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)
+    note = plan.note
+    if copies is not None:
+        note += (f"; products of up to {section.quantized_matmul_rows} rows from the "
+                 f"quantized codes of {len(copies)} matrices, int8 activations")
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -175,7 +180,8 @@ def load_model(section: ModelSection) -> LoadedModel:
         n_layers=len(model.layers),
         dtype=_weight_dtype(model),
         quantized=is_quantized(model),
-        weights=plan.note,
+        weights=note,
+        quantized_copies=copies,
     )
 
 

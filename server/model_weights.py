@@ -17,13 +17,20 @@ keeps float32's exponent range, so nothing that fit in float32 overflows).
     bf16/fp16 checkpoint  cast to float32                   as stored
     quantized             dequantized to float32 (budget)   packed; float32 parts
                           or packed, float32 parts           cast to bfloat16
+
+A dequantized 4/8-bit model keeps its codes beside the float32 copy: products of a few
+rows (decode) are computed from them with int8 activations by the preloaded BLAS
+forward, which reads a quarter of the bytes (veloxquant_mlx/quant_weights.py).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.quant_weights import QuantizedCopies
 
 FLOAT32_BYTES = 4
 
@@ -136,10 +143,24 @@ def stored_float_dtype(model: Any) -> str:
     return max(counts, key=counts.__getitem__) if counts else "unknown"
 
 
-def apply_plan(model: Any, plan: WeightPlan) -> None:
-    """Dequantize and cast ``model`` in place as ``plan`` says, then materialize it."""
+def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> QuantizedCopies | None:
+    """Dequantize and cast ``model`` in place as ``plan`` says, then materialize it.
+
+    Args:
+        model: The loaded model.
+        plan: :func:`plan_weights`'s decision.
+        quantized_rows: ``model.quantized_matmul_rows``: when dequantizing, register the
+            4/8-bit codes for products of up to this many rows (0: never).
+
+    Returns:
+        The registered codes (keep them with the model; ``close()`` when done), or None
+        when nothing was registered (not dequantized, 0 rows, or no forward to serve them).
+    """
     import mlx.core as mx
 
+    from veloxquant_mlx.quant_weights import attach_quantized_copies, capture_quantized_layers
+
+    parts = capture_quantized_layers(model) if plan.dequantize and quantized_rows else {}
     if plan.dequantize:
         from mlx_lm.utils import dequantize_model
 
@@ -147,6 +168,7 @@ def apply_plan(model: Any, plan: WeightPlan) -> None:
     if plan.cast_to is not None:
         model.set_dtype(getattr(mx, plan.cast_to))
     mx.eval(model.parameters())
+    return attach_quantized_copies(model, parts, quantized_rows)
 
 
 def is_quantized(model: Any) -> bool:

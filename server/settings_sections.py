@@ -81,13 +81,16 @@ class ModelSection(_Section):
     float32 checkpoint to bfloat16 (server/model_weights.py). ``"native"`` keeps
     every weight as stored. On CPU with ``auto``, quantized weights are
     dequantized to float32 when that copy fits in ``max_dequantized_bytes``
-    (0 = half the machine's memory).
+    (0 = half the machine's memory); products of at most ``quantized_matmul_rows``
+    rows (decode) then still use the checkpoint's 4/8-bit codes, with int8
+    activations (veloxquant_mlx/quant_weights.py); 0 keeps every product float32.
     """
 
     path: str = ""
     served_name: str = ""
     dtype: ModelDtype = "auto"
     max_dequantized_bytes: int = Field(default=0, ge=0)
+    quantized_matmul_rows: int = Field(default=16, ge=0, le=4096)
     preset: ModelPreset = "smollm2"
 
 

@@ -19,7 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };  /* CBLAS enum values */
+#include "quant_matmul.h"
+
+enum { ROW_MAJOR = VQ_ROW_MAJOR, NO_TRANS = VQ_NO_TRANS, TRANS = VQ_TRANS };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
@@ -43,6 +45,9 @@ static sgemm_fn next_sgemm(void) {
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
+    /* A weight with a registered quantized copy, times a few rows (quant_matmul.c). */
+    if (vq_qmm_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+        return;
     if (order != ROW_MAJOR || m != 1 || n < 1 || k < 1) {
         next_sgemm()(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;

@@ -125,6 +125,18 @@ def _check_heads(heads: int, kv_heads: int, ranks: int) -> None:
                                f"divide among {ranks} ranks")
 
 
+def shard_loaded(loaded: Any, group: Any) -> None:
+    """Split a :class:`~server.model_loader.LoadedModel` over ``group`` (see shard_model).
+
+    Its quantized copies serve the unsplit weights, which the split replaces: they are
+    given back first, and this rank's products run in float32.
+    """
+    if loaded.quantized_copies is not None:
+        loaded.quantized_copies.close()
+        loaded.quantized_copies = None
+    shard_model(loaded.model, group)
+
+
 def shard_model(model: Any, group: Any) -> None:
     """Split ``model`` over ``group`` with mlx-lm's ``shard`` (tensor parallel).
 
@@ -307,7 +319,7 @@ def serve_follower(settings: Any, group: Any) -> int:
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 
     loaded = load_model(settings.model)
-    shard_model(loaded.model, group)
+    shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
     pool, kv = plan_kv(settings, layout)
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena)

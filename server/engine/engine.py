@@ -323,9 +323,9 @@ class Engine:
                 group = join_group(self.settings.distributed.ranks)
             loaded = self._loader(self.settings.model)
             if group is not None:
-                from server.engine.distributed import shard_model
+                from server.engine.distributed import shard_loaded
 
-                shard_model(loaded.model, group)
+                shard_loaded(loaded, group)
             layout = probe_kv_layout(loaded.model, kv_format_of(self.settings))
             self.pool, self.kv = plan_kv(self.settings, layout, self.pool)
             if self.settings.cache.prefix_caching:
