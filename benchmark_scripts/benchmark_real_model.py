@@ -17,6 +17,10 @@ client would count as its error. ``mlx_lm.server`` runs fewer requests per level
 (``--peer-requests``): on quantized CPU weights it is ~20x slower, and its
 figures are rates, so fewer requests change their noise, not their meaning.
 
+``--servers`` picks who runs (ours always). ``veloxquant-float32`` is ours with
+``model.quantized_matmul_rows = 0``: every product on the float32 weights, as before
+the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they buy.
+
 Then ``profile_decode`` times where a decode step goes on our model (model
 forward, its matmuls alone, attention alone, sampling) at batch 1 and 16, so
 the next speed step is chosen from data.
@@ -63,6 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"
 DEFAULT_OUT = ROOT / "figures" / "real_model" / "results.json"
 OURS, LLAMA, MLX_LM = "veloxquant", "llama-server", "mlx_lm.server"
+OURS_F32 = "veloxquant-float32"  # ours with every product on the float32 weights
+EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0"}}
 # Ours over each peer: the tok/s ratio to reach.
 TARGETS = {LLAMA: {"c16": 0.8, "c1": 0.2}, MLX_LM: {"c16": 5.0, "c1": 5.0}}
 
@@ -83,6 +89,8 @@ def commands(gguf: Path, folder: Path, port: int) -> dict[str, list[str]]:
     return {
         OURS: [py, "-m", "server", "--model", "smollm2", "--port", str(port),
                "--log-level", "warning"],
+        OURS_F32: [py, "-m", "server", "--model", "smollm2", "--port", str(port),
+                   "--log-level", "warning"],
         LLAMA: ["bash", str(PEERS / "serve_llama_server.sh"), str(port), str(gguf),
                 "--log-disable"],
         MLX_LM: [py, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
@@ -95,13 +103,13 @@ def start(name: str, gguf: Path, folder: Path, env: dict[str, str], llama_bin: s
     base = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
     log_file = log_path.open("w")
-    proc_env = {**env, "LLAMA_SERVER": llama_bin}
+    proc_env = {**env, "LLAMA_SERVER": llama_bin, **EXTRA_ENV.get(name, {})}
     proc = subprocess.Popen(commands(gguf, folder, port)[name], cwd=ROOT,
                             env=proc_env, stdout=log_file, stderr=log_file, text=True)
     wait_up(base, proc, timeout=300)
     # mlx_lm.server treats an unknown model id as a hub id: name its own folder.
     # llama-server answers to any id; ours to the one it reports.
-    if name == OURS:
+    if name in (OURS, OURS_F32):
         model_id = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     else:
         model_id = str(folder) if name == MLX_LM else "smollm2"
@@ -130,6 +138,8 @@ def targets(ratios: dict) -> dict:
     out = {}
     for peer, levels in TARGETS.items():
         for level, minimum in levels.items():
+            if peer not in ratios:
+                continue
             value = ratios[peer].get(level, {}).get("tok_per_s")
             out[f"{level}_tok_per_s_over_{peer}_min"] = {
                 "target": minimum, "measured": value,
@@ -225,6 +235,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--llama-server", help="llama-server binary (default: build/find it)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--servers", nargs="+", default=[OURS, LLAMA, MLX_LM],
+                   choices=[OURS, LLAMA, MLX_LM, OURS_F32], help="ours always runs")
     return p.parse_args()
 
 
@@ -235,7 +247,8 @@ def main() -> int:
 
     gguf = smollm2_gguf_path()
     folder = convert_gguf(gguf, models_dir())
-    llama_bin = llama_server_binary(args.llama_server)
+    names = [OURS] + [n for n in args.servers if n != OURS]
+    llama_bin = llama_server_binary(args.llama_server) if LLAMA in names else ""
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(ROOT)
     # Each round's servers share one batch of prompts, the size of the largest count.
@@ -243,7 +256,7 @@ def main() -> int:
     prompts = make_prompts(folder, per_round * args.rounds + 2, args.prompt_tokens)
     servers: list[Running] = []
     try:
-        for name in (OURS, LLAMA, MLX_LM):
+        for name in names:
             servers.append(start(name, gguf, folder, env, llama_bin))
         for s in servers:  # warm-up, not measured
             asyncio.run(run_requests(s.base, s.model_id, prompts[-2:], 1, 2, 8, 120,
@@ -254,7 +267,7 @@ def main() -> int:
         rss = {s.name: peak_rss_mb(s.proc.pid) for s in servers}
     finally:
         logs = {s.name: stop_server(s) for s in servers}
-    ratios = {peer: ratios_over(levels[OURS], levels[peer]) for peer in (LLAMA, MLX_LM)}
+    ratios = {peer: ratios_over(levels[OURS], levels[peer]) for peer in names[1:]}
     profile = profile_decode(env, args.prompt_tokens + args.max_tokens // 2)
     result = {
         "benchmark": "benchmark_scripts/benchmark_real_model.py",

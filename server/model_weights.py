@@ -158,9 +158,14 @@ def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> Quantiz
     """
     import mlx.core as mx
 
-    from veloxquant_mlx.quant_weights import attach_quantized_copies, capture_quantized_layers
+    from veloxquant_mlx.quant_weights import (
+        attach_quantized_copies,
+        capture_quantized_layers,
+        quant_library,
+    )
 
-    parts = capture_quantized_layers(model) if plan.dequantize and quantized_rows else {}
+    keep_codes = plan.dequantize and quantized_rows > 0 and quant_library() is not None
+    parts = capture_quantized_layers(model) if keep_codes else {}
     if plan.dequantize:
         from mlx_lm.utils import dequantize_model
 

@@ -13,7 +13,8 @@ exactly the ones the float32 copy was made from; only the activations are rounde
 (int8, one scale per 32 values: ~0.5% relative error on a random product).
 
 Needs the forward preloaded (``veloxquant_mlx/cpu_backend.py``) and AVX2 + FMA;
-:func:`quant_library` says None otherwise and the float32 path serves everything.
+:func:`quant_library` says None otherwise and the float32 path serves everything. The
+products use one thread per online CPU (at most 8; ``VELOXQUANT_QMM_THREADS`` overrides).
 """
 
 from __future__ import annotations
@@ -144,9 +145,12 @@ class QuantizedCopies:
 
         mx.eval(weight)
         if weight.dtype != mx.float32 or weight.ndim != 2:
-            raise QuantizedCopyError(f"expected a 2-D float32 weight, got {weight.dtype} {weight.shape}")
+            raise QuantizedCopyError(
+                f"expected a 2-D float32 weight, got {weight.dtype} {weight.shape}")
         buffer = np.asarray(weight)  # shares the array's memory: its address is the key
         rows, cols = weight.shape
+        if cols % GROUP or parts.group_size % GROUP or parts.bits not in (4, 8):
+            raise QuantizedCopyError(_ERRORS[-2])
         if parts.packed.shape != (rows, cols * parts.bits // 32):
             raise QuantizedCopyError(f"packed weight {parts.packed.shape} does not match "
                                      f"{weight.shape} at {parts.bits} bits")
