@@ -29,6 +29,8 @@ NON_SETTING_ENV: dict[str, str] = {
                                    "(veloxquant_mlx/cpu_backend.py)",
     "VELOXQUANT_PURE_PYTHON": "use the pure-Python allocator (setup.py, "
                               "veloxquant_mlx/memory/__init__.py)",
+    "VELOXQUANT_QMM_THREADS": "threads for products from quantized codes "
+                              "(veloxquant_mlx/quant_matmul.c)",
 }
 
 

@@ -20,7 +20,7 @@ keeps float32's exponent range, so nothing that fit in float32 overflows).
 
 A dequantized 4/8-bit model keeps its codes beside the float32 copy: products of a few
 rows (decode) are computed from them with int8 activations by the preloaded BLAS
-forward, which reads a quarter of the bytes (veloxquant_mlx/quant_weights.py).
+forward, which reads under a fifth of the bytes (veloxquant_mlx/quant_weights.py).
 """
 
 from __future__ import annotations

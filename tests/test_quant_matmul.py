@@ -126,6 +126,14 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
             errors.append(str(exc))
     report["errors"] = errors
     report["registered_after_errors"] = len(copies)
+
+    import mlx.nn as nn
+    from veloxquant_mlx.quant_weights import attach_quantized_copies
+    layer = nn.Linear(64, 8, bias=False)
+    mx.eval(layer.parameters())
+    wrong = QuantizedParts(np.zeros((8, 4), np.uint32), np.ones((8, 1), np.float32),
+                           np.zeros((8, 1), np.float32), 32, 4)  # 32 columns, not 64
+    report["attach_refused"] = attach_quantized_copies(layer, {"": wrong}, 16) is None
     print(json.dumps(report))
     """
 )
@@ -166,6 +174,9 @@ def test_copies_that_cannot_be_served_are_refused_with_the_reason(kernel_report)
     assert "not a multiple of 32" in errors[0]
     assert "float32" in errors[1] and "float16" in errors[1]
     assert "does not match" in errors[2]
+    assert kernel_report["registered_after_errors"] == 0
+    # Loading goes on without the copies when one is refused (logged; float32 serves).
+    assert kernel_report["attach_refused"]
 
 
 MODEL_CHECK = textwrap.dedent(

@@ -20,10 +20,13 @@ products use one thread per online CPU (at most 8; ``VELOXQUANT_QMM_THREADS`` ov
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 GROUP = 32
 # Return codes of vq_qmm_register / vq_qmm_unregister (quant_matmul.h).
@@ -181,7 +184,7 @@ class QuantizedCopies:
 
 
 def attach_quantized_copies(model: Any, parts: dict[str, QuantizedParts],
-                       max_rows: int) -> QuantizedCopies | None:
+                            max_rows: int) -> QuantizedCopies | None:
     """Register the captured parts against the dequantized ``model``'s float32 weights.
 
     Args:
@@ -190,8 +193,9 @@ def attach_quantized_copies(model: Any, parts: dict[str, QuantizedParts],
         max_rows: Largest product (rows of activations) to serve from the copies.
 
     Returns:
-        The registered copies, or None when there is nothing to register or this process
-        has no forward to serve them (not preloaded, not x86-64, no AVX2).
+        The registered copies; None when there is nothing to register, this process has
+        no forward to serve them (not preloaded, not x86-64, no AVX2), or the forward
+        refused one (logged: the float32 weights then serve every product, as without).
     """
     library = quant_library() if parts and max_rows > 0 else None
     if library is None:
@@ -201,7 +205,9 @@ def attach_quantized_copies(model: Any, parts: dict[str, QuantizedParts],
     try:
         for path, quantized in parts.items():
             copies.add(modules[path].weight, quantized)
-    except Exception:
+    except QuantizedCopyError as exc:
         copies.close()
-        raise
+        log.warning("quantized copies not used (%s: %s); every product runs in float32",
+                    path, exc)
+        return None
     return copies
