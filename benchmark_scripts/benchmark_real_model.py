@@ -86,11 +86,10 @@ def commands(gguf: Path, folder: Path, port: int) -> dict[str, list[str]]:
     """The command line that starts each server on ``port`` (llama-server's binary via
     ``LLAMA_SERVER`` in the environment)."""
     py = sys.executable
+    ours = [py, "-m", "server", "--model", "smollm2", "--port", str(port), "--log-level", "warning"]
     return {
-        OURS: [py, "-m", "server", "--model", "smollm2", "--port", str(port),
-               "--log-level", "warning"],
-        OURS_F32: [py, "-m", "server", "--model", "smollm2", "--port", str(port),
-                   "--log-level", "warning"],
+        OURS: ours,
+        OURS_F32: ours,  # told apart by EXTRA_ENV
         LLAMA: ["bash", str(PEERS / "serve_llama_server.sh"), str(port), str(gguf),
                 "--log-disable"],
         MLX_LM: [py, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),

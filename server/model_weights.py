@@ -164,8 +164,8 @@ def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> Quantiz
         quant_library,
     )
 
-    keep_codes = plan.dequantize and quantized_rows > 0 and quant_library() is not None
-    parts = capture_quantized_layers(model) if keep_codes else {}
+    library = quant_library() if plan.dequantize and quantized_rows > 0 else None
+    parts = capture_quantized_layers(model) if library is not None else {}
     if plan.dequantize:
         from mlx_lm.utils import dequantize_model
 
@@ -173,7 +173,7 @@ def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> Quantiz
     if plan.cast_to is not None:
         model.set_dtype(getattr(mx, plan.cast_to))
     mx.eval(model.parameters())
-    return attach_quantized_copies(model, parts, quantized_rows)
+    return attach_quantized_copies(library, model, parts, quantized_rows)
 
 
 def is_quantized(model: Any) -> bool:

@@ -133,7 +133,7 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
     mx.eval(layer.parameters())
     wrong = QuantizedParts(np.zeros((8, 4), np.uint32), np.ones((8, 1), np.float32),
                            np.zeros((8, 1), np.float32), 32, 4)  # 32 columns, not 64
-    report["attach_refused"] = attach_quantized_copies(layer, {"": wrong}, 16) is None
+    report["attach_refused"] = attach_quantized_copies(lib, layer, {"": wrong}, 16) is None
     print(json.dumps(report))
     """
 )

@@ -144,9 +144,7 @@ int vq_qmm_unregister(const float *weight) {
     return 0;
 }
 
-int vq_qmm_count(void) { return atomic_load(&registered); }
 long vq_qmm_served(void) { return atomic_load(&served); }
-int vq_qmm_max_rows(void) { return atomic_load(&max_rows); }
 void vq_qmm_set_max_rows(int rows) { atomic_store(&max_rows, rows < 0 ? 0 : rows); }
 
 /* ------------------------------------------------------------------ kernels */

@@ -19,9 +19,7 @@ int vq_qmm_supported(void);
 int vq_qmm_register(const float *weight, int rows, int cols, int bits, const uint8_t *codes,
                     const float *scales, const float *biases);
 int vq_qmm_unregister(const float *weight);
-int vq_qmm_count(void);
 long vq_qmm_served(void);
-int vq_qmm_max_rows(void);
 void vq_qmm_set_max_rows(int rows);
 
 /* Serve a cblas_sgemm call from a registered quantized copy: 1 when served, 0 to decline. */

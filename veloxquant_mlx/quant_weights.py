@@ -121,11 +121,8 @@ def capture_quantized_layers(model: Any) -> dict[str, QuantizedParts]:
         if (module.bits not in (4, 8) or getattr(module, "mode", "affine") != "affine"
                 or module.group_size % GROUP or module.biases is None):
             continue
-        mx.eval(module.weight, module.scales, module.biases)
-        as_np = {name: np.array(getattr(module, name).astype(mx.float32))
-                 if name != "weight" else np.array(module.weight)
-                 for name in ("weight", "scales", "biases")}
-        parts[path] = QuantizedParts(as_np["weight"], as_np["scales"], as_np["biases"],
+        scales, biases = (np.array(v.astype(mx.float32)) for v in (module.scales, module.biases))
+        parts[path] = QuantizedParts(np.array(module.weight), scales, biases,
                                      module.group_size, module.bits)
     return parts
 
@@ -183,22 +180,22 @@ class QuantizedCopies:
         self.close()
 
 
-def attach_quantized_copies(model: Any, parts: dict[str, QuantizedParts],
+def attach_quantized_copies(library: Any, model: Any, parts: dict[str, QuantizedParts],
                             max_rows: int) -> QuantizedCopies | None:
     """Register the captured parts against the dequantized ``model``'s float32 weights.
 
     Args:
+        library: :func:`quant_library`'s handle (None: nothing is registered).
         model: The model after dequantization (same module paths as when captured).
         parts: :func:`capture_quantized_layers`'s result.
         max_rows: Largest product (rows of activations) to serve from the copies.
 
     Returns:
-        The registered copies; None when there is nothing to register, this process has
-        no forward to serve them (not preloaded, not x86-64, no AVX2), or the forward
-        refused one (logged: the float32 weights then serve every product, as without).
+        The registered copies; None when there is nothing to register, no library (this
+        process has no forward to serve them: not preloaded, not x86-64, no AVX2), or the
+        forward refused one (logged: the float32 weights then serve every product).
     """
-    library = quant_library() if parts and max_rows > 0 else None
-    if library is None:
+    if library is None or not parts or max_rows <= 0:
         return None
     modules = dict(model.named_modules())
     copies = QuantizedCopies(library, max_rows)
