@@ -223,6 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--decode-concurrency); 0 = each server's default (32 both)")
     p.add_argument("--kv-memory", default=None,
                    help="our pool.kv_memory (default 1GiB on the 1b run, the config's in smoke)")
+    p.add_argument("--kv-write-back", type=int, default=None,
+                   help="our batch.kv_write_back (default: the server's, 32; 1 writes the "
+                        "arena every step, the A/B of the write-back)")
     p.add_argument("--revision", default="", help="recorded revision (default: git's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the servers' stderr logs go (default: a new temp folder)")
@@ -292,6 +295,8 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
         # Our pool bounds KV memory; its default (16384 blocks, 256 MiB of the 1b model's
         # KV) admits 32 requests of 256 tokens. 1 GiB holds 64 of them twice over.
         env["VELOXQUANT_POOL_KV_MEMORY"] = args.kv_memory
+    if args.kv_write_back is not None:
+        env["VELOXQUANT_BATCH_KV_WRITE_BACK"] = str(args.kv_write_back)
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,
             # levels still to come after a server's own (shares out the budget)
@@ -308,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"benchmark": "benchmark_scripts/benchmark_gpu.py",
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "revision": revision(args.revision), "smoke": args.smoke,
+                    "kv_write_back": args.kv_write_back or "server default",
                     "phases_s": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -19,7 +19,9 @@ figures are rates, so fewer requests change their noise, not their meaning.
 
 ``--servers`` picks who runs (ours always). ``veloxquant-float32`` is ours with
 ``model.quantized_matmul_rows = 0``: every product on the float32 weights, as before
-the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they buy.
+the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they buy;
+``veloxquant-write-every-step`` is ours with ``batch.kv_write_back = 1`` (the decode
+batch writes its KV into the arena every step instead of every 32 steps).
 
 Then ``profile_decode`` times where a decode step goes on our model (model
 forward, its matmuls alone, attention alone, sampling) at batch 1 and 16, so
@@ -68,7 +70,10 @@ PEERS = ROOT.parent / "shared" / "peers"
 DEFAULT_OUT = ROOT / "figures" / "real_model" / "results.json"
 OURS, LLAMA, MLX_LM = "veloxquant", "llama-server", "mlx_lm.server"
 OURS_F32 = "veloxquant-float32"  # ours with every product on the float32 weights
-EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0"}}
+OURS_WRITE = "veloxquant-write-every-step"  # ours writing each decode step's KV at once
+EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0"},
+             OURS_WRITE: {"VELOXQUANT_BATCH_KV_WRITE_BACK": "1"}}
+VARIANTS = (OURS_F32, OURS_WRITE)  # ours, told apart by EXTRA_ENV
 # Ours over each peer: the tok/s ratio to reach.
 TARGETS = {LLAMA: {"c16": 0.8, "c1": 0.2}, MLX_LM: {"c16": 5.0, "c1": 5.0}}
 
@@ -89,7 +94,7 @@ def commands(gguf: Path, folder: Path, port: int) -> dict[str, list[str]]:
     ours = [py, "-m", "server", "--model", "smollm2", "--port", str(port), "--log-level", "warning"]
     return {
         OURS: ours,
-        OURS_F32: ours,  # told apart by EXTRA_ENV
+        **dict.fromkeys(VARIANTS, ours),
         LLAMA: ["bash", str(PEERS / "serve_llama_server.sh"), str(port), str(gguf),
                 "--log-disable"],
         MLX_LM: [py, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
@@ -108,7 +113,7 @@ def start(name: str, gguf: Path, folder: Path, env: dict[str, str], llama_bin: s
     wait_up(base, proc, timeout=300)
     # mlx_lm.server treats an unknown model id as a hub id: name its own folder.
     # llama-server answers to any id; ours to the one it reports.
-    if name in (OURS, OURS_F32):
+    if name in (OURS, *VARIANTS):
         model_id = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     else:
         model_id = str(folder) if name == MLX_LM else "smollm2"
@@ -235,7 +240,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-server", help="llama-server binary (default: build/find it)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--servers", nargs="+", default=[OURS, LLAMA, MLX_LM],
-                   choices=[OURS, LLAMA, MLX_LM, OURS_F32], help="ours always runs")
+                   choices=[OURS, LLAMA, MLX_LM, *VARIANTS], help="ours always runs")
     return p.parse_args()
 
 

@@ -336,7 +336,8 @@ class Engine:
                                        self.prefixes)
             self.runner = ModelRunner(loaded.model, self.pool,
                                       self.settings.batch.prefill_chunk_size, self.kv.arena,
-                                      self.clock, self.prefixes)
+                                      self.clock, self.prefixes,
+                                      self.settings.batch.kv_write_back)
             if group is not None:  # the other ranks repeat this runner's calls
                 from server.engine.distributed import LeaderRunner, RankLink
 

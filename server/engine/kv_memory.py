@@ -93,7 +93,8 @@ def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayo
     limits, bs = settings.limits, settings.pool.block_size
     longest = limits.max_prompt_tokens + limits.max_tokens_cap
     return KVMemory(KVArena(pool, layout), layout.bytes_per_block(bs),
-                    workspace_bytes(layout, bs, settings.batch.max_batch_size, longest))
+                    workspace_bytes(layout, bs, settings.batch.max_batch_size, longest,
+                                    settings.batch.kv_write_back))
 
 
 def describe(kv: KVMemory, pool: BlockPoolAllocator, layout: KVLayout) -> str:

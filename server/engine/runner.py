@@ -139,12 +139,16 @@ class ModelRunner:
         prefill_chunk_size: Most prompt columns per prefill model call.
         arena: The pool's KV arena (where the blocks' keys and values live).
         clock: Where the decode's phases are timed (see :mod:`server.engine.step_clock`).
+        kv_write_back: Decode columns the batch holds out of the arena before
+            one write of them all (:mod:`veloxquant_mlx.memory.write_back`); 1
+            writes every step.
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
                  arena: KVArena, clock: StepClock | None = None,
-                 prefixes: PromptPrefixes | None = None) -> None:
+                 prefixes: PromptPrefixes | None = None, kv_write_back: int = 1) -> None:
         self.model = model
+        self.kv_write_back = kv_write_back
         self.prefixes = prefixes  # prefix caching: prefilled prompts publish their blocks
         self.pool = pool
         self.arena = arena
@@ -264,20 +268,23 @@ class ModelRunner:
 
         Called as requests finish, before their rows leave: generated tokens
         then sit in full blocks no call writes any more. A row whose stored
-        tokens do not match prompt plus fed tokens publishes nothing.
+        tokens do not match prompt plus fed tokens publishes nothing. The
+        batch's held columns (``kv_write_back``) are written first, so with
+        prefix caching a step in which requests end writes them early.
 
         Returns:
             Positions published.
         """
         if self.prefixes is None or self.batch is None:
             return 0
-        published = 0
-        for row, paged in zip(self.rows, self.batch.rows, strict=True):
-            if row.owner in owners and row.fed:
-                published += self.prefixes.publish_output(
-                    row.owner, row.prefix_keys, row.prompt_ids + row.fed, paged.tokens,
-                    paged.blocks)
-        return published
+        ending = [(row, paged) for row, paged in zip(self.rows, self.batch.rows, strict=True)
+                  if row.owner in owners and row.fed]
+        if ending:  # their newest tokens may be held out of the arena: write them first
+            self.batch.flush()
+        return sum(self.prefixes.publish_output(row.owner, row.prefix_keys,
+                                                row.prompt_ids + row.fed, paged.tokens,
+                                                paged.blocks)
+                   for row, paged in ending)
 
     def _publish(self, group: PrefillGroup) -> None:
         """Hand the group's computed full prompt blocks to the prefix cache.
@@ -368,6 +375,7 @@ class ModelRunner:
             first = mx.concatenate([row.first for row in group.rows])
             if self.batch is None:
                 self.batch, self.inputs = group.batch, first
+                self.batch.write_back = self.kv_write_back
             else:
                 self.batch.extend(group.batch)
                 self.inputs = mx.concatenate([self.inputs, first])

@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_format import NATIVE, KVFormat
+from veloxquant_mlx.memory.write_back import held_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,8 @@ def probe_kv_layout(model: Any, kv_format: KVFormat = NATIVE) -> KVLayout:
     return KVLayout(len(model.layers), heads, k_dim, dtype, kv_format)
 
 
-def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens: int) -> int:
+def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens: int,
+                    write_back: int = 1) -> int:
     """Transient KV bytes of one model call, at most (fixed; counted apart from blocks).
 
     One layer's keys and values gathered for ``max_rows`` rows padded to the
@@ -122,13 +124,16 @@ def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens
     time. A quantized format gathers its codes and params, then decodes them
     (a cast, a multiply, an add: up to three decoded copies alive at once)
     before the append, so it counts the gathered blocks as stored plus three
-    decoded copies.
+    decoded copies. A decode batch that holds ``write_back`` columns out of
+    the arena adds those and the copies that write them (:func:`held_bytes`).
     """
     gathered = 2 * max_rows * -(-max_tokens // block_size)  # blocks, keys and values
     stored, dense = layout.bytes_per_block(block_size), layout.dense_bytes_per_block(block_size)
+    held = held_bytes(layout.n_layers, layout.n_kv_heads, layout.head_dim, layout.dtype,
+                      max_rows, write_back)
     if not layout.kv_format.quantized:
-        return (2 * gathered + 1) * stored
-    return gathered * (stored + 3 * dense) + stored
+        return (2 * gathered + 1) * stored + held
+    return gathered * (stored + 3 * dense) + stored + held
 
 
 class KVArena:

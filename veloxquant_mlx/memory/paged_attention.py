@@ -196,8 +196,10 @@ def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if math.prod(queries.shape[:3]) * keys.shape[2] < FAST_MIN_SCORES:
                 return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
             if parts is not None:  # the batch's own mask: attend over its parts
-                # The batch's mask of its new columns is causal (see PagedKVBatch.mask).
-                return attention_parts(queries, *parts[:2], scale, parts[2], causal_last=True)
+                # The batch's mask of its new columns is causal (see PagedKVBatch.mask);
+                # a decode call that holds its column has one query over the held ones.
+                causal = parts[0][-1].shape[2] == queries.shape[2]
+                return attention_parts(queries, *parts[:2], scale, parts[2], causal_last=causal)
             return attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)

@@ -19,6 +19,12 @@ its keys and values are. Nothing else holds KV::
     after the last layer: ONE scatter writes every layer's new keys and values
     into their slots (padding columns -> the trash block)
 
+    a decode batch with ``write_back`` > 1 holds its decode columns instead
+    (:mod:`~veloxquant_mlx.memory.write_back`): attention appends the held
+    columns to the gathered ones, and they are written ``write_back`` calls
+    at a time; between two writes the block tables and the stored-token mask
+    do not change, so they are built once, not every step
+
 Rows are right-padded in the gathered buffer (a row's tokens start at
 column 0), so RoPE positions are ``offset`` and a row's padding is never
 stored. Left padding of a prefill group (``left_padding``) is consumed
@@ -43,6 +49,7 @@ from mlx_lm.models import cache as _mlx_cache
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.pool_kv_common import allocate_kv, free_past
+from veloxquant_mlx.memory.write_back import HeldColumns
 
 
 @dataclass(slots=True)
@@ -76,6 +83,8 @@ class PagedKVBatch:
         fast_attention: Attend through :mod:`~veloxquant_mlx.memory.paged_attention`
             on the CPU (float32 logits within ~1e-6 of mlx-lm's); False keeps
             mlx-lm's own attention, bit-identical to its stock ``KVCache``.
+        write_back: Decode columns (one-column calls) held out of the arena
+            before one scatter writes them all; 1 writes every call.
 
     Raises:
         ValueError: ``left_padding`` does not have one entry per owner.
@@ -83,7 +92,7 @@ class PagedKVBatch:
 
     def __init__(self, arena: KVArena, owners: Sequence[int],
                  left_padding: Sequence[int] | None = None,
-                 fast_attention: bool = True) -> None:
+                 fast_attention: bool = True, write_back: int = 1) -> None:
         pads = [0] * len(owners) if left_padding is None else [int(p) for p in left_padding]
         if len(pads) != len(owners):
             raise ValueError(f"left_padding has {len(pads)} entries for {len(owners)} owners")
@@ -99,7 +108,7 @@ class PagedKVBatch:
         self.columns = 0  # columns begun, over all model calls
         self._offset_pre = self._offsets()
         self._offset_next = self._offset_pre
-        self._table: mx.array | None = None
+        self._table_ids: mx.array | None = None  # (layers, 2 x rows, blocks) gathered per call
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
         self._mask_parts: tuple[mx.array | None, mx.array] | None = None
@@ -109,6 +118,10 @@ class PagedKVBatch:
         self._past: mx.array | None = None  # tokens each row stored before the call
         self._lead: mx.array | None = None  # left-padding columns each row feeds in the call
         self._pending: list[mx.array] = []  # the call's new keys+values, layer by layer
+        self.held = HeldColumns(arena.layout.n_layers, write_back)
+        self.held.set_rows(len(self.rows))
+        self._holding = False  # the call begun last holds its column (a decode call)
+        self._view_stale = True  # tables and stored mask to rebuild at the next call
         heads = arena.layout.n_kv_heads
         self._heads_g = mx.arange(heads)[None, :, None]
         self._heads_w = mx.arange(heads)[:, None]
@@ -124,6 +137,17 @@ class PagedKVBatch:
     def real_tokens(self, i: int) -> int:
         """Tokens row ``i`` holds (in every layer)."""
         return self.rows[i].tokens
+
+    @property
+    def write_back(self) -> int:
+        """Decode columns held before one write (1: every call writes)."""
+        return self.held.limit
+
+    @write_back.setter
+    def write_back(self, limit: int) -> None:
+        self.flush()
+        self.held = HeldColumns(self.arena.layout.n_layers, limit)
+        self.held.set_rows(len(self.rows))
 
     def n_blocks_held(self) -> int:
         """Blocks every row holds, over all layers and both streams."""
@@ -164,23 +188,32 @@ class PagedKVBatch:
         Raises:
             BlockPoolExhaustedError: A row's growth does not fit; nothing changed.
         """
-        rows, bs = self.rows, self.bs
+        rows = self.rows
+        hold = self.held.limit > 1 and n == 1 and not any(r.pad for r in rows)
+        if self.held.count and (not hold or self.held.count >= self.held.limit):
+            self.flush()
         lead = np.array([min(r.pad, n) for r in rows], np.int64)
         self._grow([n - int(p) for p in lead])
-        self.arena.ensure_ids()
-        trash = self.arena.trash
+        if self.arena.ensure_ids():  # the trash block moved
+            self._view_stale = True
         tokens = np.array([r.tokens for r in rows], np.int64)
-        width = max(r.n_blocks for r in rows)
-        table = np.full((self.n_streams, len(rows), width), trash, np.int32)
-        for i, row in enumerate(rows):
-            table[:, i, : row.n_blocks] = row.ids[:, : row.n_blocks]
-        cols = np.arange(n)[None, :]
-        valid = cols >= lead[:, None]
-        pos = np.where(valid, tokens[:, None] + cols - lead[:, None], 0)
-        blk = table[:, np.arange(len(rows))[:, None], pos // bs]
-        slots = np.where(valid[None], blk * bs + pos % bs, trash * bs)
         self._offset_pre = self._offset_next
-        for row, p in zip(rows, lead, strict=True):
+        self._advance(n, lead)
+        self._offset_next = self._offsets()
+        self._pending, self._holding = [], hold
+        self.columns += n
+        if hold:  # the tables only change when the held columns are written
+            if self._view_stale:
+                self._set_view(tokens - self.held.per_row(), None)
+            self.held.open()
+            self._mask, self._mask_parts = None, None
+            return
+        self._set_view(tokens, lead, n)
+
+    def _advance(self, n: int, lead: np.ndarray) -> None:
+        """Count the call's columns into every row and its blocks' ``n_used``."""
+        bs = self.bs
+        for row, p in zip(self.rows, lead, strict=True):
             old, row.pad = row.tokens, row.pad - int(p)
             row.tokens += n - int(p)
             # Every layer's keys and values of a row hold the same tokens: block
@@ -188,29 +221,72 @@ class PagedKVBatch:
             for i in range(old // bs, -(-row.tokens // bs)):
                 self.pool.set_used([stream[i] for stream in row.blocks],
                                    min(row.tokens - i * bs, bs))
-        self._offset_next = self._offsets()
+
+    def _all_ids(self) -> np.ndarray:
+        """``(streams, rows, blocks)`` ids of every row's blocks, the trash block past them."""
+        width = max(r.n_blocks for r in self.rows)
+        table = np.full((self.n_streams, len(self.rows), width), self.arena.trash, np.int32)
+        for i, row in enumerate(self.rows):
+            table[:, i, : row.n_blocks] = row.ids[:, : row.n_blocks]
+        return table
+
+    def _set_view(self, past: np.ndarray, lead: np.ndarray | None, n: int = 0) -> None:
+        """Tables, slots and mask data of a call over ``past`` stored tokens per row.
+
+        ``lead`` (with ``n``): the call writes its own ``n`` columns, ``lead``
+        of them left padding, when it ends; None: they are held.
+        """
+        rows, bs, trash = self.rows, self.bs, self.arena.trash
+        table = self._all_ids()
+        if lead is not None:
+            cols = np.arange(n)[None, :]
+            valid = cols >= lead[:, None]
+            pos = np.where(valid, past[:, None] + cols - lead[:, None], 0)
+            blk = table[:, np.arange(len(rows))[:, None], pos // bs]
+            slots = np.where(valid[None], blk * bs + pos % bs, trash * bs)
+            layers = self.n_streams // 2
+            self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
+            self._lead = mx.array(lead.astype(np.int32))
         # Per layer: keys' rows then values' rows, as write_and_gather stacks them.
         layers = self.n_streams // 2
         # Attention reads only the blocks that held tokens before the call (at
         # least one): the blocks just grown for this call's columns are not
         # written yet, so gathering them would only add masked keys (a second
         # 512-token prefill chunk would attend over 1,024 stored columns).
-        stored = max(1, -(-int(tokens.max()) // bs))
+        stored = max(1, -(-int(past.max()) // bs))
         table = table[..., :stored].reshape(layers, 2 * len(rows), stored)
-        self._table = mx.array(np.ascontiguousarray(table))
-        self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
+        self._table_ids = mx.array(np.ascontiguousarray(table))
         self._width, self._mask, self._mask_parts = stored * bs, None, None
-        self._past, self._lead = mx.array(tokens.astype(np.int32)), mx.array(lead.astype(np.int32))
-        self._any_past = bool(tokens.any())
-        self._all_past = bool((tokens == self._width).all())  # every stored column visible
-        self._pending = []
-        self.columns += n
+        self._past = mx.array(past.astype(np.int32))
+        self._any_past = bool(past.any())
+        self._all_past = bool((past == self._width).all())  # every stored column visible
+        self._view_stale = lead is not None
+
+    def flush(self) -> None:
+        """Write every held column into the arena, in one scatter (see ``write_back``)."""
+        held = self.held
+        if not held.count:
+            return
+        bs, count = self.bs, held.count
+        cols = np.arange(count)[None, :]
+        valid = cols >= held.start[:, None]
+        tokens = np.array([r.tokens for r in self.rows], np.int64)
+        pos = np.where(valid, tokens[:, None] - count + cols, 0)
+        slots = np.empty((self.n_streams, len(self.rows), count), np.int64)
+        for i, row in enumerate(self.rows):
+            slots[:, i] = row.ids[:, pos[i] // bs] * bs + pos[i] % bs
+        slots = np.where(valid[None], slots, self.arena.trash * bs)
+        self.arena.store(self._heads_w, mx.array(slots.reshape(1, -1).astype(np.int32)),
+                         held.stacked())
+        held.clear(len(self.rows))
+        self._view_stale = True
 
     def mask(self, n: int) -> mx.array:
         """``(rows, 1, n, keys + n)`` boolean mask of the call begun last.
 
         Keys are every row's stored tokens (gathered, ``keys`` columns) then the
-        call's own ``n`` columns. Query ``c`` of row ``r`` sees the stored keys
+        call's own ``n`` columns (a holding call: the held columns, its own
+        last, ``keys + held``). Query ``c`` of row ``r`` sees the stored keys
         ``j < past_r`` and the call's columns ``c' <= c`` that are not left
         padding; a padding query sees its own column only (its output is
         never used, but a row with no visible key would be NaN).
@@ -218,13 +294,17 @@ class PagedKVBatch:
         if self._mask is None:
             stored, fresh = self.mask_parts(n)
             stored = mx.ones((1, 1, 1, 1), mx.bool_) if stored is None else stored
-            stored = mx.broadcast_to(stored, (len(self.rows), 1, n, self._width))
+            stored = mx.broadcast_to(stored, (len(self.rows), 1, fresh.shape[2], self._width))
             self._mask = mx.concatenate([stored, fresh], axis=-1)
         return self._mask
 
     def write_and_gather(self, layer: int, keys: mx.array,
-                         values: mx.array) -> tuple[mx.array, mx.array]:
-        """Return every row's stored keys and values; store this call's ``keys``/``values`` later.
+                         values: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Every row's stored keys and values, then the new ones; store the call's later.
+
+        The new ones are the call's own ``keys``/``values``, or for a call
+        that holds its column (``write_back``) the held columns with the
+        call's last.
 
         The stored tokens come out of the arena with one gather (keys' and
         values' tables are stacked). The call's own columns are not written
@@ -237,21 +317,29 @@ class PagedKVBatch:
         rows, heads, _, dim = keys.shape
         # A quantized arena decodes here; the call's own columns stay exact
         # until they are stored.
-        both = self.arena.gather(self._heads_g, self._table[layer], 2 * rows, self._width)
+        both = self.arena.gather(self._heads_g, self._table_ids[layer], 2 * rows, self._width)
+        if self._holding:
+            held = self.held.append(layer, mx.concatenate([keys, values]))
+            return both[:rows], both[rows:], held[:rows], held[rows:]
         self._pending.append(mx.concatenate([keys, values]))
         if layer == len(self.caches) - 1:
             self._store_pending(heads, dim)
-        return both[:rows], both[rows:]
+        return both[:rows], both[rows:], keys, values
 
     def mask_parts(self, n: int) -> tuple[mx.array | None, mx.array]:
         """:meth:`mask` in two parts: stored ``(rows, 1, 1, keys)``, new ``(rows, 1, n, n)``.
 
         The stored part is None when every row sees every stored column (a
         lone prompt's later chunk): attention then skips masking those scores.
+        A holding call's new part is ``(rows, 1, 1, held)``: each row sees its
+        own held columns.
         """
         if self._mask_parts is None:
             stored = None if self._all_past else (
                 mx.arange(self._width)[None, None, None, :] < self._past[:, None, None, None])
+            if self._holding:
+                self._mask_parts = (stored, self.held.mask())
+                return self._mask_parts
             c = mx.arange(n)
             causal = c[None, :] <= c[:, None]
             real = c[None, None, :] >= self._lead[:, None, None]
@@ -292,10 +380,13 @@ class PagedKVBatch:
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` (in that order); the others' blocks go back to the pool now."""
-        kept = {int(i) for i in keep}
+        keep = [int(i) for i in keep]
+        kept = set(keep)
         self._free([r for i, r in enumerate(self.rows) if i not in kept])
-        self.rows = [self.rows[int(i)] for i in keep]
+        self.rows = [self.rows[i] for i in keep]
+        self.held.keep(keep)  # a leaving row's held columns go with its blocks
         self._offset_next = self._offsets()
+        self._view_stale = True
 
     def extend(self, other: PagedKVBatch) -> None:
         """Take ``other``'s rows (and blocks) after this batch's rows; no KV is copied.
@@ -306,13 +397,19 @@ class PagedKVBatch:
         """
         if other.arena is not self.arena:
             raise ValueError("extend() takes a PagedKVBatch of the same arena")
+        other.flush()
+        self.held.add_rows(len(other.rows))
         self.rows += other.rows
         other.rows = []
+        other.held.clear(0)
         self._offset_next = self._offsets()
+        self._view_stale = True
 
     def release(self) -> None:
         """Return every row's blocks to the pool (the rows stay, empty)."""
         self._free(self.rows)
+        self.held.clear(len(self.rows))
+        self._view_stale = True
 
     def _free(self, rows: Sequence[PagedRow]) -> None:
         # Only a row's own blocks: shared prefix blocks (see share_prefix) belong
@@ -367,7 +464,7 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         if self.written == b.columns:
             b.begin(keys.shape[2])
         self.written = b.columns
-        stored_keys, stored_values = b.write_and_gather(self.layer, keys, values)
+        stored_keys, stored_values, keys, values = b.write_and_gather(self.layer, keys, values)
         if b.fast_attention:  # taken (and dropped) by this call's attention
             self.parts = ([stored_keys, keys], [stored_values, values])
         # Lazy: never computed when attention takes the parts (attention_parts).
