@@ -199,7 +199,8 @@ class PagedKVBatch:
         tokens = np.array([r.tokens for r in rows], np.int64)
         self._offset_pre = self._offset_next
         self._advance(n, lead)
-        self._offset_next = self._offsets()
+        # A holding call adds one column to every row (no padding): no host array to build.
+        self._offset_next = self._offset_pre + 1 if hold else self._offsets()
         self._pending, self._holding = [], hold
         self.columns += n
         if hold:  # the tables only change when the held columns are written

@@ -56,6 +56,7 @@ class HeldColumns:
         self.limit = limit
         self.count = 0  # columns held, the batch's shared timeline
         self.start = np.zeros(0, np.int64)  # per row: its first held column
+        self._start: mx.array | None = None  # ``start`` on the device, for mask()
         self._layers: list[mx.array | None] = [None] * n_layers
 
     def per_row(self) -> np.ndarray:
@@ -66,7 +67,7 @@ class HeldColumns:
         """Size ``start`` for ``rows`` rows when nothing is held."""
         if self.count:
             raise ValueError("set_rows() needs an empty write-back")
-        self.start = np.zeros(rows, np.int64)
+        self.start, self._start = np.zeros(rows, np.int64), None
 
     def open(self) -> None:
         """A decode call begins: its column becomes the newest held one."""
@@ -86,7 +87,9 @@ class HeldColumns:
 
     def mask(self) -> mx.array:
         """``(rows, 1, 1, count)``: True where a held column is the row's own."""
-        visible = mx.arange(self.count)[None, :] >= mx.array(self.start)[:, None]
+        if self._start is None:  # built again only when rows join or leave, or after a write
+            self._start = mx.array(self.start)[:, None]
+        visible = mx.arange(self.count)[None, :] >= self._start
         return visible[:, None, None, :]
 
     def keep(self, keep: list[int]) -> None:
@@ -94,7 +97,7 @@ class HeldColumns:
         if not keep:
             self.clear(0)
             return
-        self.start = self.start[keep]
+        self.start, self._start = self.start[keep], None
         if self.count:
             rows = len(self._layers[0]) // 2
             take = mx.array(keep + [rows + i for i in keep], dtype=mx.int32)
@@ -109,6 +112,7 @@ class HeldColumns:
                 return mx.concatenate([held[:rows], none, held[rows:], none])
             self._layers = [widen(held) for held in self._layers]
         self.start = np.concatenate([self.start, np.full(added, self.count, np.int64)])
+        self._start = None
 
     def stacked(self) -> mx.array:
         """Every held column as ``(H_kv, layers x 2 x rows x count, D)`` for one scatter.
@@ -122,5 +126,5 @@ class HeldColumns:
     def clear(self, rows: int) -> None:
         """Hold nothing (after a flush, or when every row left)."""
         self.count = 0
-        self.start = np.zeros(rows, np.int64)
+        self.start, self._start = np.zeros(rows, np.int64), None
         self._layers = [None] * len(self._layers)

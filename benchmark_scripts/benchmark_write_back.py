@@ -1,0 +1,149 @@
+"""Decode steps with the KV write-back on and off, same run: host time and arena writes.
+
+What ``batch.kv_write_back`` changes is host work and the number of arena
+writes (each of which copies the whole arena on a GPU). This drives the
+server's own :class:`~server.engine.runner.ModelRunner` on an offline model
+(default ``tiny``, where a step is mostly host work, as on a GPU) for 1, 16
+and 64 rows, with write-back 1 (every step writes) and 32, alternating the
+two so drift hits both, and records per decode step: wall time, the step
+clock's phases (``decode_graph`` is building the model's graph, paged-KV
+bookkeeping included) and the arena writes. First, ``copy_probe`` shows
+what one arena write costs when the step also reads the arena (a full copy).
+
+Usage::
+
+    .venv/bin/python benchmark_scripts/benchmark_write_back.py [--rows 1 16 64] [--steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noqa: E402
+
+DEFAULT_OUT = ROOT / "figures" / "write_back" / "results.json"
+
+
+def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
+    """Decode ``steps`` steps of ``rows`` rows (32-token prompts, temperature 0.7)."""
+    import mlx.core as mx
+
+    from server.engine.protocol import SamplingParams
+    from server.engine.runner import ModelRunner
+    from server.engine.step_clock import StepClock
+    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
+    arena = KVArena(pool, probe_kv_layout(model))
+    writes = []
+    store = arena.store
+    arena.store = lambda heads, slots, values: (writes.append(1), store(heads, slots, values))
+    clock = StepClock()
+    runner = ModelRunner(model, pool, 64, arena, clock, kv_write_back=write_back)
+    for owner in range(1, rows + 1):
+        runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(32)],
+                   SamplingParams(max_tokens=steps + 16, temperature=0.7, seed=None))
+    runner.prefill(1 << 20)
+    for _ in range(5):  # warm-up: joins, first compiles
+        runner.decode()
+    mx.synchronize()
+    writes.clear()
+    _, before = clock.totals()
+    t = time.perf_counter()
+    for _ in range(steps):
+        clock.start()
+        runner.decode()
+    mx.synchronize()
+    wall = time.perf_counter() - t
+    _, after = clock.totals()
+    runner.remove(range(1, rows + 1))
+    phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
+              if after[k] != before[k]}
+    return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
+            "arena_writes": len(writes), "arena_mib": round(arena.nbytes / 2**20, 1)}
+
+
+def copy_probe(mib: int = 256, steps: int = 10) -> dict:
+    """Why arena writes cost: one scatter of 8 slots into a ``mib`` MiB array, per step.
+
+    With a read of the same array in the step's graph (what every decode
+    step has: the layers gather from the arena), MLX cannot update it in
+    place and copies all of it; without one, the scatter is in place. On a
+    GPU the kernels in flight always hold the arena, so every write copies.
+    """
+    import mlx.core as mx
+
+    slots = mib * 2**20 // (8 * 64 * 4)
+    heads = mx.arange(8)[:, None]
+    out = {}
+    for name, read in (("scatter_with_a_read_ms", True), ("scatter_alone_ms", False)):
+        arena = mx.zeros((8, slots, 64))
+        mx.eval(arena)
+        t = time.perf_counter()
+        for step in range(steps):
+            seen = arena[:, :128].sum() if read else mx.array(0.0)
+            arena[heads, mx.array([[step]])] = mx.ones((8, 1, 64))
+            mx.eval(seen, arena)
+        out[name] = round((time.perf_counter() - t) / steps * 1e3, 3)
+        del arena
+    return {"arena_mib": mib, **out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--n-blocks", type=int, default=16384)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args()
+    ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from veloxquant_mlx.offline_model import ensure_model
+
+    model, _ = load(str(ensure_model(args.preset)))
+    probe = copy_probe()
+    print(f"a write into a {probe['arena_mib']} MiB array: {probe['scatter_with_a_read_ms']} ms "
+          f"with a read in the same graph, {probe['scatter_alone_ms']} ms without")
+    levels = []
+    for rows in args.rows:
+        runs: dict[int, list[dict]] = {1: [], 32: []}
+        for _ in range(args.rounds):
+            for write_back in (1, 32):
+                runs[write_back].append(measure(model, rows, write_back, args.steps,
+                                                args.n_blocks))
+        best = {wb: min(r, key=lambda m: m["ms_per_step"]) for wb, r in runs.items()}
+        levels.append({"rows": rows, "write_every_step": best[1], "write_back_32": best[32],
+                       "step_ratio": round(best[1]["ms_per_step"] / best[32]["ms_per_step"], 3),
+                       "all_runs": {str(k): v for k, v in runs.items()}})
+        print(f"rows {rows}: every step {best[1]['ms_per_step']} ms "
+              f"({best[1]['arena_writes']} writes), write-back 32 "
+              f"{best[32]['ms_per_step']} ms ({best[32]['arena_writes']} writes); "
+              f"decode_graph {best[1]['phases_ms_per_step'].get('decode_graph')} -> "
+              f"{best[32]['phases_ms_per_step'].get('decode_graph')} ms")
+    result = {"benchmark": "benchmark_scripts/benchmark_write_back.py",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
+                          "blas": str(active_blas())},
+              "preset": args.preset, "steps": args.steps, "rounds": args.rounds,
+              "note": "best of the rounds per setting; ratio = every-step over write-back",
+              "copy_probe": probe, "levels": levels}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
