@@ -66,11 +66,21 @@ class PagedRow:
     tokens: int = 0
     blocks: list[list[Block]] = field(default_factory=list)
     ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    # (i, block i of every stream): the blocks a decode call's n_used update touches,
+    # the same ones for block_size calls in a row. Cleared whenever ``blocks`` is
+    # replaced or cut.
+    column: tuple[int, list[Block]] | None = None
 
     @property
     def n_blocks(self) -> int:
         """Blocks per layer and stream."""
         return len(self.blocks[0])
+
+    def blocks_at(self, i: int) -> list[Block]:
+        """Block ``i`` of every stream (keys and values of every layer)."""
+        if self.column is None or self.column[0] != i:
+            self.column = (i, [stream[i] for stream in self.blocks])
+        return self.column[1]
 
 
 class PagedKVBatch:
@@ -176,6 +186,7 @@ class PagedKVBatch:
                         row.blocks[2 * layer + 1].extend(v_new[part])
         except BaseException:
             for row, keep in taken:
+                row.column = None
                 for s in range(0, self.n_streams, 2):
                     free_past(self.pool, row.blocks[s], row.blocks[s + 1], keep)
             raise
@@ -220,8 +231,7 @@ class PagedKVBatch:
             # Every layer's keys and values of a row hold the same tokens: block
             # i of all its streams takes one n_used, set in one pool call.
             for i in range(old // bs, -(-row.tokens // bs)):
-                self.pool.set_used([stream[i] for stream in row.blocks],
-                                   min(row.tokens - i * bs, bs))
+                self.pool.set_used(row.blocks_at(i), min(row.tokens - i * bs, bs))
 
     def _all_ids(self) -> np.ndarray:
         """``(streams, rows, blocks)`` ids of every row's blocks, the trash block past them."""
@@ -374,7 +384,7 @@ class PagedKVBatch:
             raise ValueError(f"each shared position needs {self.n_streams} blocks "
                              "(every layer's keys and values)")
         row.blocks = [[position[s] for position in blocks] for s in range(self.n_streams)]
-        row.tokens = len(blocks) * self.bs
+        row.tokens, row.column = len(blocks) * self.bs, None
         _copy_ids(row, 0)
         self._offset_pre = self._offset_next = self._offsets()
 
@@ -421,7 +431,7 @@ class PagedKVBatch:
             self.pool.free(blocks)
         for row in rows:
             row.blocks = [[] for _ in range(self.n_streams)]
-            row.tokens = 0
+            row.tokens, row.column = 0, None
 
 
 def _copy_ids(row: PagedRow, held: int) -> None:
@@ -431,8 +441,9 @@ def _copy_ids(row: PagedRow, held: int) -> None:
         grown = np.zeros((row.ids.shape[0], max(2 * row.ids.shape[1], count)), np.int32)
         grown[:, :held] = row.ids[:, :held]
         row.ids = grown
-    for s, stream in enumerate(row.blocks):
-        row.ids[s, held:count] = [b.block_id for b in stream[held:count]]
+    if count > held:  # one array for every stream (a slice assignment each is slow)
+        row.ids[:, held:count] = np.array([[b.block_id for b in stream[held:count]]
+                                           for stream in row.blocks], np.int32)
 
 
 class PagedLayerCache(_mlx_cache._BaseCache):
