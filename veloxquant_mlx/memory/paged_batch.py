@@ -320,10 +320,11 @@ class PagedKVBatch:
         The stored tokens come out of the arena with one gather (keys' and
         values' tables are stacked). The call's own columns are not written
         first (attention sees them next to the stored ones): every layer's
-        new columns go into the arena in ONE scatter, after the last layer.
-        On a GPU a buffer that in-flight kernels still read cannot be updated
-        in place, so each scatter copies the whole arena; one per model call
-        instead of one per layer is what keeps that cost small.
+        new columns go into the arena in ONE scatter, after the last layer
+        (a holding call writes nothing: see :meth:`flush`). On a GPU a buffer
+        that in-flight kernels still read cannot be updated in place, so each
+        scatter copies the whole arena; one per model call instead of one per
+        layer, and one per ``write_back`` decode calls, keep that cost small.
         """
         rows, heads, _, dim = keys.shape
         # A quantized arena decodes here; the call's own columns stay exact
