@@ -248,6 +248,7 @@ class PagedKVBatch:
         of them left padding, when it ends; None: they are held.
         """
         rows, bs, trash = self.rows, self.bs, self.arena.trash
+        layers = self.n_streams // 2
         table = self._all_ids()
         if lead is not None:
             cols = np.arange(n)[None, :]
@@ -255,11 +256,9 @@ class PagedKVBatch:
             pos = np.where(valid, past[:, None] + cols - lead[:, None], 0)
             blk = table[:, np.arange(len(rows))[:, None], pos // bs]
             slots = np.where(valid[None], blk * bs + pos % bs, trash * bs)
-            layers = self.n_streams // 2
             self._slots = mx.array(slots.reshape(layers, -1).astype(np.int32))
             self._lead = mx.array(lead.astype(np.int32))
         # Per layer: keys' rows then values' rows, as write_and_gather stacks them.
-        layers = self.n_streams // 2
         # Attention reads only the blocks that held tokens before the call (at
         # least one): the blocks just grown for this call's columns are not
         # written yet, so gathering them would only add masked keys (a second
