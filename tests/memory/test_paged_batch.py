@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -126,19 +127,25 @@ def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model, monk
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False):
+def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False,
+                      write_back=1):
     """Decode ``steps`` times while groups of random prompts join (and rows leave).
 
     After every step each owner holds exactly its tokens' blocks and MLX
     memory above idle stays within the blocks in use plus the workspace
-    bound; at the end every block is back in the pool.
+    bound; at the end every block is back in the pool. The decode batch holds
+    ``write_back`` columns (see veloxquant_mlx/memory/write_back.py).
+
+    Returns:
+        Per step: the decode rows' owners and logits (a NumPy copy), or None
+        when every row had just left.
     """
     pool, layout = arena.pool, arena.layout
     mx.eval(arena.data)
     idle = mx.get_active_memory()
     per_block = layout.bytes_per_block(BS)
-    bound = workspace_bytes(layout, BS, max_rows=6, max_tokens=140 + 30)
-    decode, inputs, owner = None, None, 100
+    bound = workspace_bytes(layout, BS, max_rows=6, max_tokens=140 + 30, write_back=write_back)
+    decode, inputs, owner, trace = None, None, 100, []
     for _ in range(steps):
         if decode is None or (len(decode.rows) < 5 and rng.random() < join_p):
             lengths = [rng.randint(1, 140) for _ in range(rng.randint(1, 2))]
@@ -148,6 +155,7 @@ def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False)
             first = mx.zeros((len(lengths),), mx.uint32) + 9
             if decode is None:
                 decode, inputs = group, first
+                decode.write_back = write_back
             else:
                 decode.extend(group)
                 inputs = mx.concatenate([inputs, first])
@@ -157,15 +165,18 @@ def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False)
             inputs = inputs[mx.array(keep, dtype=mx.int32)] if keep else None
             if not keep:
                 decode = None
+                trace.append(None)
                 continue
         logits = model(inputs[:, None], cache=decode.caches)[:, -1]
         inputs = mx.argmax(logits, -1).astype(mx.uint32)
         mx.eval(inputs)
+        trace.append((decode.owners, np.array(logits)))  # a copy: not counted as MLX memory
         _held_exactly(pool, decode, layout.n_layers)
         assert mx.get_active_memory() - idle <= pool.stats.blocks_in_use() * per_block + bound
     if decode is not None:
         decode.release()
     assert pool.stats.blocks_in_use() == 0
+    return trace
 
 
 @pytest.mark.parametrize("fast", [False, True])

@@ -14,9 +14,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.memory.test_paged_batch import BS, _arena, _held_exactly, _paged, _prompt, _stock
+from tests.memory.test_paged_batch import (
+    _arena,
+    _held_exactly,
+    _joins_and_leaves,
+    _paged,
+    _prompt,
+    _stock,
+)
 from veloxquant_mlx.memory import paged_attention
-from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout, workspace_bytes
+from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 from veloxquant_mlx.memory.kv_format import KVFormat
 from veloxquant_mlx.memory.write_back import HeldColumns, held_bytes
 
@@ -75,53 +82,13 @@ def test_held_columns_give_the_stock_logits(model, monkeypatch, fast):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-def _run(model, write_back, seed, steps=36):
-    """Decode while groups join and rows leave; logits of every step, writes counted."""
-    rng = random.Random(seed)
-    arena = _arena(model, n_blocks=4096)
-    layout, pool = arena.layout, arena.pool
-    mx.eval(arena.data)
-    idle = mx.get_active_memory()
-    bound = workspace_bytes(layout, BS, max_rows=6, max_tokens=140 + 40, write_back=write_back)
-    decode, inputs, owner, trace = None, None, 100, []
-    for _ in range(steps):
-        if decode is None or (len(decode.rows) < 5 and rng.random() < 0.35):
-            lengths = [rng.randint(1, 140) for _ in range(rng.randint(1, 2))]
-            group, _ = _paged(model, arena, [_prompt(owner + k, n)
-                                             for k, n in enumerate(lengths)], 0, owner)
-            owner += len(lengths)
-            first = mx.zeros((len(lengths),), mx.uint32) + 9
-            if decode is None:
-                decode, inputs = group, first
-                decode.write_back = write_back
-            else:
-                decode.extend(group)
-                inputs = mx.concatenate([inputs, first])
-        if decode.rows and rng.random() < 0.25:
-            keep = sorted(rng.sample(range(len(decode.rows)), rng.randint(0, len(decode.rows))))
-            decode.filter(keep)
-            if not keep:
-                decode = None
-                trace.append(None)
-                continue
-            inputs = inputs[mx.array(keep, dtype=mx.int32)]
-        logits = model(inputs[:, None], cache=decode.caches)[:, -1]
-        inputs = mx.argmax(logits, -1).astype(mx.uint32)
-        mx.eval(inputs)
-        trace.append((decode.owners, np.array(logits)))  # not held as MLX memory
-        _held_exactly(pool, decode, layout.n_layers)
-        assert mx.get_active_memory() - idle <= pool.stats.blocks_in_use() * \
-            layout.bytes_per_block(BS) + bound
-    if decode is not None:
-        decode.release()
-    assert pool.stats.blocks_in_use() == 0
-    return trace
-
-
 @pytest.mark.parametrize("seed", [3, 11])
 def test_joins_and_leaves_while_holding_match_writing_every_call(model, seed):
-    every = _run(model, 1, seed)
-    held = _run(model, 6, seed)
+    def run(write_back):
+        return _joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(seed), 36,
+                                 join_p=0.35, leave_p=0.25, write_back=write_back)
+
+    every, held = run(1), run(6)
     assert sum(t is not None for t in held) > 20
     for a, b in zip(every, held, strict=True):
         assert (a is None) == (b is None)
@@ -154,8 +121,7 @@ def test_a_quantized_arena_stores_what_was_held(model):
 
 
 def test_held_columns_bookkeeping():
-    held = HeldColumns(n_layers=2, limit=4)
-    held.set_rows(2)
+    held = HeldColumns(n_layers=2, limit=4, rows=2)
     held.open()
     for layer in range(2):
         held.append(layer, mx.full((4, 1, 1, 3), float(layer)))
@@ -173,6 +139,6 @@ def test_held_columns_bookkeeping():
     held.keep([])
     assert held.count == 0 and held.per_row().size == 0
     with pytest.raises(ValueError, match="at least 1"):
-        HeldColumns(2, 0)
+        HeldColumns(2, 0, 1)
     assert held_bytes(4, 2, 32, mx.float32, 6, 1) == 0
     assert held_bytes(4, 2, 32, mx.float32, 6, 8) == 4 * 4 * 2 * 6 * 2 * 8 * 32 * 4

@@ -128,8 +128,7 @@ class PagedKVBatch:
         self._past: mx.array | None = None  # tokens each row stored before the call
         self._lead: mx.array | None = None  # left-padding columns each row feeds in the call
         self._pending: list[mx.array] = []  # the call's new keys+values, layer by layer
-        self.held = HeldColumns(arena.layout.n_layers, write_back)
-        self.held.set_rows(len(self.rows))
+        self.held = HeldColumns(arena.layout.n_layers, write_back, len(self.rows))
         self._holding = False  # the call begun last holds its column (a decode call)
         self._view_stale = True  # tables and stored mask to rebuild at the next call
         heads = arena.layout.n_kv_heads
@@ -156,8 +155,7 @@ class PagedKVBatch:
     @write_back.setter
     def write_back(self, limit: int) -> None:
         self.flush()
-        self.held = HeldColumns(self.arena.layout.n_layers, limit)
-        self.held.set_rows(len(self.rows))
+        self.held = HeldColumns(self.arena.layout.n_layers, limit, len(self.rows))
 
     def n_blocks_held(self) -> int:
         """Blocks every row holds, over all layers and both streams."""

@@ -48,26 +48,19 @@ class HeldColumns:
     Args:
         n_layers: The model's layers.
         limit: Most columns held before they are written; 1 writes every call.
+        rows: The batch's rows now.
     """
 
-    def __init__(self, n_layers: int, limit: int) -> None:
+    def __init__(self, n_layers: int, limit: int, rows: int) -> None:
         if limit < 1:
             raise ValueError(f"write-back limit must be at least 1 column, got {limit}")
         self.limit = limit
-        self.count = 0  # columns held, the batch's shared timeline
-        self.start = np.zeros(0, np.int64)  # per row: its first held column
-        self._start: mx.array | None = None  # ``start`` on the device, for mask()
         self._layers: list[mx.array | None] = [None] * n_layers
+        self.clear(rows)  # count, start (per row: its first held column), _start
 
     def per_row(self) -> np.ndarray:
         """Columns each row holds (the newest of its tokens, not yet in the arena)."""
         return self.count - self.start
-
-    def set_rows(self, rows: int) -> None:
-        """Size ``start`` for ``rows`` rows when nothing is held."""
-        if self.count:
-            raise ValueError("set_rows() needs an empty write-back")
-        self.start, self._start = np.zeros(rows, np.int64), None
 
     def open(self) -> None:
         """A decode call begins: its column becomes the newest held one."""
@@ -124,7 +117,8 @@ class HeldColumns:
         return values.transpose(2, 0, 1, 3, 4).reshape(heads, -1, dim)
 
     def clear(self, rows: int) -> None:
-        """Hold nothing (after a flush, or when every row left)."""
-        self.count = 0
-        self.start, self._start = np.zeros(rows, np.int64), None
+        """Hold nothing, for ``rows`` rows (after a flush, or when every row left)."""
+        self.count = 0  # columns held, the batch's shared timeline
+        self.start = np.zeros(rows, np.int64)
+        self._start: mx.array | None = None  # ``start`` on the device, for mask()
         self._layers = [None] * len(self._layers)
