@@ -226,6 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-write-back", type=int, default=None,
                    help="our batch.kv_write_back (default: the server's, 32; 1 writes the "
                         "arena every step, the A/B of the write-back)")
+    p.add_argument("--uncompiled-decode", action="store_true",
+                   help="our batch.compile_decode = false (mlx-lm's blocks as written, the "
+                        "A/B of the compiled decode halves)")
     p.add_argument("--revision", default="", help="recorded revision (default: git's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the servers' stderr logs go (default: a new temp folder)")
@@ -297,6 +300,8 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
         env["VELOXQUANT_POOL_KV_MEMORY"] = args.kv_memory
     if args.kv_write_back is not None:
         env["VELOXQUANT_BATCH_KV_WRITE_BACK"] = str(args.kv_write_back)
+    if args.uncompiled_decode:
+        env["VELOXQUANT_BATCH_COMPILE_DECODE"] = "false"
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,
             # levels still to come after a server's own (shares out the budget)
@@ -314,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "revision": revision(args.revision), "smoke": args.smoke,
                     "kv_write_back": args.kv_write_back or "server default",
+                    "compile_decode": not args.uncompiled_decode,
                     "phases_s": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -21,7 +21,9 @@ figures are rates, so fewer requests change their noise, not their meaning.
 ``model.quantized_matmul_rows = 0``: every product on the float32 weights, as before
 the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they buy;
 ``veloxquant-write-every-step`` is ours with ``batch.kv_write_back = 1`` (the decode
-batch writes its KV into the arena every step instead of every 32 steps).
+batch writes its KV into the arena every step instead of every 32 steps);
+``veloxquant-uncompiled`` is ours with ``batch.compile_decode = false`` (decode
+runs mlx-lm's blocks as written, not as compiled halves).
 
 Then ``profile_decode`` times where a decode step goes on our model (model
 forward, its matmuls alone, attention alone, sampling) at batch 1 and 16, so
@@ -71,9 +73,11 @@ DEFAULT_OUT = ROOT / "figures" / "real_model" / "results.json"
 OURS, LLAMA, MLX_LM = "veloxquant", "llama-server", "mlx_lm.server"
 OURS_F32 = "veloxquant-float32"  # ours with every product on the float32 weights
 OURS_WRITE = "veloxquant-write-every-step"  # ours writing each decode step's KV at once
+OURS_UNCOMPILED = "veloxquant-uncompiled"  # ours running mlx-lm's blocks as written
 EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0"},
-             OURS_WRITE: {"VELOXQUANT_BATCH_KV_WRITE_BACK": "1"}}
-VARIANTS = (OURS_F32, OURS_WRITE)  # ours, told apart by EXTRA_ENV
+             OURS_WRITE: {"VELOXQUANT_BATCH_KV_WRITE_BACK": "1"},
+             OURS_UNCOMPILED: {"VELOXQUANT_BATCH_COMPILE_DECODE": "false"}}
+VARIANTS = (OURS_F32, OURS_WRITE, OURS_UNCOMPILED)  # ours, told apart by EXTRA_ENV
 # Ours over each peer: the tok/s ratio to reach.
 TARGETS = {LLAMA: {"c16": 0.8, "c1": 0.2}, MLX_LM: {"c16": 5.0, "c1": 5.0}}
 

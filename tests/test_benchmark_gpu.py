@@ -69,14 +69,16 @@ def test_smoke_defaults_are_small_and_full_defaults_match_the_issue():
     assert (full.prompt_tokens, full.max_tokens) == (128, 128)
 
 
-def test_kv_write_back_reaches_only_our_server(tmp_path):
-    """--kv-write-back 1 (the A/B of the write-back) sets our setting, not the peer's args."""
-    args = benchmark_gpu.parse_args(["--smoke", "--kv-write-back", "1",
+def test_ab_flags_reach_only_our_server(tmp_path):
+    """--kv-write-back 1 and --uncompiled-decode (the A/B runs) set our settings only."""
+    args = benchmark_gpu.parse_args(["--smoke", "--kv-write-back", "1", "--uncompiled-decode",
                                      "--log-dir", str(tmp_path)])
     ctx = benchmark_gpu.server_context(args, tmp_path, [], False, Budget(60, 10))
     assert ctx["env"]["VELOXQUANT_BATCH_KV_WRITE_BACK"] == "1"
-    assert not any("write" in a for a in ctx["extra"][benchmark_gpu.PEER])
+    assert ctx["env"]["VELOXQUANT_BATCH_COMPILE_DECODE"] == "false"
+    assert not any("write" in a or "compile" in a for a in ctx["extra"][benchmark_gpu.PEER])
     default = benchmark_gpu.server_context(
         benchmark_gpu.parse_args(["--smoke", "--log-dir", str(tmp_path)]), tmp_path, [], False,
         Budget(60, 10))
     assert "VELOXQUANT_BATCH_KV_WRITE_BACK" not in default["env"]
+    assert "VELOXQUANT_BATCH_COMPILE_DECODE" not in default["env"]

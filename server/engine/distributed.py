@@ -323,7 +323,8 @@ def serve_follower(settings: Any, group: Any) -> int:
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
     pool, kv = plan_kv(settings, layout)
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena,
-                         kv_write_back=settings.batch.kv_write_back)
+                         kv_write_back=settings.batch.kv_write_back,
+                         compile_decode=settings.batch.compile_decode)
     log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
     follow(runner, RankLink(group))
     log.info("rank %d: rank 0 stopped; exiting", group.rank())

@@ -337,7 +337,9 @@ class Engine:
             self.runner = ModelRunner(loaded.model, self.pool,
                                       self.settings.batch.prefill_chunk_size, self.kv.arena,
                                       self.clock, self.prefixes,
-                                      self.settings.batch.kv_write_back)
+                                      self.settings.batch.kv_write_back,
+                                      self.settings.batch.compile_decode)
+            compiled = self.runner.compiled_blocks
             if group is not None:  # the other ranks repeat this runner's calls
                 from server.engine.distributed import LeaderRunner, RankLink
 
@@ -347,9 +349,11 @@ class Engine:
                                             self._inbox.put)
             self.loaded = loaded
             # The one start-up line that says what the server computes with.
-            log.info("model %s loaded (%d layers; %s); backend: %s", loaded.name,
+            log.info("model %s loaded (%d layers; %s); backend: %s; decode: %s", loaded.name,
                      loaded.n_layers, loaded.weights or "weights as stored",
-                     describe_backend(loaded.dtype))
+                     describe_backend(loaded.dtype),
+                     f"{compiled} of {loaded.n_layers} blocks compiled" if compiled
+                     else "blocks as mlx-lm runs them")
             log.info("%s", describe_kv(self.kv, self.pool, layout))
         except Exception as exc:  # the server reports it on /health and exits
             self.load_error = f"{type(exc).__name__}: {exc}"

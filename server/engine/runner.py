@@ -64,6 +64,7 @@ from server.engine.sampling import (
     sample_batch,
 )
 from server.engine.step_clock import StepClock
+from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
@@ -142,12 +143,17 @@ class ModelRunner:
         kv_write_back: Decode columns the batch holds out of the arena before
             one write of them all (:mod:`veloxquant_mlx.memory.write_back`); 1
             writes every step.
+        compile_decode: Run the model's Llama-shaped blocks' decode calls as
+            compiled halves (:mod:`veloxquant_mlx.compiled_decode`).
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
                  arena: KVArena, clock: StepClock | None = None,
-                 prefixes: PromptPrefixes | None = None, kv_write_back: int = 1) -> None:
+                 prefixes: PromptPrefixes | None = None, kv_write_back: int = 1,
+                 compile_decode: bool = False) -> None:
         self.model = model
+        # Blocks whose decode calls run compiled (0: off, or no Llama-shaped block).
+        self.compiled_blocks = compile_decode_blocks(model) if compile_decode else 0
         self.kv_write_back = kv_write_back
         self.prefixes = prefixes  # prefix caching: prefilled prompts publish their blocks
         self.pool = pool

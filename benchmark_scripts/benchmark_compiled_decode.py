@@ -1,0 +1,144 @@
+"""Decode steps with mlx-lm's blocks as written and as compiled halves, same run.
+
+``batch.compile_decode`` (veloxquant_mlx/compiled_decode.py) changes how much
+host work building a decode step's graph takes. This drives the server's own
+:class:`~server.engine.runner.ModelRunner` (greedy, write-back 32) for 1, 16
+and 64 rows, the two settings alternating so drift hits both, on two models:
+
+- ``tiny`` (4 layers, float32): the CPU serving path (our paged attention);
+- ``thin16`` (16 layers like the 1b preset, hidden 128, bfloat16): the path a
+  GPU takes (mlx-lm's attention, bfloat16), with the 1b preset's layer count
+  but a graph cheap to run, so ``decode_graph`` (building the step's graph,
+  paged-KV bookkeeping included) is the host cost a GPU step pays per layer.
+
+Per step it records the wall time and the step clock's phases, and checks that
+both settings sampled the same tokens.
+
+Usage::
+
+    .venv/bin/python benchmark_scripts/benchmark_compiled_decode.py [--rows 1 16 64] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noqa: E402
+
+DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
+
+
+def measure(model, rows: int, compiled: bool, steps: int) -> dict:
+    """Decode ``steps`` greedy steps of ``rows`` rows (64-token prompts)."""
+    import mlx.core as mx
+
+    from server.engine.protocol import SamplingParams
+    from server.engine.runner import ModelRunner
+    from server.engine.step_clock import StepClock
+    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=rows * 16 * 2 * 12 + 64))
+    arena = KVArena(pool, probe_kv_layout(model))
+    clock = StepClock()
+    runner = ModelRunner(model, pool, 512, arena, clock, kv_write_back=32,
+                         compile_decode=compiled)
+    for owner in range(1, rows + 1):
+        runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(64)],
+                   SamplingParams(max_tokens=steps + 16, temperature=0.0))
+    while runner.prefilling or runner.group is not None:
+        runner.prefill(1 << 20)
+    for _ in range(5):  # warm-up: joins, traces for this row count
+        runner.decode()
+    mx.synchronize()
+    _, before = clock.totals()
+    tokens = []
+    t = time.perf_counter()
+    for _ in range(steps):
+        clock.start()
+        tokens += [(s.owner, s.token) for s in runner.decode().tokens]
+    mx.synchronize()
+    wall = time.perf_counter() - t
+    _, after = clock.totals()
+    runner.remove(range(1, rows + 1))
+    phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
+              if after[k] != before[k]}
+    return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
+            "compiled_blocks": runner.compiled_blocks, "tokens": tokens}
+
+
+def model_folder(name: str, scratch: Path) -> Path:
+    """The model's folder (thin16 is built into ``scratch``: no preset names it)."""
+    from veloxquant_mlx.offline_model import ModelPreset, build_model, ensure_model
+
+    if name == "tiny":
+        return ensure_model("tiny")
+    folder = scratch / name
+    build_model(ModelPreset(name, 128, 16, 4, 1, 256, 4096, dtype="bfloat16"), folder)
+    return folder
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--models", nargs="+", default=["tiny", "thin16"],
+                   choices=["tiny", "thin16"])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args()
+    ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
+    import mlx.core as mx
+    from mlx_lm import load
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            folder = model_folder(name, Path(tmp))
+            # Two instances: compiling changes a model's blocks for good.
+            pair = {False: load(str(folder))[0], True: load(str(folder))[0]}
+            for rows in args.rows:
+                runs: dict[bool, list[dict]] = {False: [], True: []}
+                for _ in range(args.rounds):
+                    for compiled in (False, True):
+                        runs[compiled].append(measure(pair[compiled], rows, compiled,
+                                                      args.steps))
+                same = all(r["tokens"] == runs[False][0]["tokens"] for rs in runs.values()
+                           for r in rs)
+                best = {c: min(r, key=lambda m: m["ms_per_step"]) for c, r in runs.items()}
+                for r in runs[False] + runs[True]:
+                    r.pop("tokens")
+                graph = {c: best[c]["phases_ms_per_step"].get("decode_graph") for c in best}
+                results.append({"model": name, "rows": rows, "same_tokens": same,
+                                "as_written": best[False], "compiled": best[True],
+                                "step_ratio": round(best[False]["ms_per_step"]
+                                                    / best[True]["ms_per_step"], 3),
+                                "decode_graph_ratio": round(graph[False] / graph[True], 3),
+                                "all_runs": {"as_written": runs[False],
+                                             "compiled": runs[True]}})
+                print(f"{name} rows {rows}: step {best[False]['ms_per_step']} -> "
+                      f"{best[True]['ms_per_step']} ms, decode_graph {graph[False]} -> "
+                      f"{graph[True]} ms, same tokens: {same}")
+    result = {"benchmark": "benchmark_scripts/benchmark_compiled_decode.py",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
+                          "blas": str(active_blas())},
+              "steps": args.steps, "rounds": args.rounds,
+              "note": "best of the rounds per setting; ratios = as written over compiled",
+              "levels": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(level["same_tokens"] for level in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
