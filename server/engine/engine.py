@@ -37,6 +37,7 @@ from server.engine.prefix import PromptPrefixes, cache_root
 from server.engine.preparer import Prepared, PromptPreparer
 from server.engine.protocol import (
     Admitted,
+    EventBatch,
     Failed,
     Finished,
     FinishReason,
@@ -136,6 +137,7 @@ class Engine:
         self.kv: KVMemory | None = None  # the arena and byte figures, once the model is loaded
         self.prefixes: PromptPrefixes | None = None  # prefix caching, once the model is loaded
         self.clock = StepClock()  # where step time goes (/metrics)
+        self._events = EventBatch()  # a step's token events, sent together
 
     # -- lifecycle (any thread) -----------------------------------------------
 
@@ -430,9 +432,10 @@ class Engine:
             event = self.output.accept(state, sampled.token, sampled.logprobs)
             self.metrics.token(state)
             if event is not None and (event.text or event.logprob is not None):
-                state.request.channel.put(event)
+                self._events.add(state.request.channel, event)
             if state.finish is not None:
                 done.append(state)
+        self._events.send()  # before any request's end: its tokens come first
         self._end(done)  # they leave the runner together (one filter of each layer)
         if out.failed:
             reset_random_state()  # a failure inside a compiled sampler poisons it

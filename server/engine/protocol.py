@@ -5,7 +5,8 @@ thread answers through the request's :class:`EventChannel` with, in order,
 one :class:`Admitted` (or one :class:`Rejected`), then :class:`TokenEvent`
 records, then exactly one :class:`Finished` (or :class:`Failed`). The channel
 hops threads with ``loop.call_soon_threadsafe`` so the engine never touches
-the event loop's data structures directly.
+the event loop's data structures directly; a decode step's token events go
+over together (:class:`EventBatch`).
 
 Refusals and failures carry a :class:`Reason`; what a reason means to an
 HTTP client (status, ``Retry-After``) is decided by the HTTP layer alone.
@@ -263,3 +264,44 @@ class EventChannel:
             return self._queue.get_nowait()
         except asyncio.QueueEmpty:
             return None
+
+
+class EventBatch:
+    """Events of many channels, handed over with one ``call_soon_threadsafe`` per loop.
+
+    Why: each ``call_soon_threadsafe`` takes the loop's lock and writes to
+    its wake-up pipe (a system call). The engine thread produces one token
+    event per running request and decode step; sent one by one that was
+    ~9 us each on this machine, ~0.6 ms of every step at 64 requests, where
+    one call per step costs ~20-130 us. Each channel still sees its events
+    in the order they were added, and before anything it is sent later.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[EventChannel, Event]] = []
+
+    def add(self, channel: EventChannel, event: Event) -> None:
+        """Queue ``event`` for ``channel`` until :meth:`send`."""
+        self._pending.append((channel, event))
+
+    def send(self) -> None:
+        """Hand every queued event to its channel's loop (one call per loop)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[EventChannel, Event]]] = {}
+        for channel, event in pending:
+            by_loop.setdefault(channel._loop, []).append((channel, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop shut down: nobody listens
+                for channel, _ in items:
+                    channel._closed = True
+
+
+def _deliver(items: list[tuple[EventChannel, Event]]) -> None:
+    for channel, event in items:
+        channel._queue.put_nowait(event)
