@@ -85,6 +85,21 @@ def test_prompts_and_stock_caches_run_the_blocks_as_written(plain, compiled, mon
     assert len(calls) == 2 * len(compiled.layers)  # its two one-column calls
 
 
+def test_bfloat16_decode_is_bit_identical(tiny_model_path):
+    """The dtype a GPU serves in (mlx-lm's attention; fused elementwise ops in bfloat16)."""
+    pair = [_load(tiny_model_path) for _ in range(2)]
+    for model in pair:
+        model.set_dtype(mx.bfloat16)
+    assert compile_decode_blocks(pair[1]) == len(pair[1].layers)
+    runs = []
+    for model in pair:
+        batch, out = _paged(model, _arena(model), [_prompt(7, 25), _prompt(8, 14)], 6)
+        runs.append(mx.concatenate([mx.stack(rows) for rows in out]))
+        batch.release()
+    assert runs[0].dtype == mx.bfloat16
+    assert mx.array_equal(*runs)
+
+
 def _random_pair(module_name: str, **extra):
     """Two same-weight random models of an mlx-lm family; the second compiled."""
     import importlib
