@@ -114,8 +114,13 @@ def _random_pair(module_name: str, **extra):
     return first, second, compile_decode_blocks(second)
 
 
-def test_qwen2_blocks_compile_with_the_same_logits():
-    plain_q, compiled_q, count = _random_pair("qwen2")
+@pytest.mark.parametrize(("family", "extra"), [
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 16, "max_position_embeddings": 512, "rope_theta": 10000.0,
+               "tie_word_embeddings": True}),  # q_norm / k_norm per head
+])
+def test_qwen_blocks_compile_with_the_same_logits(family, extra):
+    plain_q, compiled_q, count = _random_pair(family, **extra)
     assert count == 3
     prompts = [_prompt(5, 12), _prompt(6, 7)]
     runs = []
@@ -127,8 +132,7 @@ def test_qwen2_blocks_compile_with_the_same_logits():
 
 
 def test_other_block_shapes_are_left_alone():
-    _, model, count = _random_pair("qwen3", head_dim=16, max_position_embeddings=512,
-                                   rope_theta=10000.0, tie_word_embeddings=True)
+    _, model, count = _random_pair("gemma", head_dim=16)
     assert count == 0
     assert type(model.layers[0]).__name__ == "TransformerBlock"
 

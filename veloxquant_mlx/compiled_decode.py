@@ -34,8 +34,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 from veloxquant_mlx.memory.paged_batch import PagedLayerCache
 
 # mlx-lm model modules whose block and attention calls are the Llama ones
-# (``mistral`` checkpoints load as ``llama``).
-LLAMA_SHAPED = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+# (``mistral`` checkpoints load as ``llama``), and whether their attention
+# normalises each head's queries and keys (``q_norm``/``k_norm``) before RoPE.
+LLAMA_SHAPED = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen2": False,
+                "mlx_lm.models.qwen3": True}
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -51,6 +53,7 @@ class _Halves:
         self.template = template
         self.names = [name for name, _ in tree_flatten(template.parameters())]
         self.attention_module = sys.modules[type(template.self_attn).__module__]
+        self.head_norms = LLAMA_SHAPED[self.attention_module.__name__]
         self.pre = mx.compile(self._pre)
         self.post = mx.compile(self._post)
 
@@ -67,8 +70,10 @@ class _Halves:
             b, n, _ = x.shape
             h = block.input_layernorm(x)
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
-            k = k.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            q, k = q.reshape(b, n, attn.n_heads, -1), k.reshape(b, n, attn.n_kv_heads, -1)
+            if self.head_norms:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
             v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
             return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
         finally:
