@@ -25,10 +25,9 @@ stream. A row's KV never exceeds ``prompt + max_tokens`` tokens (the last
 token is fed once before the row is seen to finish), which is what the
 admission reservation covers.
 
-Each row samples with its own settings (temperature, top-p/k, min-p, seed,
-penalties, logit bias). Rows without a seed or processors sample together in
-one compiled graph with per-row settings (``sampling.sample_batch``); when
-every row is greedy the batch samples with one ``argmax``.
+Each row samples with its own settings, as :mod:`server.engine.decode_sampling`
+plans it (one ``argmax`` when every row is greedy; else one compiled graph
+with per-row settings, and seeded or penalised rows alone).
 
 Rows with a grammar (``response_format``, :mod:`server.engine.constraints`)
 decode in the same batch as free rows: their logits are masked to what the
@@ -51,18 +50,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.engine.constraints import BatchMasks
+from server.engine.decode_sampling import SamplingPlan, constrain, sample_one, sample_rows
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.protocol import SamplingParams
-from server.engine.sampling import (
-    BatchSettings,
-    batchable,
-    build_logits_processors,
-    build_sampler,
-    mask_logits,
-    sample_batch,
-)
+from server.engine.sampling import batchable, build_logits_processors, build_sampler, mask_logits
 from server.engine.step_clock import StepClock
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
@@ -166,7 +158,7 @@ class ModelRunner:
         self.batch: PagedKVBatch | None = None  # the decode batch
         self.inputs: mx.array | None = None
         self._solo: set[int] = set()  # owners that prefill alone (see PrefillGroup.form)
-        self._plan: _SamplingPlan | None = None  # how the decode rows sample (rows change: None)
+        self._plan: SamplingPlan | None = None  # how the decode rows sample (rows change: None)
         self._refused: list[tuple[int, Exception]] = []  # owners whose grammar refused a token
         self.clock = clock or StepClock()
         # Every token a row feeds passes through here (lazily): the identity, except
@@ -340,19 +332,13 @@ class ModelRunner:
         for i, row in enumerate(group.rows):
             raw = logits[i: i + 1]
             if row.matcher is None:
-                token, logprobs = self._sample_one(row, raw)
+                token, logprobs = sample_one(row, raw)
             else:  # the grammar's start state: no token needed, its mask is cached
                 words = mx.array(row.matcher.constraint.first_mask()[None])
-                token, _ = self._sample_one(row, mask_logits(raw, words, mx.array([False])))
+                token, _ = sample_one(row, mask_logits(raw, words, mx.array([False])))
                 logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
             row.first, row.pending = self.share_tokens(token.astype(mx.uint32)), True
             row.logprobs = logprobs[0] if row.want_logprobs else None
-
-    def _sample_one(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array]:
-        for processor in row.processors:
-            logits = processor(row.history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return row.sampler(logprobs), logprobs
 
     # -- decode ------------------------------------------------------------------
 
@@ -406,7 +392,9 @@ class ModelRunner:
         current = self.inputs
         logits = self.model(current[:, None], cache=self.batch.caches)[:, -1, :]
         clock.lap("decode_graph")
-        plan = self._plan or self._make_plan()
+        if self._plan is None:
+            self._plan = SamplingPlan.of(self.rows)
+        plan = self._plan
         tokens = None
         raw = logits
         if plan.masks is not None:
@@ -414,8 +402,10 @@ class ModelRunner:
             clock.lap("submit")
             tokens = current.tolist()
             clock.lap("read")
-            logits = self._constrain(logits, tokens, plan)
-        nxt, logprobs = self._sample(logits, current)
+            logits, refused = constrain(plan, logits, tokens)
+            # a token its grammar refused fails its row alone (after the call)
+            self._refused += [(self.rows[i].owner, error) for i, error in refused]
+        nxt, logprobs = sample_rows(plan, self.rows, logits, current)
         if plan.masks is not None and plan.logprobs:
             # Constrained rows report the model's own distribution: the masked one
             # holds -inf, which no JSON number can carry.
@@ -442,69 +432,6 @@ class ModelRunner:
         self.inputs = self.share_tokens(nxt)
         return out
 
-    def _constrain(self, logits: mx.array, tokens: list[int], plan: _SamplingPlan) -> mx.array:
-        """Advance the constrained rows' grammars past ``tokens``; mask their next token."""
-        for i, error in plan.masks.step(tokens):
-            self._refused.append((self.rows[i].owner, error))
-        return mask_logits(logits, mx.array(plan.masks.bitmask), plan.free)
-
-    def _sample(self, logits: mx.array, current: mx.array) -> tuple[mx.array, mx.array]:
-        """Next token of every row, each with its own settings; and the log-probabilities.
-
-        Rows that can share the batch sampler (see ``sampling.batchable``) draw
-        together in one compiled graph; only seeded rows and rows with
-        penalties or logit bias sample one by one, and their results are
-        written over the batch's.
-        """
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        plan = self._plan or self._make_plan()
-        if plan.greedy:  # the argmax of the logits: no log-softmax to wait for
-            return mx.argmax(logits, axis=-1).astype(mx.uint32), logprobs
-        tokens = sample_batch(logprobs, plan.settings)
-        if plan.own:
-            picks, own_lp = [], []
-            for i in plan.own:
-                row = self.rows[i]
-                if row.processors:
-                    row.history = mx.concatenate([row.history, current[i: i + 1]])
-                token, lp = self._sample_one(row, logits[i: i + 1])
-                picks.append(token.astype(mx.uint32))
-                own_lp.append(lp)
-            at = mx.array(plan.own, dtype=mx.int32)
-            tokens[at] = mx.concatenate(picks)
-            logprobs[at] = mx.concatenate(own_lp)
-        return tokens, logprobs
-
-    def _make_plan(self) -> _SamplingPlan:
-        """How the current rows sample (cached until rows join or leave)."""
-        greedy = all(r.greedy for r in self.rows)
-        settings = None if greedy else BatchSettings.of([r.params for r in self.rows])
-        own = [i for i, r in enumerate(self.rows) if not r.shared]
-        matchers = [r.matcher for r in self.rows]
-        masks, free = None, None
-        if any(m is not None for m in matchers):
-            masks = BatchMasks(matchers)
-            free = mx.array(masks.free)
-        self._plan = _SamplingPlan(greedy, settings, own, masks, free,
-                                   any(r.want_logprobs for r in self.rows))
-        return self._plan
-
 
 def _same(tokens: mx.array) -> mx.array:
     return tokens
-
-
-@dataclass(frozen=True, slots=True)
-class _SamplingPlan:
-    """The decode batch's sampling: all greedy, or batch settings plus rows sampled alone.
-
-    ``masks`` (with ``free``, which rows have no grammar) when some row is constrained;
-    ``logprobs``: some row hands back log-probabilities.
-    """
-
-    greedy: bool
-    settings: BatchSettings | None
-    own: list[int]
-    masks: BatchMasks | None = None
-    free: mx.array | None = None
-    logprobs: bool = False
