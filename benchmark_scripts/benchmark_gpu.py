@@ -226,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-write-back", type=int, default=None,
                    help="our batch.kv_write_back (default: the server's, 32; 1 writes the "
                         "arena every step, the A/B of the write-back)")
+    p.add_argument("--ours-only", action="store_true",
+                   help="run our server alone (an A/B pass of our settings; no peer ratios)")
     p.add_argument("--uncompiled-decode", action="store_true",
                    help="our batch.compile_decode = false (mlx-lm's blocks as written, the "
                         "A/B of the compiled decode halves)")
@@ -305,7 +307,7 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,
             # levels still to come after a server's own (shares out the budget)
-            "levels_after": {OURS: len(args.concurrency), PEER: 0}}
+            "levels_after": {OURS: 0 if args.ours_only else len(args.concurrency), PEER: 0}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                     "revision": revision(args.revision), "smoke": args.smoke,
                     "kv_write_back": args.kv_write_back or "server default",
                     "compile_decode": not args.uncompiled_decode,
+                    "ours_only": args.ours_only,
                     "phases_s": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     ctx = server_context(args, model, prompts, on_gpu, budget)
     result["log_dir"] = str(ctx["log_dir"])
-    for name in (OURS, PEER):
+    for name in (OURS,) if args.ours_only else (OURS, PEER):
         run_server(name, ctx, args, result, save)
     print_table(result, args.concurrency)
     print(f"wrote {args.out} (server logs in {ctx['log_dir']})")

@@ -10,7 +10,8 @@
 # limit that keeps the whole call inside ~570 s. REVISION (the commit the tree was copied from;
 # the device copy has no git) is recorded in the results; later arguments go to the benchmark.
 # SKIP_TESTS=1 leaves out the CUDA-side pytest run at the end (a rerun of the figures alone).
-# Writes into $OUT (what comes back): results.json, bench.log, install.log, logs/*.log.
+# Writes into $OUT (what comes back): results.json, bench.log, install.log, logs/*.log, and
+# results_ab_previous.json (ours with compiled decode and write-back off) when time is left.
 # Not `set -e`: a failed phase must not stop the later ones (results are written as they come).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +93,19 @@ PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 15 "$BENCH_T" python3 \
     benchmark_scripts/benchmark_gpu.py --out "$OUT/results.json" --log-dir "$OUT/logs" \
     --budget-s $((BENCH_T - 35)) --revision "$REVISION" "$@" 2>&1 | tee "$OUT/bench.log"
 echo "benchmark exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
+
+# The A/B of this round's host-side changes, when time is left: ours alone with them off
+# (mlx-lm's blocks as written, the KV written every step), same model and load.
+# SKIP_AB=1 leaves it out.
+AB_T=$((510 - (SECONDS - START)))
+if [ -z "${SKIP_AB:-}" ] && [ "$AB_T" -ge 100 ]; then
+    echo "== A/B: ours without compiled decode and write-back, timeout ${AB_T} s"
+    PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 15 "$AB_T" python3 \
+        benchmark_scripts/benchmark_gpu.py --out "$OUT/results_ab_previous.json" \
+        --log-dir "$OUT/logs_ab" --budget-s $((AB_T - 25)) --reserve-s 30 --revision "$REVISION" \
+        "$@" --ours-only --uncompiled-decode --kv-write-back 1 2>&1 | tee "$OUT/bench_ab.log"
+    echo "A/B exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
+fi
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 

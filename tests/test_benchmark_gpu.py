@@ -82,3 +82,14 @@ def test_ab_flags_reach_only_our_server(tmp_path):
         Budget(60, 10))
     assert "VELOXQUANT_BATCH_KV_WRITE_BACK" not in default["env"]
     assert "VELOXQUANT_BATCH_COMPILE_DECODE" not in default["env"]
+
+
+def test_ours_only_leaves_no_levels_for_a_peer(tmp_path):
+    args = benchmark_gpu.parse_args(["--smoke", "--ours-only", "--log-dir", str(tmp_path)])
+    ctx = benchmark_gpu.server_context(args, tmp_path, [], False, Budget(60, 10))
+    assert ctx["levels_after"][benchmark_gpu.OURS] == 0
+    # Without the peer every ratio is None, so no ratio target can read as met.
+    result = {"servers": {benchmark_gpu.OURS: {"levels": [{"concurrency": 1,
+                                                           "tok_per_s": 100.0}]}}}
+    assert benchmark_gpu.ratios(result, [1]) == {"c1": {"tok_per_s": None, "ttft_p50": None,
+                                                        "ttft_p99": None}}
