@@ -306,13 +306,14 @@ class PagedKVBatch:
             self._mask = mx.concatenate([stored, fresh], axis=-1)
         return self._mask
 
-    def write_and_gather(self, layer: int, keys: mx.array,
-                         values: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """Every row's stored keys and values, then the new ones; store the call's later.
+    def write_and_gather(self, layer: int, new: mx.array) -> tuple[mx.array, mx.array]:
+        """Every row's stored keys and values, and the new ones; store the call's later.
 
-        The new ones are the call's own ``keys``/``values``, or for a call
-        that holds its column (``write_back``) the held columns with the
-        call's last.
+        Keys and values travel stacked: ``new`` is the call's own columns,
+        ``(2 x rows, H_kv, n, D)``, keys' rows then values' rows, and both
+        results are stacked the same way: the stored ``(2 x rows, H_kv, keys,
+        D)``, then the call's own columns, or for a call that holds its
+        column (``write_back``) the held columns with the call's last.
 
         The stored tokens come out of the arena with one gather (keys' and
         values' tables are stacked). The call's own columns are not written
@@ -323,17 +324,16 @@ class PagedKVBatch:
         scatter copies the whole arena; one per model call instead of one per
         layer, and one per ``write_back`` decode calls, keep that cost small.
         """
-        rows, heads, _, dim = keys.shape
         # A quantized arena decodes here; the call's own columns stay exact
         # until they are stored.
-        both = self.arena.gather(self._heads_g, self._table_ids[layer], 2 * rows, self._width)
+        stored = self.arena.gather(self._heads_g, self._table_ids[layer], new.shape[0],
+                                   self._width)
         if self._holding:
-            held = self.held.append(layer, mx.concatenate([keys, values]))
-            return both[:rows], both[rows:], held[:rows], held[rows:]
-        self._pending.append(mx.concatenate([keys, values]))
+            return stored, self.held.append(layer, new)
+        self._pending.append(new)
         if layer == len(self.caches) - 1:
-            self._store_pending(heads, dim)
-        return both[:rows], both[rows:], keys, values
+            self._store_pending(new.shape[1], new.shape[3])
+        return stored, new
 
     def mask_parts(self, n: int) -> tuple[mx.array | None, mx.array]:
         """:meth:`mask` in two parts: stored ``(rows, 1, 1, keys)``, new ``(rows, 1, n, n)``.
@@ -456,7 +456,7 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         self.batch = batch
         self.layer = layer
         self.written = 0  # columns this layer appended
-        self.parts: tuple[list, list] | None = None  # last call's (keys, values): stored, new
+        self.parts: tuple[mx.array, mx.array] | None = None  # last call's stored, new (stacked)
 
     @property
     def offset(self) -> mx.array:
@@ -470,16 +470,25 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         Raises:
             BlockPoolExhaustedError: The call's growth does not fit; nothing changed.
         """
+        return self.update_and_fetch_stacked(mx.concatenate([keys, values]))
+
+    def update_and_fetch_stacked(self, new: mx.array) -> tuple[mx.array, mx.array]:
+        """:meth:`update_and_fetch` of keys and values stacked (keys' rows, then values').
+
+        What :mod:`~veloxquant_mlx.compiled_decode` calls: its compiled half
+        stacks them, so the step's graph has one op less per layer here.
+        """
         b = self.batch
         if self.written == b.columns:
-            b.begin(keys.shape[2])
+            b.begin(new.shape[2])
         self.written = b.columns
-        stored_keys, stored_values, keys, values = b.write_and_gather(self.layer, keys, values)
+        stored, new = b.write_and_gather(self.layer, new)
         if b.fast_attention:  # taken (and dropped) by this call's attention
-            self.parts = ([stored_keys, keys], [stored_values, values])
+            self.parts = (stored, new)
+        rows = new.shape[0] // 2
         # Lazy: never computed when attention takes the parts (attention_parts).
-        return (mx.concatenate([stored_keys, keys], axis=2),
-                mx.concatenate([stored_values, values], axis=2))
+        both = mx.concatenate([stored, new], axis=2)
+        return both[:rows], both[rows:]
 
     def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
         """The last call's keys, values and masks in two parts (stored, new).
@@ -490,11 +499,13 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         b, parts, self.parts = self.batch, self.parts, None  # held no longer than the call
         if mask is None or mask is not b._mask or parts is None:
             return None
-        (stored_keys, keys), (stored_values, values) = parts
+        stored, new = parts
+        rows = new.shape[0] // 2
+        keys, values = new[:rows], new[rows:]
         stored_mask, new_mask = b.mask_parts(keys.shape[2])
         if not b._any_past:  # nothing stored yet (a first prefill chunk): the gather is never run
             return [keys], [values], [new_mask]
-        return [stored_keys, keys], [stored_values, values], [stored_mask, new_mask]
+        return ([stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Boolean mask hiding other rows' padding and future columns."""
