@@ -152,8 +152,9 @@ def nvidia_smi(query: str) -> str | None:
 def engine_clock(base: str) -> dict[str, float]:
     """Our server's step clock from ``/metrics``: seconds per phase, decode steps, batch rows.
 
-    (``veloxquant_engine_phase_seconds``, ``veloxquant_engine_decode_steps`` and
-    the ``veloxquant_batch_size`` histogram's sum; see server/engine/step_clock.py.)
+    (``veloxquant_engine_phase_seconds``, ``veloxquant_engine_decode_steps``,
+    the ``veloxquant_batch_size`` histogram's sum and ``veloxquant_kv_arena_writes``;
+    see server/engine/step_clock.py.)
     """
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -167,6 +168,8 @@ def engine_clock(base: str) -> dict[str, float]:
                 out["steps"] = sample.value
             elif sample.name == "veloxquant_batch_size_sum":
                 out["rows"] = sample.value
+            elif sample.name == "veloxquant_kv_arena_writes_total":
+                out["arena_writes"] = sample.value
     return out
 
 
@@ -176,7 +179,10 @@ def step_profile(before: dict[str, float], after: dict[str, float]) -> dict:
     if steps <= 0:
         return {"error": "no decode steps between the two reads"}
     phases = {k: round(1000 * (after[k] - before.get(k, 0.0)) / steps, 3)
-              for k in after if k not in ("steps", "rows")}
+              for k in after if k not in ("steps", "rows", "arena_writes")}
+    writes = after.get("arena_writes", 0.0) - before.get("arena_writes", 0.0)
     return {"decode_steps": int(steps),
             "mean_rows": round((after.get("rows", 0.0) - before.get("rows", 0.0)) / steps, 2),
-            "ms_per_step": phases, "ms_per_step_total": round(sum(phases.values()), 3)}
+            "ms_per_step": phases, "ms_per_step_total": round(sum(phases.values()), 3),
+            # each one copies the whole arena on a GPU: prefill calls, write-back flushes
+            "arena_writes_per_step": round(writes / steps, 3)}

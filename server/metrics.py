@@ -180,6 +180,11 @@ class EngineCollector:
         clock = getattr(self.engine, "clock", None)  # test doubles may have none
         if clock is not None:
             yield from _step_families(clock)
+        kv = getattr(self.engine, "kv", None)  # the arena, once a model is loaded
+        if kv is not None:
+            yield CounterMetricFamily("veloxquant_kv_arena_writes",
+                                      "Scatters of new keys and values into the KV arena (on a "
+                                      "GPU each copies the whole arena).", value=kv.arena.writes)
         yield from _cache_families(getattr(self.engine, "prefix_cache", None))
 
 

@@ -149,6 +149,21 @@ def test_server_is_idle_afterwards(live_server):
     assert m["veloxquant_orphaned_blocks"] == 0
 
 
+def test_metrics_count_the_kv_arena_writes(client, model_id, live_server):
+    """On a GPU each write copies the whole arena: decode steps hold their KV (write-back)."""
+    before = live_server.wait_idle()
+    client.completions.create(model=model_id, prompt="a b c", max_tokens=12, temperature=0)
+    after = live_server.wait_idle()
+    steps = after["veloxquant_engine_decode_steps_total"] - before[
+        "veloxquant_engine_decode_steps_total"]
+    writes = after["veloxquant_kv_arena_writes_total"] - before["veloxquant_kv_arena_writes_total"]
+    assert steps >= 11
+    # The prompt's prefill writes once; the decode steps' columns wait (batch.kv_write_back =
+    # 32) until the request ends, when prefix caching writes them to cache its output.
+    assert 1 <= writes <= 2
+    assert after["veloxquant_kv_arena_writes_total"] == live_server.engine.kv.arena.writes
+
+
 def test_metrics_say_where_decode_steps_spend_their_time(client, model_id, live_server):
     from prometheus_client.parser import text_string_to_metric_families
 

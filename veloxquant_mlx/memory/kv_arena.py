@@ -157,6 +157,9 @@ class KVArena:
         self.block_size = pool.config.block_size
         self.n_ids = 0
         self.data: mx.array | None = None
+        # Scatters into the arena so far: on a GPU each one copies all of it (see
+        # veloxquant_mlx/memory/write_back.py), so /metrics reports them.
+        self.writes = 0
         self.ensure_ids()
 
     @property
@@ -236,6 +239,7 @@ class KVArena:
             slots: Arena slot of each column (block id x block_size + offset).
             values: The keys or values to store, in the compute dtype.
         """
+        self.writes += 1
         if not self.quantized:
             self.data[heads, slots] = values
             return
