@@ -31,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmark_write_back import timed_decode  # noqa: E402
+
 from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
@@ -38,8 +40,6 @@ DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
 
 def measure(model, rows: int, compiled: bool, steps: int) -> dict:
     """Decode ``steps`` greedy steps of ``rows`` rows (64-token prompts)."""
-    import mlx.core as mx
-
     from server.engine.protocol import SamplingParams
     from server.engine.runner import ModelRunner
     from server.engine.step_clock import StepClock
@@ -56,23 +56,9 @@ def measure(model, rows: int, compiled: bool, steps: int) -> dict:
                    SamplingParams(max_tokens=steps + 16, temperature=0.0))
     while runner.prefilling or runner.group is not None:
         runner.prefill(1 << 20)
-    for _ in range(5):  # warm-up: joins, traces for this row count
-        runner.decode()
-    mx.synchronize()
-    _, before = clock.totals()
-    tokens = []
-    t = time.perf_counter()
-    for _ in range(steps):
-        clock.start()
-        tokens += [(s.owner, s.token) for s in runner.decode().tokens]
-    mx.synchronize()
-    wall = time.perf_counter() - t
-    _, after = clock.totals()
+    result, tokens = timed_decode(runner, clock, steps)
     runner.remove(range(1, rows + 1))
-    phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
-              if after[k] != before[k]}
-    return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
-            "compiled_blocks": runner.compiled_blocks, "tokens": tokens}
+    return {**result, "compiled_blocks": runner.compiled_blocks, "tokens": tokens}
 
 
 def model_folder(name: str, scratch: Path) -> Path:

@@ -33,10 +33,36 @@ from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noq
 DEFAULT_OUT = ROOT / "figures" / "write_back" / "results.json"
 
 
-def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
-    """Decode ``steps`` steps of ``rows`` rows (32-token prompts, temperature 0.7)."""
+def timed_decode(runner, clock, steps: int) -> tuple[dict, list[tuple[int, int]]]:
+    """Five warm-up decode steps (joins, first traces), then ``steps`` timed ones.
+
+    Returns:
+        Wall and step-clock milliseconds per step and the arena writes of the
+        timed steps; and the ``(owner, token)`` pairs they handed back.
+    """
     import mlx.core as mx
 
+    for _ in range(5):
+        runner.decode()
+    mx.synchronize()
+    writes = runner.arena.writes
+    _, before = clock.totals()
+    tokens = []
+    t = time.perf_counter()
+    for _ in range(steps):
+        clock.start()
+        tokens += [(s.owner, s.token) for s in runner.decode().tokens]
+    mx.synchronize()
+    wall = time.perf_counter() - t
+    _, after = clock.totals()
+    phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
+              if after[k] != before[k]}
+    return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
+            "arena_writes": runner.arena.writes - writes}, tokens
+
+
+def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
+    """Decode ``steps`` steps of ``rows`` rows (32-token prompts, temperature 0.7)."""
     from server.engine.protocol import SamplingParams
     from server.engine.runner import ModelRunner
     from server.engine.step_clock import StepClock
@@ -45,32 +71,15 @@ def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dic
 
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
     arena = KVArena(pool, probe_kv_layout(model))
-    writes = []
-    store = arena.store
-    arena.store = lambda heads, slots, values: (writes.append(1), store(heads, slots, values))
     clock = StepClock()
     runner = ModelRunner(model, pool, 64, arena, clock, kv_write_back=write_back)
     for owner in range(1, rows + 1):
         runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(32)],
                    SamplingParams(max_tokens=steps + 16, temperature=0.7, seed=None))
     runner.prefill(1 << 20)
-    for _ in range(5):  # warm-up: joins, first compiles
-        runner.decode()
-    mx.synchronize()
-    writes.clear()
-    _, before = clock.totals()
-    t = time.perf_counter()
-    for _ in range(steps):
-        clock.start()
-        runner.decode()
-    mx.synchronize()
-    wall = time.perf_counter() - t
-    _, after = clock.totals()
+    result, _ = timed_decode(runner, clock, steps)
     runner.remove(range(1, rows + 1))
-    phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
-              if after[k] != before[k]}
-    return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
-            "arena_writes": len(writes), "arena_mib": round(arena.nbytes / 2**20, 1)}
+    return {**result, "arena_mib": round(arena.nbytes / 2**20, 1)}
 
 
 def copy_probe(mib: int = 256, steps: int = 10) -> dict:

@@ -30,13 +30,6 @@ from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 from veloxquant_mlx.memory.kv_format import KVFormat
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model_path))[0]
-
-
 def _arena(model, fmt: KVFormat, n_blocks=2048, **config) -> KVArena:
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks, **config))
     return KVArena(pool, probe_kv_layout(model, fmt))

@@ -29,13 +29,6 @@ from veloxquant_mlx.memory.paged_batch import make_paged_batch
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model_path))[0]
-
-
 def _arena(model, n_blocks=2048, **config):
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks, **config))
     return KVArena(pool, probe_kv_layout(model))

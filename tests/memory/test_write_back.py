@@ -28,13 +28,6 @@ from veloxquant_mlx.memory.kv_format import KVFormat
 from veloxquant_mlx.memory.write_back import HeldColumns, held_bytes
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model_path))[0]
-
-
 def _decode(model, batch, logits, steps):
     out = []
     for _ in range(steps):
