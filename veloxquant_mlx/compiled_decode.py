@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from veloxquant_mlx.memory.paged_batch import PagedLayerCache
+from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 
 # mlx-lm model modules whose block and attention calls are the Llama ones
 # (``mistral`` checkpoints load as ``llama``), and whether their attention

@@ -49,7 +49,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.paged_batch import PagedLayerCache
+from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)

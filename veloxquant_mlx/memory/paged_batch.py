@@ -40,47 +40,15 @@ needs (all-or-nothing), and fixes the call's slots, block tables and mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import cache as _mlx_cache
 
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
-from veloxquant_mlx.memory.pool_kv_common import allocate_kv, free_past
+from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
+from veloxquant_mlx.memory.paged_rows import PagedRow, advance, block_table, free, grow
 from veloxquant_mlx.memory.write_back import HeldColumns
-
-
-@dataclass(slots=True)
-class PagedRow:
-    """One owner's place in a batch.
-
-    Invariant: every ``blocks[s]`` (``s = 2 * layer`` keys, ``2 * layer + 1``
-    values) has ``ceil(tokens / block_size)`` blocks with exact ``n_used``,
-    and ``ids[s, :len(blocks[s])]`` are their ids.
-    """
-
-    owner: int
-    pad: int = 0  # leading padding columns still to be fed (prefill)
-    tokens: int = 0
-    blocks: list[list[Block]] = field(default_factory=list)
-    ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
-    # (i, block i of every stream): the blocks a decode call's n_used update touches,
-    # the same ones for block_size calls in a row. Cleared whenever ``blocks`` is
-    # replaced or cut.
-    column: tuple[int, list[Block]] | None = None
-
-    @property
-    def n_blocks(self) -> int:
-        """Blocks per layer and stream."""
-        return len(self.blocks[0])
-
-    def blocks_at(self, i: int) -> list[Block]:
-        """Block ``i`` of every stream (keys and values of every layer)."""
-        if self.column is None or self.column[0] != i:
-            self.column = (i, [stream[i] for stream in self.blocks])
-        return self.column[1]
 
 
 class PagedKVBatch:
@@ -112,17 +80,18 @@ class PagedKVBatch:
         self.bs = arena.block_size
         self.n_streams = 2 * arena.layout.n_layers
         self._fmt = arena.format_tag  # one format per arena: a row's blocks never mix formats
-        self.rows = [PagedRow(o, p, 0, [[] for _ in range(self.n_streams)],
-                              np.zeros((self.n_streams, 4), np.int32))
+        self.rows = [PagedRow.empty(o, p, self.n_streams)
                      for o, p in zip(owners, pads, strict=True)]
         self.columns = 0  # columns begun, over all model calls
-        self._offset_pre = self._offsets()
-        self._offset_next = self._offset_pre
+        # Each row's RoPE position of a call's first column: before the call
+        # begun last (offset_pre) and after it (offset_next).
+        self.offset_pre = self._offsets()
+        self.offset_next = self.offset_pre
         self._table_ids: mx.array | None = None  # (layers, 2 x rows, blocks) gathered per call
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
         self._mask_parts: tuple[mx.array | None, mx.array] | None = None
-        self._any_past = False  # some row had stored tokens before the call
+        self.any_past = False  # some row had stored tokens before the call
         self._all_past = False
         self._width = 0
         self._past: mx.array | None = None  # tokens each row stored before the call
@@ -164,33 +133,6 @@ class PagedKVBatch:
     def _offsets(self) -> mx.array:
         return mx.array([r.tokens - r.pad for r in self.rows], dtype=mx.int32)
 
-    def _grow(self, real: list[int]) -> None:
-        """Give every row the blocks its next ``real`` tokens need; all-or-nothing.
-
-        Raises:
-            BlockPoolExhaustedError: Some row did not fit; blocks taken here are back.
-        """
-        bs, layers, taken = self.bs, self.n_streams // 2, []
-        try:
-            for row, n in zip(self.rows, real, strict=True):
-                need = -(-(row.tokens + n) // bs) - row.n_blocks
-                if need > 0:
-                    k_new, v_new = allocate_kv(self.pool, row.owner, layers * need * bs,
-                                               self._fmt)
-                    taken.append((row, row.n_blocks))
-                    for layer in range(layers):
-                        part = slice(layer * need, (layer + 1) * need)
-                        row.blocks[2 * layer].extend(k_new[part])
-                        row.blocks[2 * layer + 1].extend(v_new[part])
-        except BaseException:
-            for row, keep in taken:
-                row.column = None
-                for s in range(0, self.n_streams, 2):
-                    free_past(self.pool, row.blocks[s], row.blocks[s + 1], keep)
-            raise
-        for row, held in taken:
-            _copy_ids(row, held)
-
     def begin(self, n: int) -> None:
         """Start a model call of ``n`` columns: blocks, slots, tables, mask data.
 
@@ -201,43 +143,30 @@ class PagedKVBatch:
         hold = self.held.limit > 1 and n == 1 and not any(r.pad for r in rows)
         if self.held.count and (not hold or self.held.count >= self.held.limit):
             self.flush()
-        lead = np.array([min(r.pad, n) for r in rows], np.int64)
-        self._grow([n - int(p) for p in lead])
+        lead = [min(r.pad, n) for r in rows]
+        grow(self.pool, rows, [n - p for p in lead], self.bs, self._fmt)
         if self.arena.ensure_ids():  # the trash block moved
             self._view_stale = True
-        tokens = np.array([r.tokens for r in rows], np.int64)
-        self._offset_pre = self._offset_next
-        self._advance(n, lead)
+        # Tokens each row stored before the call: only a new view needs them.
+        past = (np.array([r.tokens for r in rows], np.int64)
+                if self._view_stale or not hold else None)
+        self.offset_pre = self.offset_next
+        advance(self.pool, rows, n, lead, self.bs)
         # A holding call adds one column to every row (no padding): no host array to build.
-        self._offset_next = self._offset_pre + 1 if hold else self._offsets()
+        self.offset_next = self.offset_pre + 1 if hold else self._offsets()
         self._pending, self._holding = [], hold
         self.columns += n
         if hold:  # the tables only change when the held columns are written
-            if self._view_stale:
-                self._set_view(tokens - self.held.per_row(), None)
+            if past is not None:
+                self._set_view(past - self.held.per_row(), None)
             self.held.open()
             self._mask, self._mask_parts = None, None
             return
-        self._set_view(tokens, lead, n)
+        self._set_view(past, np.array(lead, np.int64), n)
 
-    def _advance(self, n: int, lead: np.ndarray) -> None:
-        """Count the call's columns into every row and its blocks' ``n_used``."""
-        bs = self.bs
-        for row, p in zip(self.rows, lead, strict=True):
-            old, row.pad = row.tokens, row.pad - int(p)
-            row.tokens += n - int(p)
-            # Every layer's keys and values of a row hold the same tokens: block
-            # i of all its streams takes one n_used, set in one pool call.
-            for i in range(old // bs, -(-row.tokens // bs)):
-                self.pool.set_used(row.blocks_at(i), min(row.tokens - i * bs, bs))
-
-    def _all_ids(self) -> np.ndarray:
-        """``(streams, rows, blocks)`` ids of every row's blocks, the trash block past them."""
-        width = max(r.n_blocks for r in self.rows)
-        table = np.full((self.n_streams, len(self.rows), width), self.arena.trash, np.int32)
-        for i, row in enumerate(self.rows):
-            table[:, i, : row.n_blocks] = row.ids[:, : row.n_blocks]
-        return table
+    def owns_mask(self, mask: object) -> bool:
+        """Whether ``mask`` is this batch's own mask of the call begun last."""
+        return mask is self._mask
 
     def _set_view(self, past: np.ndarray, lead: np.ndarray | None, n: int = 0) -> None:
         """Tables, slots and mask data of a call over ``past`` stored tokens per row.
@@ -247,7 +176,7 @@ class PagedKVBatch:
         """
         rows, bs, trash = self.rows, self.bs, self.arena.trash
         layers = self.n_streams // 2
-        table = self._all_ids()
+        table = block_table(rows, self.n_streams, trash)
         if lead is not None:
             cols = np.arange(n)[None, :]
             valid = cols >= lead[:, None]
@@ -266,7 +195,7 @@ class PagedKVBatch:
         self._table_ids = mx.array(np.ascontiguousarray(table))
         self._width, self._mask, self._mask_parts = stored * bs, None, None
         self._past = mx.array(past.astype(np.int32))
-        self._any_past = bool(past.any())
+        self.any_past = bool(past.any())
         self._all_past = bool((past == self._width).all())  # every stored column visible
         self._view_stale = lead is not None
 
@@ -383,18 +312,18 @@ class PagedKVBatch:
                              "(every layer's keys and values)")
         row.blocks = [[position[s] for position in blocks] for s in range(self.n_streams)]
         row.tokens, row.column = len(blocks) * self.bs, None
-        _copy_ids(row, 0)
-        self._offset_pre = self._offset_next = self._offsets()
+        row.mirror_ids(0)
+        self.offset_pre = self.offset_next = self._offsets()
 
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` (in that order); the others' blocks go back to the pool now."""
         keep = [int(i) for i in keep]
         kept = set(keep)
-        self._free([r for i, r in enumerate(self.rows) if i not in kept])
+        free(self.pool, [r for i, r in enumerate(self.rows) if i not in kept])
         self.rows = [self.rows[i] for i in keep]
         self.held.keep(keep)  # a leaving row's held columns go with its blocks
-        self._offset_next = self._offsets()
+        self.offset_next = self._offsets()
         self._view_stale = True
 
     def extend(self, other: PagedKVBatch) -> None:
@@ -411,121 +340,14 @@ class PagedKVBatch:
         self.rows += other.rows
         other.rows = []
         other.held.clear(0)
-        self._offset_next = self._offsets()
+        self.offset_next = self._offsets()
         self._view_stale = True
 
     def release(self) -> None:
         """Return every row's blocks to the pool (the rows stay, empty)."""
-        self._free(self.rows)
+        free(self.pool, self.rows)
         self.held.clear(len(self.rows))
         self._view_stale = True
-
-    def _free(self, rows: Sequence[PagedRow]) -> None:
-        # Only a row's own blocks: shared prefix blocks (see share_prefix) belong
-        # to the prefix cache, which drops the row's references on its own.
-        blocks = [b for row in rows for stream in row.blocks for b in stream
-                  if b.owner == row.owner]
-        if blocks:
-            self.pool.free(blocks)
-        for row in rows:
-            row.blocks = [[] for _ in range(self.n_streams)]
-            row.tokens, row.column = 0, None
-
-
-def _copy_ids(row: PagedRow, held: int) -> None:
-    """Mirror the ids of ``row``'s blocks from index ``held`` on into ``row.ids``."""
-    count = row.n_blocks
-    if count > row.ids.shape[1]:
-        grown = np.zeros((row.ids.shape[0], max(2 * row.ids.shape[1], count)), np.int32)
-        grown[:, :held] = row.ids[:, :held]
-        row.ids = grown
-    if count > held:  # one array for every stream (a slice assignment each is slow)
-        row.ids[:, held:count] = np.array([[b.block_id for b in stream[held:count]]
-                                           for stream in row.blocks], np.int32)
-
-
-class PagedLayerCache(_mlx_cache._BaseCache):
-    """One layer's view of a :class:`PagedKVBatch` (what mlx-lm's attention calls).
-
-    Args:
-        batch: The batch.
-        layer: This layer's index.
-    """
-
-    def __init__(self, batch: PagedKVBatch, layer: int) -> None:
-        self.batch = batch
-        self.layer = layer
-        self.written = 0  # columns this layer appended
-        self.parts: tuple[mx.array, mx.array] | None = None  # last call's stored, new (stacked)
-
-    @property
-    def offset(self) -> mx.array:
-        """Each row's position of this layer's next column (RoPE)."""
-        b = self.batch
-        return b._offset_next if self.written == b.columns else b._offset_pre
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``keys``/``values`` (``rows, H, n, D``); return the rows' gathered KV.
-
-        Raises:
-            BlockPoolExhaustedError: The call's growth does not fit; nothing changed.
-        """
-        return self.update_and_fetch_stacked(mx.concatenate([keys, values]))
-
-    def update_and_fetch_stacked(self, new: mx.array) -> tuple[mx.array, mx.array]:
-        """:meth:`update_and_fetch` of keys and values stacked (keys' rows, then values').
-
-        What :mod:`~veloxquant_mlx.compiled_decode` calls: its compiled half
-        stacks them, so the step's graph has one op less per layer here.
-        """
-        b = self.batch
-        if self.written == b.columns:
-            b.begin(new.shape[2])
-        self.written = b.columns
-        stored, new = b.write_and_gather(self.layer, new)
-        if b.fast_attention:  # taken (and dropped) by this call's attention
-            self.parts = (stored, new)
-        rows = new.shape[0] // 2
-        # Lazy: never computed when attention takes the parts (attention_parts).
-        both = mx.concatenate([stored, new], axis=2)
-        return both[:rows], both[rows:]
-
-    def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
-        """The last call's keys, values and masks in two parts (stored, new).
-
-        None unless ``mask`` is the batch's own mask of that call (a model
-        that passed another mask attends over the concatenated arrays).
-        """
-        b, parts, self.parts = self.batch, self.parts, None  # held no longer than the call
-        if mask is None or mask is not b._mask or parts is None:
-            return None
-        stored, new = parts
-        rows = new.shape[0] // 2
-        keys, values = new[:rows], new[rows:]
-        stored_mask, new_mask = b.mask_parts(keys.shape[2])
-        if not b._any_past:  # nothing stored yet (a first prefill chunk): the gather is never run
-            return [keys], [values], [new_mask]
-        return ([stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask])
-
-    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        """Boolean mask hiding other rows' padding and future columns."""
-        b = self.batch
-        if self.written == b.columns:
-            b.begin(N)
-        return b.mask(N)
-
-    def is_trimmable(self) -> bool:
-        """False: rows only grow, then leave."""
-        return False
-
-    def empty(self) -> bool:
-        """True until the batch's first model call."""
-        return self.batch.columns == 0
-
-    @property
-    def nbytes(self) -> int:
-        """0: the KV lives in the arena, accounted as the rows' pool blocks."""
-        return 0
 
 
 def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],

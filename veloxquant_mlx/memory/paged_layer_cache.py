@@ -1,0 +1,104 @@
+"""One model layer's view of a paged batch: the cache object mlx-lm's attention calls.
+
+mlx-lm's attention hands each layer's new keys and values to its cache and
+attends over what comes back. :class:`PagedLayerCache` passes them on to the
+layer's :class:`~veloxquant_mlx.memory.paged_batch.PagedKVBatch` (which
+stores them in pool blocks and gathers the rows' stored ones), begins the
+batch's model call at the first layer that needs it, and hands
+:mod:`~veloxquant_mlx.memory.paged_attention` the stored and new parts
+separately so the CPU's attention can skip concatenating them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+from mlx_lm.models import cache as _mlx_cache
+
+if TYPE_CHECKING:  # the batch builds its layers' caches: no import at run time
+    from veloxquant_mlx.memory.paged_batch import PagedKVBatch
+
+
+class PagedLayerCache(_mlx_cache._BaseCache):
+    """One layer's view of a :class:`PagedKVBatch` (what mlx-lm's attention calls).
+
+    Args:
+        batch: The batch.
+        layer: This layer's index.
+    """
+
+    def __init__(self, batch: PagedKVBatch, layer: int) -> None:
+        self.batch = batch
+        self.layer = layer
+        self.written = 0  # columns this layer appended
+        self.parts: tuple[mx.array, mx.array] | None = None  # last call's stored, new (stacked)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position of this layer's next column (RoPE)."""
+        b = self.batch
+        return b.offset_next if self.written == b.columns else b.offset_pre
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` (``rows, H, n, D``); return the rows' gathered KV.
+
+        Raises:
+            BlockPoolExhaustedError: The call's growth does not fit; nothing changed.
+        """
+        return self.update_and_fetch_stacked(mx.concatenate([keys, values]))
+
+    def update_and_fetch_stacked(self, new: mx.array) -> tuple[mx.array, mx.array]:
+        """:meth:`update_and_fetch` of keys and values stacked (keys' rows, then values').
+
+        What :mod:`~veloxquant_mlx.compiled_decode` calls: its compiled half
+        stacks them, so the step's graph has one op less per layer here.
+        """
+        b = self.batch
+        if self.written == b.columns:
+            b.begin(new.shape[2])
+        self.written = b.columns
+        stored, new = b.write_and_gather(self.layer, new)
+        if b.fast_attention:  # taken (and dropped) by this call's attention
+            self.parts = (stored, new)
+        rows = new.shape[0] // 2
+        # Lazy: never computed when attention takes the parts (attention_parts).
+        both = mx.concatenate([stored, new], axis=2)
+        return both[:rows], both[rows:]
+
+    def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
+        """The last call's keys, values and masks in two parts (stored, new).
+
+        None unless ``mask`` is the batch's own mask of that call (a model
+        that passed another mask attends over the concatenated arrays).
+        """
+        b, parts, self.parts = self.batch, self.parts, None  # held no longer than the call
+        if mask is None or not b.owns_mask(mask) or parts is None:
+            return None
+        stored, new = parts
+        rows = new.shape[0] // 2
+        keys, values = new[:rows], new[rows:]
+        stored_mask, new_mask = b.mask_parts(keys.shape[2])
+        if not b.any_past:  # nothing stored yet (a first prefill chunk): the gather is never run
+            return [keys], [values], [new_mask]
+        return ([stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask])
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """Boolean mask hiding other rows' padding and future columns."""
+        b = self.batch
+        if self.written == b.columns:
+            b.begin(N)
+        return b.mask(N)
+
+    def is_trimmable(self) -> bool:
+        """False: rows only grow, then leave."""
+        return False
+
+    def empty(self) -> bool:
+        """True until the batch's first model call."""
+        return self.batch.columns == 0
+
+    @property
+    def nbytes(self) -> int:
+        """0: the KV lives in the arena, accounted as the rows' pool blocks."""
+        return 0
