@@ -48,7 +48,8 @@ import mlx.core as mx
 import numpy as np
 
 from server.engine.protocol import SamplingParams
-from server.engine.runner import ModelRunner, RowHook, RunOutput
+from server.engine.run_output import RowHook, RunOutput
+from server.engine.runner import ModelRunner
 
 log = logging.getLogger("veloxquant.server")
 
@@ -313,8 +314,8 @@ def follow(runner: ModelRunner, link: RankLink) -> None:
 
 def serve_follower(settings: Any, group: Any) -> int:
     """A follower process's whole life: load and shard the model, then :func:`follow`."""
-    from server.engine.engine import plan_kv
     from server.engine.kv_memory import kv_format_of
+    from server.engine.startup import plan_kv
     from server.model_loader import load_model
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 

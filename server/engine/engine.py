@@ -7,16 +7,12 @@ thread answers through each request's
     while running:
         intake   inbox (prompts tokenized by worker threads, server.engine.preparer)
                  -> scheduler.intake (refused, or waiting)
-        step()   schedule: expire waiting requests, admit what fits (scheduler)
-                 run:      prefill new requests within the step's token budget,
-                           then decode every running request in ONE model call (runner)
-                 postprocess: detokenize, stop strings, limits, events (output);
-                           finished requests leave the runner and are released
+        step     schedule, prefill, one decode, postprocess (server.engine.steps)
+        memory   MLX's memory next to the pool's KV bytes (/metrics)
 
-Every exit path (done, stop, length, model error, cancellation, shutdown)
-goes through :meth:`Engine._end`, in the step that ended the request: its
-rows leave the runner (blocks back to the pool), then the scheduler retires
-its owner, then the client hears.
+The parts the loop runs with are built on this thread once the model is
+loaded (server.engine.startup). Every way a request ends goes through
+:meth:`~server.engine.steps.EngineSteps.end`, shutdown included.
 """
 
 from __future__ import annotations
@@ -25,46 +21,27 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory, kv_format_of
-from server.engine.kv_memory import describe as describe_kv
+from server.engine.kv_memory import KVMemory
 from server.engine.output import OutputProcessor
-from server.engine.prefix import PromptPrefixes, cache_root
+from server.engine.prefix import PromptPrefixes
 from server.engine.preparer import Prepared, PromptPreparer
-from server.engine.protocol import (
-    Admitted,
-    EventBatch,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    Reason,
-    Rejected,
-    Usage,
-)
-from server.engine.request_state import RequestState
-from server.engine.runner import ModelRunner, RunOutput, memory_snapshot
-from server.engine.sampling import reset_random_state
+from server.engine.protocol import FinishReason, GenerationRequest, Reason, Rejected
+from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.scoring import ScoringJob, new_job
+from server.engine.startup import assemble, make_pool, release_thread_streams
 from server.engine.step_clock import StepClock
+from server.engine.steps import EngineSteps, FaultHook
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
 from server.settings import Settings
-from veloxquant_mlx.cpu_backend import describe_backend
-from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
 from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("veloxquant.server")
-
-# Called on the engine thread with a request's state right before each model
-# call of that request; raising fails that request only (fault injection in tests).
-FaultHook = Callable[[RequestState], None]
 
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -75,30 +52,6 @@ class _Command:
 
     fn: Callable[[], Any]
     future: concurrent.futures.Future
-
-
-def make_pool(settings: Settings, n_blocks: int | None = None) -> BlockPoolAllocator:
-    """Build the shared pool from the ``[pool]`` settings (``n_blocks`` overrides them)."""
-    p = settings.pool
-    return BlockPoolAllocator(
-        PoolConfig(
-            block_size=p.block_size,
-            n_blocks=n_blocks or p.n_blocks,
-            separate_kv=p.separate_kv,
-            grow_on_exhaustion=p.grow_on_exhaustion,
-            max_blocks=p.max_blocks or None,
-        )
-    )
-
-
-def plan_kv(settings: Settings, layout: KVLayout,
-            pool: BlockPoolAllocator | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
-    """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
-    ``[pool]``) and its KV arena. Call before anything holds blocks."""
-    blocks = blocks_for_bytes(settings, layout)
-    if blocks is not None or pool is None:
-        pool = make_pool(settings, blocks)
-    return pool, build_kv_memory(settings, pool, layout)
 
 
 class Engine:
@@ -120,7 +73,7 @@ class Engine:
         fault_hook: FaultHook | None = None,
     ) -> None:
         self.settings = settings
-        self.pool = make_pool(settings)
+        self.pool = make_pool(settings)  # resized at load by pool.kv_memory
         self.metrics = metrics or ServerMetrics()
         self._loader = loader
         self.fault_hook = fault_hook
@@ -137,7 +90,7 @@ class Engine:
         self.kv: KVMemory | None = None  # the arena and byte figures, once the model is loaded
         self.prefixes: PromptPrefixes | None = None  # prefix caching, once the model is loaded
         self.clock = StepClock()  # where step time goes (/metrics)
-        self._events = EventBatch()  # a step's token events, sent together
+        self.steps: EngineSteps | None = None  # the loop's body, once the model is loaded
 
     # -- lifecycle (any thread) -----------------------------------------------
 
@@ -305,8 +258,8 @@ class Engine:
                 while not self._stopping.is_set():
                     idle = not self.scheduler.running
                     self._intake(timeout=0.05 if idle else 0.0)
-                    self.step()
-                    self._sample_memory(force=idle)
+                    self.steps.step()
+                    self.steps.sample_memory()
                     self.clock.lap("memory")
             except Exception:  # a bug in the loop itself: fail everything cleanly
                 log.exception("engine loop crashed")
@@ -318,53 +271,21 @@ class Engine:
 
     def _load(self) -> bool:
         try:
-            group = None
-            if self.settings.distributed.ranks > 1:  # rank 0 of a split model
-                from server.engine.distributed import join_group
-
-                group = join_group(self.settings.distributed.ranks)
-            loaded = self._loader(self.settings.model)
-            if group is not None:
-                from server.engine.distributed import shard_loaded
-
-                shard_loaded(loaded, group)
-            layout = probe_kv_layout(loaded.model, kv_format_of(self.settings))
-            self.pool, self.kv = plan_kv(self.settings, layout, self.pool)
-            if self.settings.cache.prefix_caching:
-                self.prefixes = PromptPrefixes(PrefixCache(self.pool),
-                                               cache_root(loaded.name, self.kv.arena),
-                                               self.pool.config.block_size)
-            self.scheduler = Scheduler(self.settings, self.pool, loaded, self.metrics,
-                                       self.prefixes)
-            self.runner = ModelRunner(loaded.model, self.pool,
-                                      self.settings.batch.prefill_chunk_size, self.kv.arena,
-                                      self.clock, self.prefixes,
-                                      self.settings.batch.kv_write_back,
-                                      self.settings.batch.compile_decode)
-            compiled = self.runner.compiled_blocks
-            if group is not None:  # the other ranks repeat this runner's calls
-                from server.engine.distributed import LeaderRunner, RankLink
-
-                self.runner = LeaderRunner(self.runner, RankLink(group))
-            self.output = OutputProcessor(loaded.tokenizer)
-            self._preparer = PromptPreparer(loaded, self.settings.limits, self.metrics,
-                                            self._inbox.put)
-            self.loaded = loaded
-            # The one start-up line that says what the server computes with.
-            log.info("model %s loaded (%d layers; %s); backend: %s; decode: %s", loaded.name,
-                     loaded.n_layers, loaded.weights or "weights as stored",
-                     describe_backend(loaded.dtype),
-                     f"{compiled} of {loaded.n_layers} blocks compiled" if compiled
-                     else "blocks as mlx-lm runs them")
-            log.info("%s", describe_kv(self.kv, self.pool, layout))
+            parts = assemble(self.settings, self.pool, self._loader, self.metrics, self.clock,
+                             self._inbox.put)
         except Exception as exc:  # the server reports it on /health and exits
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
-            return False
-        finally:
             self._ready.set()
+            return False
+        self.pool, self.kv, self.prefixes = parts.pool, parts.kv, parts.prefixes
+        self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output
+        self._preparer = parts.preparer
+        self.steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
+                                 self.metrics, self.clock, self.fault_hook)
+        self.loaded = parts.loaded  # last: is_ready from here on
+        self._ready.set()
         return True
-
 
     def _intake(self, timeout: float) -> None:
         try:
@@ -381,135 +302,9 @@ class Engine:
             except queue.Empty:
                 return
 
-    def step(self) -> None:
-        """schedule -> run -> postprocess: prefill within the token budget, then one decode."""
-        clock = self.clock
-        clock.start()
-        self.scheduler.expire()
-        for state in self.scheduler.admit():
-            self._start(state)
-        if not self.scheduler.running:
-            clock.lap("schedule")
-            return
-        self._end(self.scheduler.cancelled(), FinishReason.CANCELLED)
-        clock.lap("schedule")
-        hook = self._row_hook if self.fault_hook is not None else None
-        prefilled = self.runner.prefill(self.settings.batch.max_prefill_tokens_per_step, hook)
-        clock.lap("prefill")
-        self._postprocess(prefilled)
-        clock.lap("postprocess")
-        decoded = self.runner.decode(hook)  # laps decode_graph, sample_graph, submit, read
-        self._postprocess(decoded)
-        if decoded.rows:
-            self.metrics.batch_step(decoded.rows)
-            clock.steps += 1
-        clock.lap("postprocess")
-
-    def _row_hook(self, owner: int) -> None:
-        self.fault_hook(self.scheduler.running[owner])
-
-    def _start(self, state: RequestState) -> None:
-        try:
-            self.runner.add(state.owner, state.prompt_ids, state.request.params, state.prefix)
-        except Exception as exc:
-            log.exception("request %s failed to start", state.request_id)
-            self._end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
-                      f"generation failed to start: {exc}")
-            return
-        self.metrics.admitted(time.monotonic() - state.submitted_at, len(state.prompt_ids))
-        state.request.channel.put(Admitted(state.owner, len(state.prompt_ids),
-                                           state.reservation.total))
-
-    def _postprocess(self, out: RunOutput) -> None:
-        """Tokens to events; requests that finished or failed end, together."""
-        failed = {f.owner for f in out.failed}
-        running = self.scheduler.running
-        done = []
-        for sampled in out.tokens:
-            state = running.get(sampled.owner)
-            if state is None or sampled.owner in failed:
-                continue
-            event = self.output.accept(state, sampled.token, sampled.logprobs)
-            self.metrics.token(state)
-            if event is not None and (event.text or event.logprob is not None):
-                self._events.add(state.request.channel, event)
-            if state.finish is not None:
-                done.append(state)
-        self._events.send()  # before any request's end: its tokens come first
-        self._end(done)  # they leave the runner together (one filter of each layer)
-        if out.failed:
-            reset_random_state()  # a failure inside a compiled sampler poisons it
-        for failure in out.failed:
-            state, exc = running[failure.owner], failure.error
-            log.error("model error in request %s: %s: %s", state.request_id,
-                      type(exc).__name__, exc)
-            self._end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
-                      f"{type(exc).__name__}: {exc}", held=failure.held)
-
-    def _end(self, states: list[RequestState], reason: FinishReason | None = None,
-             failure: Reason | None = None, message: str = "", held: int = 0) -> None:
-        """End requests: rows out of the runner, owners retired, then the clients hear.
-
-        Args:
-            states: The requests.
-            reason: How they ended (None: each one's own ``finish``).
-            failure: Why, for ``FinishReason.ERROR``.
-            message: What to tell the client of a failure.
-            held: Blocks a request held when the runner already dropped it.
-        """
-        if not states:
-            return
-        peaks: dict[int, int] = {}
-        try:
-            if self.runner is not None:
-                self._cache_outputs(states, reason)
-                peaks = self.runner.remove(s.owner for s in states)
-        finally:
-            for state in states:
-                kv_blocks = self.scheduler.release(
-                    state, max(held, peaks.get(state.owner, 0)))
-                self._notify_end(state, reason or state.finish, failure, message, kv_blocks)
-
-    def _cache_outputs(self, states: list[RequestState], reason: FinishReason | None) -> None:
-        """Requests that finished normally leave their output's full blocks in the cache.
-
-        Only stop and length ends: a failed call may not have written its KV.
-        Caching is an optimisation, so a fault here is logged, never raised.
-        """
-        if self.prefixes is None:
-            return
-        done = {s.owner for s in states
-                if (reason or s.finish) in (FinishReason.STOP, FinishReason.LENGTH)}
-        if not done:
-            return
-        try:
-            self.runner.publish_outputs(done)
-        except Exception:
-            log.exception("caching the output blocks of %d requests failed", len(done))
-
-    def _notify_end(self, state: RequestState, reason: FinishReason, failure: Reason | None,
-                    message: str, kv_blocks: int) -> None:
-        usage = Usage(len(state.prompt_ids), state.generated, kv_blocks, state.cached_tokens)
-        if reason is FinishReason.ERROR:
-            failure = failure or Reason.MODEL_ERROR
-            state.request.channel.put(Failed(failure, message or "generation failed", usage))
-        else:
-            tail = ""
-            if reason in (FinishReason.STOP, FinishReason.LENGTH):
-                state.finish = reason
-                tail = self.output.final_text(state)
-            state.request.channel.put(Finished(reason, usage, tail))
-        self.metrics.finished(state, reason, kv_blocks, failure)
-
-    def _sample_memory(self, force: bool) -> None:
-        # Every step (a few C calls): /metrics pairs MLX memory with the pool's KV
-        # bytes of the same instant, so the two can be compared sample by sample.
-        reserved = sum(s.reservation.total for s in self.scheduler.running.values())
-        self.metrics.set_memory(memory_snapshot(), self.kv.snapshot(self.pool, reserved))
-
     def _shutdown(self) -> None:
-        self._end(list(self.scheduler.running.values()), FinishReason.ERROR,
-                  Reason.SHUTTING_DOWN, SHUTTING_DOWN)
+        self.steps.end(list(self.scheduler.running.values()), FinishReason.ERROR,
+                        Reason.SHUTTING_DOWN, SHUTTING_DOWN)
         self.runner.close()
         # Before the inbox is drained: what the workers still deliver lands there.
         self._preparer.close()
@@ -524,20 +319,6 @@ class Engine:
                 item.future.set_exception(RuntimeError("the engine stopped"))
             elif item is not None:
                 item.request.channel.put(stopping)
-
-
-def release_thread_streams() -> None:
-    """Free this thread's MLX streams before the thread ends (all MLX work here is done).
-
-    MLX keeps per-thread state (command encoders, compile caches); left to the
-    thread's own teardown it can crash the process on MLX's CUDA backend (MLX
-    issues #4327, #4506), so the engine thread hands it back explicitly.
-    """
-    import mlx.core as mx
-
-    mx.synchronize()
-    if hasattr(mx, "clear_streams"):
-        mx.clear_streams()
 
 
 def _run_command(command: _Command) -> None:

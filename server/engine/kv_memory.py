@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from server.settings import Settings
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena, KVLayout, workspace_bytes
@@ -113,3 +115,12 @@ def _size(n: Any) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def memory_snapshot() -> dict[str, int]:
+    """MLX allocator counters in bytes (active, cache, peak)."""
+    return {
+        "active": int(mx.get_active_memory()),
+        "cache": int(mx.get_cache_memory()),
+        "peak": int(mx.get_peak_memory()),
+    }

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -54,6 +53,7 @@ from server.engine.decode_sampling import SamplingPlan, constrain, sample_one, s
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.protocol import SamplingParams
+from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled
 from server.engine.sampling import batchable, build_logits_processors, build_sampler, mask_logits
 from server.engine.step_clock import StepClock
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
@@ -61,66 +61,7 @@ from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 
-# Called with a row's owner right before each model call that row takes part in;
-# raising fails that row alone (fault injection in tests).
-RowHook = Callable[[int], None]
-
 log = logging.getLogger("veloxquant.server")
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """A token a model call produced for a row.
-
-    Attributes:
-        owner: The row's owner id.
-        token: The token id.
-        logprobs: The ``(vocab,)`` log-probabilities it was drawn from (None
-            unless the row asked for them).
-    """
-
-    owner: int
-    token: int
-    logprobs: mx.array | None
-
-
-@dataclass(frozen=True, slots=True)
-class RowFailure:
-    """A row whose model work raised; it has already left the runner.
-
-    Attributes:
-        owner: The row's owner id.
-        error: What was raised.
-        held: Blocks the row held just before it left.
-    """
-
-    owner: int
-    error: Exception
-    held: int
-
-
-@dataclass(slots=True)
-class RunOutput:
-    """What one prefill or decode pass produced.
-
-    Attributes:
-        tokens: Sampled tokens, at most one per row.
-        failed: Rows whose model work raised.
-        rows: Rows in the batched decode call (0: no call, or a prefill pass).
-    """
-
-    tokens: list[Sampled] = field(default_factory=list)
-    failed: list[RowFailure] = field(default_factory=list)
-    rows: int = 0
-
-
-def memory_snapshot() -> dict[str, int]:
-    """MLX allocator counters in bytes (active, cache, peak)."""
-    return {
-        "active": int(mx.get_active_memory()),
-        "cache": int(mx.get_cache_memory()),
-        "peak": int(mx.get_peak_memory()),
-    }
 
 
 class ModelRunner:

@@ -1,0 +1,135 @@
+"""Building the engine's parts once the model is loaded (engine thread).
+
+The pool is sized from the model's KV layout (``pool.kv_memory``), so the
+scheduler, the runner and the prompt workers can only be built after the
+load. :func:`assemble` does that in order and logs the start-up lines that
+say what the server computes with; :class:`~server.engine.engine.Engine`
+takes the parts and starts its loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory, kv_format_of
+from server.engine.kv_memory import describe as describe_kv
+from server.engine.output import OutputProcessor
+from server.engine.prefix import PromptPrefixes, cache_root
+from server.engine.preparer import PromptPreparer
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Scheduler
+from server.engine.step_clock import StepClock
+from server.metrics import ServerMetrics
+from server.model_loader import LoadedModel
+from server.settings import Settings
+from veloxquant_mlx.cpu_backend import describe_backend
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
+from veloxquant_mlx.memory.prefix_cache import PrefixCache
+
+log = logging.getLogger("veloxquant.server")
+
+
+def make_pool(settings: Settings, n_blocks: int | None = None) -> BlockPoolAllocator:
+    """Build the shared pool from the ``[pool]`` settings (``n_blocks`` overrides them)."""
+    p = settings.pool
+    return BlockPoolAllocator(
+        PoolConfig(
+            block_size=p.block_size,
+            n_blocks=n_blocks or p.n_blocks,
+            separate_kv=p.separate_kv,
+            grow_on_exhaustion=p.grow_on_exhaustion,
+            max_blocks=p.max_blocks or None,
+        )
+    )
+
+
+def plan_kv(settings: Settings, layout: KVLayout,
+            pool: BlockPoolAllocator | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
+    """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
+    ``[pool]``) and its KV arena. Call before anything holds blocks."""
+    blocks = blocks_for_bytes(settings, layout)
+    if blocks is not None or pool is None:
+        pool = make_pool(settings, blocks)
+    return pool, build_kv_memory(settings, pool, layout)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """What the engine runs with, built around one loaded model."""
+
+    loaded: LoadedModel
+    pool: BlockPoolAllocator
+    kv: KVMemory
+    prefixes: PromptPrefixes | None
+    scheduler: Scheduler
+    runner: Any  # a ModelRunner, or the distributed LeaderRunner around one
+    output: OutputProcessor
+    preparer: PromptPreparer
+
+
+def assemble(settings: Settings, pool: BlockPoolAllocator,
+             loader: Callable[[Any], LoadedModel], metrics: ServerMetrics, clock: StepClock,
+             deliver: Callable[[Any], None]) -> EngineParts:
+    """Load the model and build the parts around it; ``deliver`` takes prepared prompts.
+
+    ``pool`` is used as is unless ``pool.kv_memory`` sizes a new one. With
+    ``distributed.ranks > 1`` this is rank 0: it joins the group, shards the
+    weights and wraps its runner so the other ranks repeat its calls.
+
+    Raises:
+        Exception: Whatever the load or a part's construction raised.
+    """
+    group = None
+    if settings.distributed.ranks > 1:  # rank 0 of a split model
+        from server.engine.distributed import join_group
+
+        group = join_group(settings.distributed.ranks)
+    loaded = loader(settings.model)
+    if group is not None:
+        from server.engine.distributed import shard_loaded
+
+        shard_loaded(loaded, group)
+    layout = probe_kv_layout(loaded.model, kv_format_of(settings))
+    pool, kv = plan_kv(settings, layout, pool)
+    prefixes = None
+    if settings.cache.prefix_caching:
+        prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),
+                                  pool.config.block_size)
+    scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
+    batch = settings.batch
+    runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,
+                         prefixes, batch.kv_write_back, batch.compile_decode)
+    compiled = runner.compiled_blocks
+    if group is not None:  # the other ranks repeat this runner's calls
+        from server.engine.distributed import LeaderRunner, RankLink
+
+        runner = LeaderRunner(runner, RankLink(group))
+    parts = EngineParts(loaded, pool, kv, prefixes, scheduler, runner,
+                        OutputProcessor(loaded.tokenizer),
+                        PromptPreparer(loaded, settings.limits, metrics, deliver))
+    # The one start-up line that says what the server computes with.
+    log.info("model %s loaded (%d layers; %s); backend: %s; decode: %s", loaded.name,
+             loaded.n_layers, loaded.weights or "weights as stored",
+             describe_backend(loaded.dtype),
+             f"{compiled} of {loaded.n_layers} blocks compiled" if compiled
+             else "blocks as mlx-lm runs them")
+    log.info("%s", describe_kv(kv, pool, layout))
+    return parts
+
+
+def release_thread_streams() -> None:
+    """Free this thread's MLX streams before the thread ends (all MLX work here is done).
+
+    MLX keeps per-thread state (command encoders, compile caches); left to the
+    thread's own teardown it can crash the process on MLX's CUDA backend (MLX
+    issues #4327, #4506), so the engine thread hands it back explicitly.
+    """
+    import mlx.core as mx
+
+    mx.synchronize()
+    if hasattr(mx, "clear_streams"):
+        mx.clear_streams()

@@ -1,0 +1,190 @@
+"""One engine step, and the one way every request ends (engine thread only).
+
+:class:`EngineSteps` is the body of the engine's loop::
+
+    step()   schedule: expire waiting requests, admit what fits (scheduler)
+             run:      prefill new requests within the step's token budget,
+                       then decode every running request in ONE model call (runner)
+             postprocess: detokenize, stop strings, limits, events (output);
+                       finished requests leave the runner and are released
+
+Every exit path (done, stop, length, model error, cancellation, shutdown)
+goes through :meth:`EngineSteps.end`, in the step that ended the request: its
+rows leave the runner (blocks back to the pool), then the scheduler retires
+its owner, then the client hears.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from server.engine.kv_memory import memory_snapshot
+from server.engine.protocol import (
+    Admitted,
+    EventBatch,
+    Failed,
+    Finished,
+    FinishReason,
+    Reason,
+    Usage,
+)
+from server.engine.request_state import RequestState
+from server.engine.run_output import RunOutput
+from server.engine.sampling import reset_random_state
+from server.engine.startup import EngineParts
+from server.engine.step_clock import StepClock
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("veloxquant.server")
+
+# Called on the engine thread with a request's state right before each model
+# call of that request; raising fails that request only (fault injection in tests).
+FaultHook = Callable[[RequestState], None]
+
+
+class EngineSteps:
+    """Steps over the engine's parts; see the module docstring.
+
+    Args:
+        parts: The scheduler, runner, output processor, KV memory and prefixes.
+        max_prefill_tokens: Prompt tokens one step prefills at most.
+        metrics: Request metrics.
+        clock: Where step time goes (/metrics).
+        fault_hook: Optional per-call hook, see :data:`FaultHook`.
+    """
+
+    def __init__(self, parts: EngineParts, max_prefill_tokens: int, metrics: ServerMetrics,
+                 clock: StepClock, fault_hook: FaultHook | None = None) -> None:
+        self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output
+        self.kv, self.pool, self.prefixes = parts.kv, parts.pool, parts.prefixes
+        self.max_prefill_tokens = max_prefill_tokens
+        self.metrics, self.clock, self.fault_hook = metrics, clock, fault_hook
+        self._events = EventBatch()  # a step's token events, sent together
+
+    def step(self) -> None:
+        """schedule -> run -> postprocess: prefill within the token budget, then one decode."""
+        clock = self.clock
+        clock.start()
+        self.scheduler.expire()
+        for state in self.scheduler.admit():
+            self._start(state)
+        if not self.scheduler.running:
+            clock.lap("schedule")
+            return
+        self.end(self.scheduler.cancelled(), FinishReason.CANCELLED)
+        clock.lap("schedule")
+        hook = self._row_hook if self.fault_hook is not None else None
+        prefilled = self.runner.prefill(self.max_prefill_tokens, hook)
+        clock.lap("prefill")
+        self._postprocess(prefilled)
+        clock.lap("postprocess")
+        decoded = self.runner.decode(hook)  # laps decode_graph, sample_graph, submit, read
+        self._postprocess(decoded)
+        if decoded.rows:
+            self.metrics.batch_step(decoded.rows)
+            clock.steps += 1
+        clock.lap("postprocess")
+
+    def _row_hook(self, owner: int) -> None:
+        self.fault_hook(self.scheduler.running[owner])
+
+    def _start(self, state: RequestState) -> None:
+        try:
+            self.runner.add(state.owner, state.prompt_ids, state.request.params, state.prefix)
+        except Exception as exc:
+            log.exception("request %s failed to start", state.request_id)
+            self.end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
+                     f"generation failed to start: {exc}")
+            return
+        self.metrics.admitted(time.monotonic() - state.submitted_at, len(state.prompt_ids))
+        state.request.channel.put(Admitted(state.owner, len(state.prompt_ids),
+                                           state.reservation.total))
+
+    def _postprocess(self, out: RunOutput) -> None:
+        """Tokens to events; requests that finished or failed end, together."""
+        failed = {f.owner for f in out.failed}
+        running = self.scheduler.running
+        done = []
+        for sampled in out.tokens:
+            state = running.get(sampled.owner)
+            if state is None or sampled.owner in failed:
+                continue
+            event = self.output.accept(state, sampled.token, sampled.logprobs)
+            self.metrics.token(state)
+            if event is not None and (event.text or event.logprob is not None):
+                self._events.add(state.request.channel, event)
+            if state.finish is not None:
+                done.append(state)
+        self._events.send()  # before any request's end: its tokens come first
+        self.end(done)  # they leave the runner together (one filter of each layer)
+        if out.failed:
+            reset_random_state()  # a failure inside a compiled sampler poisons it
+        for failure in out.failed:
+            state, exc = running[failure.owner], failure.error
+            log.error("model error in request %s: %s: %s", state.request_id,
+                      type(exc).__name__, exc)
+            self.end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
+                     f"{type(exc).__name__}: {exc}", held=failure.held)
+
+    def end(self, states: list[RequestState], reason: FinishReason | None = None,
+            failure: Reason | None = None, message: str = "", held: int = 0) -> None:
+        """End requests: rows out of the runner, owners retired, then the clients hear.
+
+        Args:
+            states: The requests.
+            reason: How they ended (None: each one's own ``finish``).
+            failure: Why, for ``FinishReason.ERROR``.
+            message: What to tell the client of a failure.
+            held: Blocks a request held when the runner already dropped it.
+        """
+        if not states:
+            return
+        peaks: dict[int, int] = {}
+        try:
+            self._cache_outputs(states, reason)
+            peaks = self.runner.remove(s.owner for s in states)
+        finally:
+            for state in states:
+                kv_blocks = self.scheduler.release(
+                    state, max(held, peaks.get(state.owner, 0)))
+                self._notify_end(state, reason or state.finish, failure, message, kv_blocks)
+
+    def _cache_outputs(self, states: list[RequestState], reason: FinishReason | None) -> None:
+        """Requests that finished normally leave their output's full blocks in the cache.
+
+        Only stop and length ends: a failed call may not have written its KV.
+        Caching is an optimisation, so a fault here is logged, never raised.
+        """
+        if self.prefixes is None:
+            return
+        done = {s.owner for s in states
+                if (reason or s.finish) in (FinishReason.STOP, FinishReason.LENGTH)}
+        if not done:
+            return
+        try:
+            self.runner.publish_outputs(done)
+        except Exception:
+            log.exception("caching the output blocks of %d requests failed", len(done))
+
+    def _notify_end(self, state: RequestState, reason: FinishReason, failure: Reason | None,
+                    message: str, kv_blocks: int) -> None:
+        usage = Usage(len(state.prompt_ids), state.generated, kv_blocks, state.cached_tokens)
+        if reason is FinishReason.ERROR:
+            failure = failure or Reason.MODEL_ERROR
+            state.request.channel.put(Failed(failure, message or "generation failed", usage))
+        else:
+            tail = ""
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                state.finish = reason
+                tail = self.output.final_text(state)
+            state.request.channel.put(Finished(reason, usage, tail))
+        self.metrics.finished(state, reason, kv_blocks, failure)
+
+    def sample_memory(self) -> None:
+        """Pair MLX's memory with the pool's KV bytes on /metrics."""
+        # Every step (a few C calls): /metrics pairs MLX memory with the pool's KV
+        # bytes of the same instant, so the two can be compared sample by sample.
+        reserved = sum(s.reservation.total for s in self.scheduler.running.values())
+        self.metrics.set_memory(memory_snapshot(), self.kv.snapshot(self.pool, reserved))
