@@ -9,7 +9,9 @@ and 64 rows, the two settings alternating so drift hits both, on two models:
 - ``thin16`` (16 layers like the 1b preset, hidden 128, bfloat16): the path a
   GPU takes (mlx-lm's attention, bfloat16), with the 1b preset's layer count
   but a graph cheap to run, so ``decode_graph`` (building the step's graph,
-  paged-KV bookkeeping included) is the host cost a GPU step pays per layer.
+  paged-KV bookkeeping included) is the host cost a GPU step pays per layer;
+- ``1b`` (the GPU benchmark's model; too slow for this CPU): on a GPU, where
+  the synced steps split a step into host and device time.
 
 Per step it records the wall time and the step clock's phases, and checks that
 both settings sampled the same tokens.
@@ -53,7 +55,7 @@ def measure(model, rows: int, compiled: bool, steps: int) -> dict:
                          compile_decode=compiled)
     for owner in range(1, rows + 1):
         runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(64)],
-                   SamplingParams(max_tokens=steps + 16, temperature=0.0))
+                   SamplingParams(max_tokens=steps + 32, temperature=0.0))
     while runner.prefilling or runner.group is not None:
         runner.prefill(1 << 20)
     result, tokens = timed_decode(runner, clock, steps)
@@ -65,8 +67,8 @@ def model_folder(name: str, scratch: Path) -> Path:
     """The model's folder (thin16 is built into ``scratch``: no preset names it)."""
     from veloxquant_mlx.offline_model import ModelPreset, build_model, ensure_model
 
-    if name == "tiny":
-        return ensure_model("tiny")
+    if name in ("tiny", "1b"):  # offline presets (1b: the GPU benchmark's model)
+        return ensure_model(name)
     folder = scratch / name
     build_model(ModelPreset(name, 128, 16, 4, 1, 256, 4096, dtype="bfloat16"), folder)
     return folder
@@ -78,7 +80,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["tiny", "thin16"],
-                   choices=["tiny", "thin16"])
+                   choices=["tiny", "thin16", "1b"])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
@@ -112,7 +114,8 @@ def main() -> int:
                                              "compiled": runs[True]}})
                 print(f"{name} rows {rows}: step {best[False]['ms_per_step']} -> "
                       f"{best[True]['ms_per_step']} ms, decode_graph {graph[False]} -> "
-                      f"{graph[True]} ms, same tokens: {same}")
+                      f"{graph[True]} ms, same tokens: {same}; synced host/device ms "
+                      f"{best[False]['synced_steps']} -> {best[True]['synced_steps']}")
     result = {"benchmark": "benchmark_scripts/benchmark_compiled_decode.py",
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"platform": platform.platform(), "device": str(mx.default_device()),

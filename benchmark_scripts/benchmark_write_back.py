@@ -33,13 +33,23 @@ from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noq
 DEFAULT_OUT = ROOT / "figures" / "write_back" / "results.json"
 
 
-def timed_decode(runner, clock, steps: int) -> tuple[dict, list[tuple[int, int]]]:
-    """Five warm-up decode steps (joins, first traces), then ``steps`` timed ones.
+def timed_decode(runner, clock, steps: int,
+                 sync_steps: int = 8) -> tuple[dict, list[tuple[int, int]]]:
+    """Five warm-up decode steps (joins, first traces), ``steps`` timed ones, then synced ones.
+
+    The timed steps run as the engine runs them (each one's device work
+    overlaps the next one's host work). The ``sync_steps`` after them wait
+    for the device at the end of each step, which splits a step into the
+    host's part (building and submitting the graph) and the device's (what
+    is left once the host is done): on a GPU, which of the two bounds a step.
 
     Returns:
-        Wall and step-clock milliseconds per step and the arena writes of the
-        timed steps; and the ``(owner, token)`` pairs they handed back.
+        Wall and step-clock milliseconds per step, the arena writes of the
+        timed steps, and the synced steps' median host and device
+        milliseconds; and the ``(owner, token)`` pairs every step handed back.
     """
+    import statistics
+
     import mlx.core as mx
 
     for _ in range(5):
@@ -57,8 +67,19 @@ def timed_decode(runner, clock, steps: int) -> tuple[dict, list[tuple[int, int]]
     _, after = clock.totals()
     phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
               if after[k] != before[k]}
+    arena_writes = runner.arena.writes - writes
+    host, device = [], []
+    for _ in range(sync_steps):
+        t0 = time.perf_counter()
+        tokens += [(s.owner, s.token) for s in runner.decode().tokens]
+        t1 = time.perf_counter()
+        mx.synchronize()
+        host.append(t1 - t0)
+        device.append(time.perf_counter() - t1)
+    synced = {"host_ms": round(statistics.median(host) * 1e3, 3),
+              "device_ms": round(statistics.median(device) * 1e3, 3)} if sync_steps else {}
     return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
-            "arena_writes": runner.arena.writes - writes}, tokens
+            "arena_writes": arena_writes, "synced_steps": synced}, tokens
 
 
 def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
@@ -75,7 +96,7 @@ def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dic
     runner = ModelRunner(model, pool, 64, arena, clock, kv_write_back=write_back)
     for owner in range(1, rows + 1):
         runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(32)],
-                   SamplingParams(max_tokens=steps + 16, temperature=0.7, seed=None))
+                   SamplingParams(max_tokens=steps + 32, temperature=0.7, seed=None))
     runner.prefill(1 << 20)
     result, _ = timed_decode(runner, clock, steps)
     runner.remove(range(1, rows + 1))
@@ -180,7 +201,8 @@ def main() -> int:
               f"({best[1]['arena_writes']} writes), write-back 32 "
               f"{best[32]['ms_per_step']} ms ({best[32]['arena_writes']} writes); "
               f"decode_graph {best[1]['phases_ms_per_step'].get('decode_graph')} -> "
-              f"{best[32]['phases_ms_per_step'].get('decode_graph')} ms")
+              f"{best[32]['phases_ms_per_step'].get('decode_graph')} ms; synced host/device "
+              f"ms {best[1]['synced_steps']} -> {best[32]['synced_steps']}")
     result = {"benchmark": "benchmark_scripts/benchmark_write_back.py",
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"platform": platform.platform(), "device": str(mx.default_device()),

@@ -10,8 +10,9 @@
 # limit that keeps the whole call inside ~570 s. REVISION (the commit the tree was copied from;
 # the device copy has no git) is recorded in the results; later arguments go to the benchmark.
 # SKIP_TESTS=1 leaves out the CUDA-side pytest run at the end (a rerun of the figures alone).
-# Writes into $OUT (what comes back): results.json, bench.log, install.log, logs/*.log, and
-# results_ab_previous.json (ours with compiled decode and write-back off) when time is left.
+# Writes into $OUT (what comes back): results.json, bench.log, install.log, logs/*.log, and,
+# when time is left, results_ab_previous.json (ours with compiled decode and write-back off),
+# results_write_back.json and results_compiled_decode.json (in-process decode-step probes).
 # Not `set -e`: a failed phase must not stop the later ones (results are written as they come).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +106,25 @@ if [ -z "${SKIP_AB:-}" ] && [ "$AB_T" -ge 100 ]; then
         --log-dir "$OUT/logs_ab" --budget-s $((AB_T - 25)) --reserve-s 30 --revision "$REVISION" \
         "$@" --ours-only --uncompiled-decode --kv-write-back 1 2>&1 | tee "$OUT/bench_ab.log"
     echo "A/B exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
+fi
+
+# In-process probes of the 1b model's decode step (no server), when time is left: write-back
+# 1 vs 32 (with what one arena write costs) and compiled vs written blocks. Their synced steps
+# split a step into host time and device time: which of the two bounds a step on this GPU.
+# SKIP_PROBES=1 leaves them out.
+PROBE_T=$((450 - (SECONDS - START)))
+if [ -z "${SKIP_PROBES:-}" ] && [ "$PROBE_T" -ge 60 ]; then
+    echo "== decode-step probes, ${PROBE_T} s ($(date -u +%T))"
+    PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 10 $((PROBE_T / 2)) python3 \
+        benchmark_scripts/benchmark_write_back.py --preset 1b --rows 1 16 64 --steps 40 \
+        --rounds 1 --n-blocks 65536 --out "$OUT/results_write_back.json" 2>&1 \
+        | tee "$OUT/probe_write_back.log"
+    PROBE_T=$((450 - (SECONDS - START)))
+    [ "$PROBE_T" -ge 20 ] && PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 10 "$PROBE_T" \
+        python3 benchmark_scripts/benchmark_compiled_decode.py --models 1b --rows 1 16 64 \
+        --steps 30 --rounds 1 --out "$OUT/results_compiled_decode.json" 2>&1 \
+        | tee "$OUT/probe_compiled.log"
+    echo "probes done after $((SECONDS - START)) s"
 fi
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

@@ -24,4 +24,5 @@ def test_the_benchmark_compares_compiled_and_written_blocks(tmp_path, tiny_model
         written, compiled = level["as_written"], level["compiled"]
         assert (written["compiled_blocks"], compiled["compiled_blocks"]) == (0, 4)
         assert "decode_graph" in compiled["phases_ms_per_step"]
+        assert compiled["synced_steps"]["host_ms"] > 0 and written["synced_steps"]["device_ms"] > 0
         assert level["step_ratio"] == round(written["ms_per_step"] / compiled["ms_per_step"], 3)

@@ -23,4 +23,6 @@ def test_the_benchmark_counts_fewer_arena_writes_with_write_back(tmp_path, tiny_
         # 5 warm-up calls held; the 33rd held call writes the 32 before it
         assert held["arena_writes"] == 1
         assert every["ms_per_step"] > 0 and "decode_graph" in held["phases_ms_per_step"]
+        for run in (every, held):  # synced steps after the timed ones: host and device parts
+            assert run["synced_steps"]["host_ms"] > 0 and run["synced_steps"]["device_ms"] > 0
         assert level["step_ratio"] == round(every["ms_per_step"] / held["ms_per_step"], 3)
