@@ -6,7 +6,8 @@
 # Expects, carried with the call (all git-ignored under .gpu/): partab, deps/*.whl,
 # device_install.sh (a copy of ../shared/gpu/device_install.sh) and extra/*.whl (the server's
 # pure-Python dependencies the image lacks); partaa was stashed in /root/stash/ by the first
-# call. scripts/prepare_gpu_call.sh stages all of it here and prints both calls. Installs MLX's CUDA build, then runs benchmark_scripts/benchmark_gpu.py under a time
+# call. scripts/prepare_gpu_call.sh stages all of it here and prints both calls.
+# Installs MLX's CUDA build, then runs benchmark_scripts/benchmark_gpu.py under a time
 # limit that keeps the whole call inside ~570 s. REVISION (the commit the tree was copied from;
 # the device copy has no git) is recorded in the results; later arguments go to the benchmark.
 # SKIP_TESTS=1 leaves out the CUDA-side pytest run at the end (a rerun of the figures alone).
