@@ -24,18 +24,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmark_write_back import timed_decode  # noqa: E402
+from benchmark_write_back import save_figures, timed_decode  # noqa: E402
 
-from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noqa: E402
+from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
 
@@ -84,7 +81,6 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
-    import mlx.core as mx
     from mlx_lm import load
 
     results = []
@@ -116,16 +112,10 @@ def main() -> int:
                       f"{best[True]['ms_per_step']} ms, decode_graph {graph[False]} -> "
                       f"{graph[True]} ms, same tokens: {same}; synced host/device ms "
                       f"{best[False]['synced_steps']} -> {best[True]['synced_steps']}")
-    result = {"benchmark": "benchmark_scripts/benchmark_compiled_decode.py",
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
-                          "blas": str(active_blas())},
-              "steps": args.steps, "rounds": args.rounds,
-              "note": "best of the rounds per setting; ratios = as written over compiled",
-              "levels": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    save_figures(args.out, "benchmark_compiled_decode.py", {
+        "steps": args.steps, "rounds": args.rounds,
+        "note": "best of the rounds per setting; ratios = as written over compiled",
+        "levels": results})
     return 0 if all(level["same_tokens"] for level in results) else 1
 
 

@@ -82,6 +82,25 @@ def timed_decode(runner, clock, steps: int,
             "arena_writes": arena_writes, "synced_steps": synced}, tokens
 
 
+def save_figures(out: Path, script: str, fields: dict) -> None:
+    """Write a decode benchmark's ``fields`` to ``out`` as JSON, after what ran where.
+
+    The header (script, UTC date, platform, MLX device, BLAS) is the same for
+    this benchmark and benchmark_compiled_decode.py, which drive the runner
+    the same way (:func:`timed_decode`).
+    """
+    import mlx.core as mx
+
+    result = {"benchmark": f"benchmark_scripts/{script}",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
+                          "blas": str(active_blas())},
+              **fields}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
     """Decode ``steps`` steps of ``rows`` rows (32-token prompts, temperature 0.7)."""
     from server.engine.protocol import SamplingParams
@@ -173,7 +192,6 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
-    import mlx.core as mx
     from mlx_lm import load
 
     from veloxquant_mlx.offline_model import ensure_model
@@ -203,16 +221,10 @@ def main() -> int:
               f"decode_graph {best[1]['phases_ms_per_step'].get('decode_graph')} -> "
               f"{best[32]['phases_ms_per_step'].get('decode_graph')} ms; synced host/device "
               f"ms {best[1]['synced_steps']} -> {best[32]['synced_steps']}")
-    result = {"benchmark": "benchmark_scripts/benchmark_write_back.py",
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
-                          "blas": str(active_blas())},
-              "preset": args.preset, "steps": args.steps, "rounds": args.rounds,
-              "note": "best of the rounds per setting; ratio = every-step over write-back",
-              "copy_probe": probe, "bookkeeping": books, "levels": levels}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    save_figures(args.out, "benchmark_write_back.py", {
+        "preset": args.preset, "steps": args.steps, "rounds": args.rounds,
+        "note": "best of the rounds per setting; ratio = every-step over write-back",
+        "copy_probe": probe, "bookkeeping": books, "levels": levels})
     return 0
 
 
