@@ -6,7 +6,7 @@ the host building its graph, op by op, through Python modules (on an H200 a
 2 GB of weights takes the GPU ~0.5 ms). A block's call is cut where the KV
 cache comes in, and each side becomes one ``mx.compile`` call::
 
-    pre   (x, offset)     rms_norm, q/k/v projections, heads, RoPE,       compiled
+    pre   (x, position)   rms_norm, q/k/v projections, heads, RoPE,       compiled
                           keys and values stacked
           cache.update_and_fetch_stacked(...), the module's attention     as before
     post  (x, attention)  o_proj, residual, rms_norm, MLP, residual       compiled
@@ -15,7 +15,9 @@ A compiled call replays its recorded graph in C++ instead of running ~25
 Python-level module calls, and fuses the elementwise ops (fewer kernels on a
 GPU). Blocks with the same parameter shapes and settings share one compiled
 pair, their weights passed in as inputs: a batch size seen for the first
-time costs two traces (a few ms here), not two per layer.
+time costs two traces (a few ms here), not two per layer. ``position`` is the
+rows' offsets, or on the CPU the step's RoPE tables, computed once for every
+layer (:mod:`~veloxquant_mlx.shared_rope`).
 
 Only one-column calls on a :class:`~veloxquant_mlx.memory.paged_batch.PagedLayerCache`
 (the server's decode steps) take this path; prompts, other caches and
@@ -33,6 +35,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
+from veloxquant_mlx.shared_rope import shared_rope
 
 # mlx-lm model modules whose block and attention calls are the Llama ones
 # (``mistral`` checkpoints load as ``llama``), and whether their attention
@@ -55,6 +58,8 @@ class _Halves:
         self.names = [name for name, _ in tree_flatten(template.parameters())]
         self.attention_module = sys.modules[type(template.self_attn).__module__]
         self.head_norms = LLAMA_SHAPED[self.attention_module.__name__]
+        # RoPE's tables once per step where mx.fast.rope is plain ops (the CPU): see shared_rope.
+        self.rope = shared_rope(template.self_attn.rope)
         self.pre = mx.compile(self._pre)
         self.post = mx.compile(self._post)
 
@@ -63,7 +68,12 @@ class _Halves:
         self.template.update(tree_unflatten(list(zip(self.names, weights, strict=True))))
         return own
 
-    def _pre(self, x: mx.array, offset: mx.array, *weights: mx.array):
+    def _rotate(self, t: mx.array, position: Any) -> mx.array:
+        if self.rope is None:  # position: the rows' offsets
+            return self.template.self_attn.rope(t, offset=position)
+        return self.rope.rotate(t, *position)  # position: the step's (cos, sin)
+
+    def _pre(self, x: mx.array, position: Any, *weights: mx.array):
         own = self._swap_in(weights)
         try:
             block = self.template
@@ -77,7 +87,8 @@ class _Halves:
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
             v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
             # Keys and values stacked (keys' rows, then values'), as the paged cache keeps them.
-            return attn.rope(q, offset=offset), mx.concatenate([attn.rope(k, offset=offset), v])
+            return (self._rotate(q, position),
+                    mx.concatenate([self._rotate(k, position), v]))
         finally:
             self.template.update(own)
 
@@ -93,7 +104,9 @@ class _Halves:
 
     def __call__(self, block: Any, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
         weights = block._decode_weights
-        q, new = self.pre(x, cache.offset, *weights)
+        position = (cache.offset if self.rope is None
+                    else self.rope.tables(cache.offset, x.shape[1]))
+        q, new = self.pre(x, position, *weights)
         k, v = cache.update_and_fetch_stacked(new)
         # Looked up at each call: paged_attention.install may route it later.
         attend = self.attention_module.scaled_dot_product_attention

@@ -87,12 +87,18 @@ class PagedKVBatch:
         # begun last (offset_pre) and after it (offset_next).
         self.offset_pre = self._offsets()
         self.offset_next = self.offset_pre
-        self._table_ids: mx.array | None = None  # (layers, 2 x rows, blocks) gathered per call
+        # Per layer: the (2 x rows, blocks) ids each call gathers, one array each.
+        self._table_ids: list[mx.array] = []
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
         self._mask_parts: tuple[mx.array | None, mx.array] | None = None
         self.any_past = False  # some row had stored tokens before the call
         self._all_past = False
+        # Stored tokens of every row when all rows stored the same number (else None).
+        self._same_past: int | None = None
+        # The call begun last needs no mask (see maskless); its stored keys are cut to
+        # ``_same_past`` columns.
+        self.maskless = False
         self._width = 0
         self._past: mx.array | None = None  # tokens each row stored before the call
         self._lead: mx.array | None = None  # left-padding columns each row feeds in the call
@@ -161,12 +167,25 @@ class PagedKVBatch:
                 self._set_view(past - self.held.per_row(), None)
             self.held.open()
             self._mask, self._mask_parts = None, None
+            self._set_maskless(n, not self.held.start.any())
             return
         self._set_view(past, np.array(lead, np.int64), n)
+        self._set_maskless(n, not any(lead))
+
+    def _set_maskless(self, n: int, own_columns_visible: bool) -> None:
+        """Whether every row of this one-column call sees every key it is given.
+
+        True when all rows stored the same number of tokens and see all of the
+        call's own (or held) columns: attention then gets no mask and the
+        stored keys cut to that number. That is how mlx-lm calls attention for
+        one sequence, and on a GPU only a call without an array mask runs
+        MLX's fused decode attention (CUDA: one kernel instead of ~8 a layer).
+        """
+        self.maskless = n == 1 and self._same_past is not None and own_columns_visible
 
     def owns_mask(self, mask: object) -> bool:
         """Whether ``mask`` is this batch's own mask of the call begun last."""
-        return mask is self._mask
+        return mask is not None and mask is self._mask
 
     def _set_view(self, past: np.ndarray, lead: np.ndarray | None, n: int = 0) -> None:
         """Tables, slots and mask data of a call over ``past`` stored tokens per row.
@@ -192,9 +211,12 @@ class PagedKVBatch:
         # 512-token prefill chunk would attend over 1,024 stored columns).
         stored = max(1, -(-int(past.max()) // bs))
         table = table[..., :stored].reshape(layers, 2 * len(rows), stored)
-        self._table_ids = mx.array(np.ascontiguousarray(table))
+        # Split into views once (indexing one array by layer would add a gather
+        # per layer to every step's graph: a kernel launch each on a GPU).
+        self._table_ids = [t.squeeze(0) for t in mx.split(mx.array(table), layers)]
         self._width, self._mask, self._mask_parts = stored * bs, None, None
         self._past = mx.array(past.astype(np.int32))
+        self._same_past = int(past[0]) if len(past) and (past == past[0]).all() else None
         self.any_past = bool(past.any())
         self._all_past = bool((past == self._width).all())  # every stored column visible
         self._view_stale = lead is not None
@@ -257,6 +279,8 @@ class PagedKVBatch:
         # until they are stored.
         stored = self.arena.gather(self._heads_g, self._table_ids[layer], new.shape[0],
                                    self._width)
+        if self.maskless:  # a view: only the columns every row stored
+            stored = stored[:, :, :self._same_past]
         if self._holding:
             return stored, self.held.append(layer, new)
         self._pending.append(new)

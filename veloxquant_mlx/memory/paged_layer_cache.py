@@ -84,11 +84,15 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         return ([stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        """Boolean mask hiding other rows' padding and future columns."""
+        """Boolean mask hiding other rows' padding and future columns.
+
+        None for a call whose rows all see every key they get
+        (:attr:`PagedKVBatch.maskless`).
+        """
         b = self.batch
         if self.written == b.columns:
             b.begin(N)
-        return b.mask(N)
+        return None if b.maskless else b.mask(N)
 
     def is_trimmable(self) -> bool:
         """False: rows only grow, then leave."""

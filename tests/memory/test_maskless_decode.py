@@ -1,0 +1,114 @@
+"""Decode calls whose rows all see every key get no mask (PagedKVBatch.maskless).
+
+A GPU runs MLX's fused decode attention only for a call without an array
+mask, so a one-column call whose rows all stored the same number of tokens
+(and all see the call's own or held columns) passes none, with the stored
+keys cut to exactly those tokens. Checked on the tiny model: what attention
+is handed at every call (mask, key columns), and that the logits stay those
+of mlx-lm's stock cache.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import pytest
+
+from tests.memory.test_paged_batch import BS, _arena, _prompt, _stock
+from veloxquant_mlx.memory.paged_batch import make_paged_batch
+
+
+def _record_attention(model, monkeypatch) -> list[tuple[object, int]]:
+    """(mask, key columns) of every attention call of ``model``'s module."""
+    module = sys.modules[type(model).__module__]
+    real = module.scaled_dot_product_attention
+    calls = []
+
+    def recorded(queries, keys, values, cache, scale, mask, sinks=None):
+        calls.append((mask, keys.shape[2]))
+        return real(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    monkeypatch.setattr(module, "scaled_dot_product_attention", recorded)
+    return calls
+
+
+def _decode(model, batch, prompts, steps):
+    """Prefill ``prompts`` (same length), then ``steps`` greedy decode calls.
+
+    Returns the logits each decode call was fed from (the prompt's, then each
+    call's but the last).
+    """
+    logits = model(mx.array(prompts), cache=batch.caches)[:, -1]
+    out = []
+    for _ in range(steps):
+        out.append(logits)
+        logits = model(mx.argmax(logits, -1)[:, None], cache=batch.caches)[:, -1]
+    return out
+
+
+@pytest.mark.parametrize("write_back", [1, 8])
+def test_one_row_decodes_without_a_mask_over_exactly_its_tokens(model, monkeypatch,
+                                                                write_back):
+    arena = _arena(model)
+    prompt = _prompt(3, 21)  # not a whole number of blocks: the last one is part empty
+    batch = make_paged_batch(model, arena, [1], fast_attention=False)
+    batch.write_back = write_back
+    calls = _record_attention(model, monkeypatch)
+    got = _decode(model, batch, [prompt], 12)
+    layers = len(model.layers)
+    prefill, decodes = calls[:layers], calls[layers:]
+    assert all(mask is not None for mask, _ in prefill)  # a prompt stays causal
+    assert len(decodes) == 12 * layers
+    for step in range(12):  # the call feeds token 21 + step: keys are every token so far
+        for mask, columns in decodes[step * layers:(step + 1) * layers]:
+            assert mask is None
+            assert columns == len(prompt) + step + 1
+    for want, have in zip(_stock(model, prompt, 12), got, strict=True):
+        assert mx.array_equal(want, have)  # mlx-lm's own call: no mask, no padding
+    batch.release()
+    assert arena.pool.stats.blocks_in_use() == 0
+
+
+def test_rows_of_equal_length_share_a_maskless_call(model, monkeypatch):
+    arena = _arena(model)
+    prompts = [_prompt(1, 20), _prompt(2, 20)]
+    batch = make_paged_batch(model, arena, [1, 2], fast_attention=False)
+    calls = _record_attention(model, monkeypatch)
+    got = _decode(model, batch, prompts, 5)
+    decodes = calls[len(model.layers):]
+    assert decodes and all(mask is None for mask, _ in decodes)
+    for i, prompt in enumerate(prompts):
+        for want, have in zip(_stock(model, prompt, 5), got, strict=True):
+            assert mx.array_equal(want, have[i: i + 1])
+    batch.release()
+
+
+def test_rows_of_unequal_length_keep_their_mask(model, monkeypatch):
+    arena = _arena(model)
+    short, long = _prompt(4, 7), _prompt(5, 33)
+    batch = make_paged_batch(model, arena, [1, 2], [26, 0], fast_attention=False)
+    calls = _record_attention(model, monkeypatch)
+    _decode(model, batch, [[0] * 26 + short, long], 4)
+    for mask, columns in calls[len(model.layers):]:
+        assert isinstance(mask, mx.array) and mask.dtype == mx.bool_
+        assert columns % BS == 1  # whole stored blocks plus the call's own column
+    batch.release()
+
+
+def test_a_row_joining_mid_hold_brings_the_mask_back(model, monkeypatch):
+    """A joined row does not see the columns held before it came: masked."""
+    arena = _arena(model)
+    batch = make_paged_batch(model, arena, [1], fast_attention=False)
+    batch.write_back = 8
+    logits = _decode(model, batch, [_prompt(6, 20)], 3)[-1]
+    joiner = make_paged_batch(model, arena, [2], fast_attention=False)
+    first = model(mx.array([_prompt(6, 20)]), cache=joiner.caches)[:, -1]
+    calls = _record_attention(model, monkeypatch)
+    batch.extend(joiner)
+    tokens = mx.argmax(mx.concatenate([logits, first]), -1)[:, None]
+    model(tokens, cache=batch.caches)
+    assert batch.held.start.tolist() == [0, batch.held.count - 1]
+    assert all(isinstance(mask, mx.array) for mask, _ in calls)
+    batch.release()
+    assert arena.pool.stats.blocks_in_use() == 0
