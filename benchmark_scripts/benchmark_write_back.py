@@ -20,8 +20,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
+import io
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,8 +48,9 @@ def timed_decode(runner, clock, steps: int,
 
     Returns:
         Wall and step-clock milliseconds per step, the arena writes of the
-        timed steps, and the synced steps' median host and device
-        milliseconds; and the ``(owner, token)`` pairs every step handed back.
+        timed steps, the synced steps' median host and device milliseconds,
+        and the graph nodes of one more step (:func:`counted_step`); and the
+        ``(owner, token)`` pairs every timed and synced step handed back.
     """
     import statistics
 
@@ -78,8 +82,42 @@ def timed_decode(runner, clock, steps: int,
         device.append(time.perf_counter() - t1)
     synced = {"host_ms": round(statistics.median(host) * 1e3, 3),
               "device_ms": round(statistics.median(device) * 1e3, 3)} if sync_steps else {}
+    nodes = counted_step(runner)
     return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
-            "arena_writes": arena_writes, "synced_steps": synced}, tokens
+            "arena_writes": arena_writes, "synced_steps": synced,
+            "graph_nodes": sum(nodes.values()), "nodes_by_primitive": nodes}, tokens
+
+
+def count_nodes(arrays) -> dict[str, int]:
+    """Unevaluated graph nodes behind ``arrays``, by primitive (from ``mx.export_to_dot``)."""
+    import mlx.core as mx
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return dict(collections.Counter(re.findall(r'label\s*=\s*"(\w+)', dot.getvalue())))
+
+
+def counted_step(runner) -> dict[str, int]:
+    """One more decode step; the nodes of the graphs it hands to ``mx.async_eval``.
+
+    Each node is built by the host, walked by the evaluation and run as one
+    kernel (views aside), so their number is a step's fixed cost.
+    """
+    import mlx.core as mx
+
+    counts: collections.Counter = collections.Counter()
+    submit = mx.async_eval
+
+    def counting(*arrays):
+        counts.update(count_nodes([a for a in arrays if isinstance(a, mx.array)]))
+        return submit(*arrays)
+
+    mx.async_eval = counting
+    try:
+        runner.decode()
+    finally:
+        mx.async_eval = submit
+    return dict(counts.most_common())
 
 
 def save_figures(out: Path, script: str, fields: dict) -> None:

@@ -79,7 +79,8 @@ class _Halves:
             block = self.template
             attn = block.self_attn
             b, n, _ = x.shape
-            h = block.input_layernorm(x)
+            # Rows flat (2-D): a 3-D matmul adds a flatten and an unflatten node each.
+            h = block.input_layernorm(x.reshape(b * n, -1))
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
             q, k = q.reshape(b, n, attn.n_heads, -1), k.reshape(b, n, attn.n_kv_heads, -1)
             if self.head_norms:
@@ -97,8 +98,9 @@ class _Halves:
         try:
             block = self.template
             b, _, n, _ = attended.shape
-            h = x + block.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(b, n, -1))
-            return h + block.mlp(block.post_attention_layernorm(h))
+            flat = attended.transpose(0, 2, 1, 3).reshape(b * n, -1)
+            h = x.reshape(b * n, -1) + block.self_attn.o_proj(flat)
+            return (h + block.mlp(block.post_attention_layernorm(h))).reshape(b, n, -1)
         finally:
             self.template.update(own)
 

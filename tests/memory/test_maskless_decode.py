@@ -112,3 +112,31 @@ def test_a_row_joining_mid_hold_brings_the_mask_back(model, monkeypatch):
     assert all(isinstance(mask, mx.array) for mask, _ in calls)
     batch.release()
     assert arena.pool.stats.blocks_in_use() == 0
+
+
+def test_fast_attention_takes_a_maskless_call_in_parts(model, monkeypatch):
+    """The CPU path keeps the stored blocks whole (masked) and the new part unmasked."""
+    from veloxquant_mlx.memory import paged_attention
+
+    monkeypatch.setattr(paged_attention, "FAST_MIN_SCORES", 0)  # every call on that path
+    seen = []
+    real = paged_attention.attention_parts
+
+    def recorded(queries, keys, values, scale, masks, causal_last=False):
+        seen.append(([k.shape[2] for k in keys], masks))
+        return real(queries, keys, values, scale, masks, causal_last=causal_last)
+
+    monkeypatch.setattr(paged_attention, "attention_parts", recorded)
+    arena = _arena(model)
+    prompt = _prompt(7, 21)
+    batch = make_paged_batch(model, arena, [1], fast_attention=True)
+    got = _decode(model, batch, [prompt], 6)
+    decodes = seen[len(model.layers):]
+    assert len(decodes) == 6 * len(model.layers)
+    for widths, masks in decodes:
+        assert widths[0] % BS == 0 and masks[1] is None  # whole blocks; own column unmasked
+        assert isinstance(masks[0], mx.array)  # the last block's empty tail is masked
+    for want, have in zip(_stock(model, prompt, 6), got, strict=True):
+        assert mx.argmax(want, -1).item() == mx.argmax(have, -1).item()
+        assert mx.abs(want - have).max().item() < 1e-5
+    batch.release()

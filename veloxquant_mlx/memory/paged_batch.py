@@ -95,9 +95,9 @@ class PagedKVBatch:
         self.any_past = False  # some row had stored tokens before the call
         self._all_past = False
         # Stored tokens of every row when all rows stored the same number (else None).
-        self._same_past: int | None = None
-        # The call begun last needs no mask (see maskless); its stored keys are cut to
-        # ``_same_past`` columns.
+        self.same_past: int | None = None
+        # The call begun last needs no mask (see _set_maskless): attention gets the
+        # stored keys cut to ``same_past`` columns.
         self.maskless = False
         self._width = 0
         self._past: mx.array | None = None  # tokens each row stored before the call
@@ -181,7 +181,7 @@ class PagedKVBatch:
         one sequence, and on a GPU only a call without an array mask runs
         MLX's fused decode attention (CUDA: one kernel instead of ~8 a layer).
         """
-        self.maskless = n == 1 and self._same_past is not None and own_columns_visible
+        self.maskless = n == 1 and self.same_past is not None and own_columns_visible
 
     def owns_mask(self, mask: object) -> bool:
         """Whether ``mask`` is this batch's own mask of the call begun last."""
@@ -216,7 +216,7 @@ class PagedKVBatch:
         self._table_ids = [t.squeeze(0) for t in mx.split(mx.array(table), layers)]
         self._width, self._mask, self._mask_parts = stored * bs, None, None
         self._past = mx.array(past.astype(np.int32))
-        self._same_past = int(past[0]) if len(past) and (past == past[0]).all() else None
+        self.same_past = int(past[0]) if len(past) and (past == past[0]).all() else None
         self.any_past = bool(past.any())
         self._all_past = bool((past == self._width).all())  # every stored column visible
         self._view_stale = lead is not None
@@ -279,8 +279,6 @@ class PagedKVBatch:
         # until they are stored.
         stored = self.arena.gather(self._heads_g, self._table_ids[layer], new.shape[0],
                                    self._width)
-        if self.maskless:  # a view: only the columns every row stored
-            stored = stored[:, :, :self._same_past]
         if self._holding:
             return stored, self.held.append(layer, new)
         self._pending.append(new)

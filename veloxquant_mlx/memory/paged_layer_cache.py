@@ -62,6 +62,8 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         if b.fast_attention:  # taken (and dropped) by this call's attention
             self.parts = (stored, new)
         rows = new.shape[0] // 2
+        if b.maskless:  # a view: only the columns every row stored (no mask needed)
+            stored = stored[:, :, :b.same_past]
         # Lazy: never computed when attention takes the parts (attention_parts).
         both = mx.concatenate([stored, new], axis=2)
         return both[:rows], both[rows:]
@@ -69,16 +71,21 @@ class PagedLayerCache(_mlx_cache._BaseCache):
     def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
         """The last call's keys, values and masks in two parts (stored, new).
 
-        None unless ``mask`` is the batch's own mask of that call (a model
-        that passed another mask attends over the concatenated arrays).
+        None unless ``mask`` is the batch's own mask of that call, or None for
+        a maskless call (a model that passed another mask attends over the
+        concatenated arrays). A maskless call's stored part keeps its whole
+        blocks, masked (cutting them would copy them); its new part needs none.
         """
         b, parts, self.parts = self.batch, self.parts, None  # held no longer than the call
-        if mask is None or not b.owns_mask(mask) or parts is None:
+        maskless = mask is None and b.maskless
+        if parts is None or not (maskless or b.owns_mask(mask)):
             return None
         stored, new = parts
         rows = new.shape[0] // 2
         keys, values = new[:rows], new[rows:]
         stored_mask, new_mask = b.mask_parts(keys.shape[2])
+        if maskless:
+            new_mask = None
         if not b.any_past:  # nothing stored yet (a first prefill chunk): the gather is never run
             return [keys], [values], [new_mask]
         return ([stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask])

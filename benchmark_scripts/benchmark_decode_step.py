@@ -1,0 +1,138 @@
+"""One decode step of the served model, from this checkout and another, same run.
+
+What a decode step costs once the model is small next to the machine is mostly
+graph nodes: each one is built by the host, walked by ``async_eval`` and run
+as a kernel (on this CPU several microseconds each, on a GPU a launch). This
+drives the server's :class:`~server.engine.runner.ModelRunner` on the model as
+the server loads it (``server.model_loader``: the default SmolLM2 dequantized
+to float32 with its codes on the CPU) with the server's decode settings, for
+1 and 16 rows of 64-token prompts, greedy, and records per step:
+
+- wall milliseconds and the step clock's phases (``timed_decode``);
+- the nodes of the graphs one step hands to ``async_eval``, in total and by
+  primitive (``benchmark_write_back.counted_step``);
+- the tokens, so the two checkouts can be compared.
+
+Each measurement runs in a child process whose ``PYTHONPATH`` is the checkout
+measured; rounds alternate which checkout goes first.
+
+Usage::
+
+    git worktree add /tmp/base <rev>   # copy veloxquant_mlx/memory/*.so into it
+    .venv/bin/python benchmark_scripts/benchmark_decode_step.py --old-root /tmp/base \\
+        [--model smollm2] [--rows 1 16] [--steps 60] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmark_scripts"))
+DEFAULT_OUT = ROOT / "figures" / "decode_step" / "results.json"
+
+
+def child(model_name: str, rows: int, steps: int) -> dict:
+    """Measure in this process, on the checkout its ``PYTHONPATH`` (and cwd) names."""
+    import server
+    from server.engine.protocol import SamplingParams
+    from server.engine.runner import ModelRunner
+    from server.engine.step_clock import StepClock
+    from server.model_loader import load_model
+    from server.settings import load_settings
+    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+
+    # Imported after the checkout's packages: it puts this checkout first on sys.path.
+    timed_decode = importlib.import_module("benchmark_write_back").timed_decode
+
+    if not Path(server.__file__).resolve().is_relative_to(Path.cwd().resolve()):
+        raise RuntimeError(f"server imported from {server.__file__}, not {Path.cwd()}")
+    settings = load_settings(None, overrides={"model": {"path": model_name}}, env={})
+    loaded = load_model(settings.model)  # kept: it owns the registered codes
+    model = loaded.model
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=rows * 2 * 16 * 64 + 64))
+    clock = StepClock()
+    runner = ModelRunner(model, pool, 512, KVArena(pool, probe_kv_layout(model)), clock,
+                         kv_write_back=settings.batch.kv_write_back,
+                         compile_decode=settings.batch.compile_decode)
+    for owner in range(1, rows + 1):
+        runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(64)],
+                   SamplingParams(max_tokens=steps + 64, temperature=0.0))
+    while runner.prefilling or runner.group is not None:
+        runner.prefill(1 << 20)
+    result, tokens = timed_decode(runner, clock, steps)
+    runner.remove(range(1, rows + 1))
+    return {**result, "tokens": tokens}
+
+
+def run_child(root: Path, model: str, rows: int, steps: int) -> dict:
+    from veloxquant_mlx.cpu_backend import child_env
+
+    env = child_env(preload=True)
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, __file__, "--child", model, str(rows), str(steps)],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{root}: child failed\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _revision(root: Path) -> str:
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"]).returncode
+    return head + ("+dirty" if dirty else "")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old-root", type=Path, required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args()
+    roots = {"new": ROOT, "old": args.old_root.resolve()}
+    levels = []
+    for rows in args.rows:
+        runs: dict[str, list[dict]] = {"new": [], "old": []}
+        for r in range(args.rounds):
+            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                runs[name].append(run_child(roots[name], args.model, rows, args.steps))
+        same = all(run["tokens"] == runs["old"][0]["tokens"] for rs in runs.values()
+                   for run in rs)
+        for run in runs["old"] + runs["new"]:
+            run.pop("tokens")
+        median = {k: statistics.median(run["ms_per_step"] for run in rs)
+                  for k, rs in runs.items()}
+        nodes = {k: rs[0]["graph_nodes"] for k, rs in runs.items()}
+        levels.append({"rows": rows, "same_tokens": same,
+                       "ms_per_step_median": median, "graph_nodes": nodes,
+                       "step_speedup": round(median["old"] / median["new"], 3),
+                       "node_ratio": round(nodes["new"] / nodes["old"], 3), "runs": runs})
+        print(f"rows {rows}: {median['old']:.2f} -> {median['new']:.2f} ms a step "
+              f"({median['old'] / median['new']:.3f}x), graph nodes {nodes['old']} -> "
+              f"{nodes['new']}, same tokens: {same}")
+    from benchmark_write_back import save_figures
+
+    save_figures(args.out, "benchmark_decode_step.py", {
+        "model": args.model, "steps": args.steps, "rounds": args.rounds,
+        "revisions": {k: _revision(v) for k, v in roots.items()},
+        "note": "medians over the rounds; step_speedup = old / new ms a step",
+        "levels": levels})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        sys.exit(0)
+    sys.exit(main())
