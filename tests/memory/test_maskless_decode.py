@@ -114,6 +114,8 @@ def test_a_row_joining_mid_hold_brings_the_mask_back(model, monkeypatch):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                    reason="paged_attention routes CPU calls only")
 def test_fast_attention_takes_a_maskless_call_in_parts(model, monkeypatch):
     """The CPU path keeps the stored blocks whole (masked) and the new part unmasked."""
     from veloxquant_mlx.memory import paged_attention
