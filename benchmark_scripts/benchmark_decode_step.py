@@ -96,13 +96,6 @@ def run_child(root: Path, model: str, rows: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _revision(root: Path) -> str:
-    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"]).returncode
-    return head + ("+dirty" if dirty else "")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old-root", type=Path, required=True)
@@ -144,11 +137,12 @@ def main() -> int:
               f"{median['new']:.2f}), graph nodes {nodes['old']} -> {nodes['new']}, "
               f"64-token prompts to first tokens {first['old']:.0f} -> {first['new']:.0f} ms, "
               f"same tokens: {same}")
+    from benchmark_revisions import checkout_revision
     from benchmark_write_back import save_figures
 
     save_figures(args.out, "benchmark_decode_step.py", {
         "model": args.model, "steps": args.steps, "rounds": args.rounds,
-        "revisions": {k: _revision(v) for k, v in roots.items()},
+        "revisions": {k: checkout_revision(v) for k, v in roots.items()},
         "note": "step_speedup = old / new ms a step, best round of each (medians beside)",
         "levels": levels})
     return 0

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY, REQUESTS, TOKENS = 16, 32, 64
 
 
-def _revision(root: Path) -> str:
+def checkout_revision(root: Path) -> str:
     """The checkout's commit, ``+dirty`` when tracked files differ from it."""
     git = ["git", "-C", str(root)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -87,7 +87,7 @@ def main() -> int:
     out = {k: summarize(CONCURRENCY, got[k], wall[k]).as_dict() for k in servers}
     for k in out:
         out[k]["cpu_ms_per_token"] = round(1000 * cpu[k] / max(out[k]["generated_tokens"], 1), 3)
-    out["revisions"] = {"new": _revision(ROOT), "old": _revision(args.old_root)}
+    out["revisions"] = {"new": checkout_revision(ROOT), "old": checkout_revision(args.old_root)}
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["ratio_new_over_old_tok_per_s"] = round(out["new"]["tok_per_s"] / out["old"]["tok_per_s"],
                                                 3)
