@@ -1,14 +1,18 @@
-"""Our server from two checkouts, one after the other: the uniform load at concurrency 16.
+"""Our server from two checkouts, one after the other, under the same streaming load.
 
 Compares this checkout with another one (e.g. ``git worktree add /tmp/kvbase HEAD``; copy
 ``veloxquant_mlx/memory/*.so`` into it so both run the compiled allocator). Each server runs
-from its own root (``PYTHONPATH`` = that root), the offline ``small`` model, the same
-optimized BLAS; rounds alternate who goes first and no prompt repeats.
+from its own root (``PYTHONPATH`` = that root), the same offline model (``small`` unless
+``--model``), the same optimized BLAS; rounds alternate who goes first and no prompt
+repeats. Besides tok/s it records CPU milliseconds per generated token, for the whole
+process and for its main thread alone: the asyncio loop that serves HTTP, whose share of
+the GIL the engine thread waits behind when it builds a step.
 
 Usage::
 
     flock /tmp/velox-bench.lock .venv/bin/python benchmark_scripts/benchmark_revisions.py \\
-        --old-root /tmp/kvbase [--rounds 4] [--out figures/server/kv_memory_uniform.json]
+        --old-root /tmp/kvbase [--rounds 4] [--out figures/server/kv_memory_uniform.json] \\
+        [--model tiny --concurrency 64 --requests 64 --tokens 128 --max-batch 64]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY, REQUESTS, TOKENS = 16, 32, 64
 
 
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """User + system CPU seconds of one thread of a live process (Linux)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def checkout_revision(root: Path) -> str:
     """The checkout's commit, ``+dirty`` when tracked files differ from it."""
     git = ["git", "-C", str(root)]
@@ -43,9 +55,12 @@ def checkout_revision(root: Path) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def start(root: Path, model: Path) -> tuple[subprocess.Popen, str]:
+def start(root: Path, model: Path, max_batch: int | None = None
+          ) -> tuple[subprocess.Popen, str]:
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(root)
+    if max_batch:
+        env["VELOXQUANT_BATCH_MAX_BATCH_SIZE"] = str(max_batch)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(model), "--port",
                              str(port), "--log-level", "warning"], cwd=root, env=env,
@@ -59,10 +74,17 @@ def main() -> int:
     p.add_argument("--old-root", type=Path, required=True)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--model", default="small", help="offline preset (tiny, small)")
+    p.add_argument("--concurrency", type=int, default=CONCURRENCY)
+    p.add_argument("--requests", type=int, default=REQUESTS, help="per server and round")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="prompt and completion tokens")
+    p.add_argument("--max-batch", type=int, default=None, help="batch.max_batch_size")
     args = p.parse_args()
-    model = ensure_model("small")
-    prompts = make_prompts(model, REQUESTS * args.rounds + 2, TOKENS)
-    servers = {"new": start(ROOT, model), "old": start(args.old_root, model)}
+    model = ensure_model(args.model)
+    n = args.requests
+    prompts = make_prompts(model, n * args.rounds + 2, args.tokens)
+    servers = {"new": start(ROOT, model, args.max_batch),
+               "old": start(args.old_root, model, args.max_batch)}
     try:
         ids = {k: httpx.get(b + "/v1/models").json()["data"][0]["id"]
                for k, (_, b) in servers.items()}
@@ -70,27 +92,36 @@ def main() -> int:
             asyncio.run(run_requests(base, ids[k], prompts[-2:], 2, 2, TOKENS, 60))
         got = {k: [] for k in servers}
         wall, cpu = dict.fromkeys(servers, 0.0), dict.fromkeys(servers, 0.0)
+        loop_cpu = dict.fromkeys(servers, 0.0)
         for r in range(args.rounds):
-            batch = prompts[r * REQUESTS: (r + 1) * REQUESTS]
+            batch = prompts[r * n: (r + 1) * n]
             for k in (["new", "old"] if r % 2 == 0 else ["old", "new"]):
                 proc, base = servers[k]
-                cpu0 = process_cpu_s(proc.pid)
-                res, sec = asyncio.run(run_requests(base, ids[k], batch, CONCURRENCY,
-                                                    REQUESTS, TOKENS, 240))
+                cpu0, loop0 = process_cpu_s(proc.pid), thread_cpu_s(proc.pid, proc.pid)
+                res, sec = asyncio.run(run_requests(base, ids[k], batch, args.concurrency,
+                                                    n, args.tokens, 240))
                 cpu[k] += process_cpu_s(proc.pid) - cpu0
+                loop_cpu[k] += thread_cpu_s(proc.pid, proc.pid) - loop0
                 got[k] += res
                 wall[k] += sec
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    out = {k: summarize(CONCURRENCY, got[k], wall[k]).as_dict() for k in servers}
-    for k in out:
-        out[k]["cpu_ms_per_token"] = round(1000 * cpu[k] / max(out[k]["generated_tokens"], 1), 3)
+    out = {k: summarize(args.concurrency, got[k], wall[k]).as_dict() for k in servers}
+    for k in servers:
+        tokens = max(out[k]["generated_tokens"], 1)
+        out[k]["cpu_ms_per_token"] = round(1000 * cpu[k] / tokens, 3)
+        out[k]["loop_thread_cpu_ms_per_token"] = round(1000 * loop_cpu[k] / tokens, 4)
+    out["load"] = {"model": args.model, "concurrency": args.concurrency, "requests": n,
+                   "rounds": args.rounds, "tokens": args.tokens, "max_batch": args.max_batch}
     out["revisions"] = {"new": checkout_revision(ROOT), "old": checkout_revision(args.old_root)}
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["ratio_new_over_old_tok_per_s"] = round(out["new"]["tok_per_s"] / out["old"]["tok_per_s"],
                                                 3)
+    out["ratio_old_over_new_loop_cpu"] = round(
+        out["old"]["loop_thread_cpu_ms_per_token"]
+        / max(out["new"]["loop_thread_cpu_ms_per_token"], 1e-9), 3)
     print(json.dumps(out, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

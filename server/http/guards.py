@@ -21,15 +21,15 @@ untouched and the routes' client-disconnect detection keeps working.
   requests in flight gets 429 for the next one.
 - **Stalled streams.** A response body ``send`` that cannot complete within
   ``limits.stream_stall_timeout_s`` (the client stopped reading and the
-  socket buffers are full) marks the client gone: later sends are dropped
-  and ``receive`` reports ``http.disconnect``. The route then sees the
-  disconnect on its next poll, exactly as for a client that hung up, and
-  cancels the request, whose blocks the engine frees at its next step.
+  socket buffers are full) marks the client gone: later sends are dropped,
+  ``receive`` reports ``http.disconnect`` and the request's
+  :class:`~server.http.client_watch.ClientWatch` wakes its routes, exactly
+  as for a client that hung up; they cancel the request, whose blocks the
+  engine frees at its next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http.auth import early_refusal
+from server.http.client_watch import SCOPE_KEY, ClientWatch
 from server.http.errors import (
     APIError,
     OverloadedError,
@@ -45,6 +46,7 @@ from server.http.errors import (
     UnavailableError,
     error_response,
 )
+from server.http.stall_timer import StallTimer
 from server.settings import Settings
 
 log = logging.getLogger("veloxquant.server")
@@ -128,9 +130,11 @@ class Guards:
             client = (scope.get("client") or ("?", 0))[0]
             self.by_client[client] = self.by_client.get(client, 0) + 1
         self.drain.inflight += 1
+        watch = scope[SCOPE_KEY] = ClientWatch()
         try:
-            await self._guarded(scope, receive, send)
+            await self._guarded(scope, receive, send, watch)
         finally:
+            watch.close()
             self.drain.inflight -= 1
             if client is not None:
                 left = self.by_client.pop(client) - 1
@@ -165,16 +169,17 @@ class Guards:
                                     f"limits.max_body_bytes={self.max_body}; shorten the "
                                     "prompt or messages")
 
-    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send,
+                       watch: ClientWatch) -> None:
         """Run the app with a counting ``receive`` and a stall-aware ``send``."""
         received = 0
-        stalled = asyncio.Event()
+        stalled = False
         max_body, stall_s = self.max_body, self.stall_s
+        timer = StallTimer(stall_s)
 
         async def guarded_receive() -> Message:
             nonlocal received
-            if stalled.is_set():
-                # Seen by the route's disconnect poll: it cancels the request.
+            if stalled:  # what a reader of receive sees of a cut-off client
                 return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
@@ -182,20 +187,26 @@ class Guards:
                 if received > max_body:
                     # Rendered in the OpenAI shape by the app's HTTPException handler.
                     raise HTTPException(413, self._too_large(None).message)
+            elif message["type"] == "http.disconnect":
+                watch.mark_gone()
             return message
 
         async def guarded_send(message: Message) -> None:
-            if stalled.is_set():
+            nonlocal stalled
+            if stalled:
                 return  # the client is treated as gone: drop the rest of the answer
             if message["type"] != "http.response.body":
                 await send(message)
                 return
-            try:
-                await asyncio.wait_for(send(message), stall_s)
-            except asyncio.TimeoutError:
-                stalled.set()
+            if not await timer.send(send, message):
+                stalled = True
                 log.warning("client of %s read nothing for %.1fs "
                             "(limits.stream_stall_timeout_s): cutting its stream",
                             scope.get("path"), stall_s)
+                watch.mark_gone()
 
-        await self.app(scope, guarded_receive, guarded_send)
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        finally:
+            timer.close()
+

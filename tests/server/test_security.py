@@ -95,7 +95,7 @@ async def _per_client_cap(base_url: str) -> dict:
             out["third"] = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
             out["models"] = await c.get("/v1/models")  # not a generation: not capped
-        # The server notices the two clients left within its disconnect poll (0.1 s).
+        # The server notices the two clients left when their sockets close (client watch).
         for _ in range(50):
             out["after"] = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             if out["after"].status_code != 429:

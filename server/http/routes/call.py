@@ -1,14 +1,15 @@
 """One generation request seen from its route: submit, wait for admission, read events.
 
 Routes never block the event loop: they submit to the engine and await the
-request's channel, polling for client disconnects while they wait. Any way a
-route exits early (client gone, error, cancellation) cancels the engine
-request, and the engine frees its blocks at its next step.
+request's channel, which the request's :class:`ClientWatch` wakes when the
+client leaves; a wait that hears nothing for ``ENGINE_CHECK_S`` checks that
+the engine still runs. Any way a route exits early (client gone, error,
+cancellation) cancels the engine request, and the engine frees its blocks at
+its next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,10 +27,12 @@ from server.engine.protocol import (
     SamplingParams,
     TokenEvent,
 )
+from server.http.client_watch import client_watch
 from server.http.errors import UnavailableError, engine_error
 
-# How often a waiting route checks whether its client is still there.
-DISCONNECT_POLL_S = 0.1
+# How long a waiting route hears nothing before it checks that the engine still runs
+# (its client leaving wakes it at once).
+ENGINE_CHECK_S = 0.1
 
 
 class ClientGone(Exception):
@@ -71,36 +74,28 @@ class GenerationCall:
         self.request = GenerationRequest(request_id, prompt, params, EventChannel())
         self.created = int(time.time())
         self.admitted: Admitted | None = None
-        self._checked_at = time.monotonic()
         self._ahead: list[Any] = []  # events read early by prefilled(), delivered first
+        self.watch = client_watch(http_request.scope)
 
     async def _next(self) -> Any:
-        """The next event; checks the client and the engine at least every poll period.
+        """The next event, unless the client left or the engine stopped.
 
-        The check runs on elapsed time, not only when the channel is quiet:
-        a request streaming tokens back-to-back must notice its client left too.
+        The client is checked before every event, not only when the channel is
+        quiet: a request streaming tokens back-to-back must notice it left too.
         """
         if self._ahead:
             return self._ahead.pop(0)
         channel = self.request.channel
-        now = time.monotonic()
-        if now - self._checked_at >= DISCONNECT_POLL_S:
-            self._checked_at = now
-            await self._check_alive()
-        event = channel.get_nowait()
-        while event is None:
-            try:
-                event = await asyncio.wait_for(channel.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                self._checked_at = time.monotonic()
-                await self._check_alive()
-        return event
-
-    async def _check_alive(self) -> None:
-        if await self.http_request.is_disconnected():
-            raise ClientGone()
-        if not self.engine.is_ready:
-            raise UnavailableError("the generation engine stopped")
+        while True:
+            if self.watch.gone:
+                raise ClientGone()
+            event = channel.get_nowait()
+            if event is None:
+                event = await channel.wait(ENGINE_CHECK_S)
+            if event is not None:
+                return event
+            if not self.watch.gone and not self.engine.is_ready:
+                raise UnavailableError("the generation engine stopped")
 
     async def start(self) -> Admitted:
         """Submit and wait for admission; cancel the request on any early exit.
@@ -109,6 +104,9 @@ class GenerationCall:
             APIError: The engine refused the request.
             ClientGone: The client left while waiting.
         """
+        # FastAPI read the body before the route ran: receive now only says "gone".
+        self.watch.listen(self.http_request.receive)
+        self.watch.on_gone(self.request.channel.wake)
         self.engine.submit(self.request)
         try:
             event = await self._next()

@@ -3,8 +3,8 @@
 Scoring a prompt is model work, so it runs on the engine thread, one chunk
 per :meth:`Engine.run_on_engine` call (running requests decode in between);
 tokenizing it runs on a worker thread (server.engine.scoring). The route
-waits the way a generation does: polling for its client every 100 ms and
-for the engine being alive.
+waits the way a generation does: it stops when the request's client watch
+says the client left, and checks every 100 ms that the engine is alive.
 """
 
 from __future__ import annotations
@@ -16,18 +16,21 @@ from typing import Any
 from fastapi import Request
 
 from server.engine.protocol import Rejected
+from server.http.client_watch import client_watch
 from server.http.errors import GenerationError, UnavailableError, engine_error
-from server.http.routes.call import DISCONNECT_POLL_S, ClientGone
+from server.http.routes.call import ENGINE_CHECK_S, ClientGone
 
 
 async def _on_engine(http_request: Request, engine: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on the engine thread and await it, watching the client and the engine."""
+    watch = client_watch(http_request.scope)
+    watch.listen(http_request.receive)
     future = asyncio.wrap_future(engine.run_on_engine(fn))
     while True:
-        done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+        done, _ = await asyncio.wait({future}, timeout=ENGINE_CHECK_S)
         if done:
             break
-        if await http_request.is_disconnected():
+        if watch.gone:
             raise ClientGone()  # the chunk in progress ends on its own; the job is dropped
         if not engine.is_ready:
             raise UnavailableError("the generation engine stopped")

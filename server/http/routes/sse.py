@@ -31,9 +31,14 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+# Built once: json.dumps with separators builds an encoder per call, and a stream
+# encodes one chunk per token.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     """One Server-Sent Events frame."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encode(payload).encode() + b"\n\n"
 
 
 async def sse_stream(
