@@ -77,8 +77,9 @@ def run_levels(s, entry: dict, ctx: dict, args: argparse.Namespace, save) -> Non
             continue
         try:
             clock = engine_clock(s.base) if s.name == OURS else None
-            got, wall, cpu = drive_bounded(s, batch, c, n, args.max_tokens, limit, args.drain_s)
-            level = level_summary(s.name, c, got, wall, cpu)
+            got, wall, cpu, main_cpu = drive_bounded(s, batch, c, n, args.max_tokens, limit,
+                                                     args.drain_s)
+            level = level_summary(s.name, c, got, wall, cpu, main_cpu)
             if clock is not None:  # where our engine's step time went at this level
                 level["step_profile"] = step_profile(clock, engine_clock(s.base))
                 print(f"    step profile: {level['step_profile']}", flush=True)

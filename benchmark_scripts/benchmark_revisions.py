@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -38,12 +37,6 @@ from veloxquant_mlx.offline_model import ensure_model  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY, REQUESTS, TOKENS = 16, 32, 64
 
-
-def thread_cpu_s(pid: int, tid: int) -> float:
-    """User + system CPU seconds of one thread of a live process (Linux)."""
-    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def checkout_revision(root: Path) -> str:
@@ -97,11 +90,11 @@ def main() -> int:
             batch = prompts[r * n: (r + 1) * n]
             for k in (["new", "old"] if r % 2 == 0 else ["old", "new"]):
                 proc, base = servers[k]
-                cpu0, loop0 = process_cpu_s(proc.pid), thread_cpu_s(proc.pid, proc.pid)
+                cpu0, loop0 = process_cpu_s(proc.pid), process_cpu_s(proc.pid, proc.pid)
                 res, sec = asyncio.run(run_requests(base, ids[k], batch, args.concurrency,
                                                     n, args.tokens, 240))
                 cpu[k] += process_cpu_s(proc.pid) - cpu0
-                loop_cpu[k] += thread_cpu_s(proc.pid, proc.pid) - loop0
+                loop_cpu[k] += process_cpu_s(proc.pid, proc.pid) - loop0
                 got[k] += res
                 wall[k] += sec
     finally:
@@ -112,16 +105,16 @@ def main() -> int:
     for k in servers:
         tokens = max(out[k]["generated_tokens"], 1)
         out[k]["cpu_ms_per_token"] = round(1000 * cpu[k] / tokens, 3)
-        out[k]["loop_thread_cpu_ms_per_token"] = round(1000 * loop_cpu[k] / tokens, 4)
+        out[k]["main_thread_cpu_ms_per_token"] = round(1000 * loop_cpu[k] / tokens, 4)
     out["load"] = {"model": args.model, "concurrency": args.concurrency, "requests": n,
                    "rounds": args.rounds, "tokens": args.tokens, "max_batch": args.max_batch}
     out["revisions"] = {"new": checkout_revision(ROOT), "old": checkout_revision(args.old_root)}
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["ratio_new_over_old_tok_per_s"] = round(out["new"]["tok_per_s"] / out["old"]["tok_per_s"],
                                                 3)
-    out["ratio_old_over_new_loop_cpu"] = round(
-        out["old"]["loop_thread_cpu_ms_per_token"]
-        / max(out["new"]["loop_thread_cpu_ms_per_token"], 1e-9), 3)
+    out["ratio_old_over_new_main_thread_cpu"] = round(
+        out["old"]["main_thread_cpu_ms_per_token"]
+        / max(out["new"]["main_thread_cpu_ms_per_token"], 1e-9), 3)
     print(json.dumps(out, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

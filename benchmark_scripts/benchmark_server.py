@@ -131,9 +131,14 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (Linux), all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def process_cpu_s(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of a live process (Linux): all its threads, or thread ``tid``.
+
+    A server's thread ``pid`` is its main thread: for ours (and uvicorn servers) the
+    asyncio loop serving HTTP, whose share of the GIL the engine thread waits behind.
+    """
+    stat = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -187,10 +192,17 @@ def drive(s: Running, batch: list[str], c: int, n: int, args: argparse.Namespace
     return results, seconds, process_cpu_s(s.proc.pid) - cpu0
 
 
-def level_summary(name: str, c: int, results: list, wall: float, cpu: float) -> dict:
-    """Aggregate one server's requests at one level (all rounds), print a line, return it."""
+def level_summary(name: str, c: int, results: list, wall: float, cpu: float,
+                  loop_cpu: float | None = None) -> dict:
+    """Aggregate one server's requests at one level (all rounds), print a line, return it.
+
+    ``cpu``: the server process's CPU seconds; ``loop_cpu``: its main thread's, if measured.
+    """
     level = summarize(c, results, wall).as_dict()
-    level["server_cpu_ms_per_token"] = round(1000 * cpu / max(level["generated_tokens"], 1), 2)
+    tokens = max(level["generated_tokens"], 1)
+    level["server_cpu_ms_per_token"] = round(1000 * cpu / tokens, 2)
+    if loop_cpu is not None:
+        level["server_main_thread_cpu_ms_per_token"] = round(1000 * loop_cpu / tokens, 3)
     print(f"  {name:14s} c={c:<3d} {level['tok_per_s']:8.1f} tok/s "
           f"ttft p50 {level['ttft_p50_s']}s p99 {level['ttft_p99_s']}s "
           f"errors {level['errors']} {level['error_samples'][:1]}", flush=True)

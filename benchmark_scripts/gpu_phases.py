@@ -120,13 +120,18 @@ def stop(server: Running, sig: signal.Signals, wait_s: float) -> dict:
 
 
 def drive_bounded(s: Running, batch: list[str], c: int, n: int, max_tokens: int,
-                  limit_s: float, drain_s: float) -> tuple[list, float, float]:
-    """One level: results, wall s, server CPU s. Raises TimeoutError if it will not drain."""
-    cpu0 = process_cpu_s(s.proc.pid)
+                  limit_s: float, drain_s: float) -> tuple[list, float, float, float]:
+    """One level: results, wall s, server CPU s, its main thread's CPU s.
+
+    Raises:
+        TimeoutError: The level will not drain.
+    """
+    pid = s.proc.pid
+    cpu0, main0 = process_cpu_s(pid), process_cpu_s(pid, pid)
     # run_requests only stops launching at limit_s; wait_for bounds a server that hangs.
     load = run_requests(s.base, s.model_id, batch, c, n, max_tokens, limit_s, True)
     results, wall = asyncio.run(asyncio.wait_for(load, limit_s + drain_s))
-    return results, wall, process_cpu_s(s.proc.pid) - cpu0
+    return results, wall, process_cpu_s(pid) - cpu0, process_cpu_s(pid, pid) - main0
 
 
 def warm_up(s: Running, prompts: list[str], max_tokens: int, drain_s: float) -> float:
