@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.deadline import Deadline
+
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped generating."""
@@ -242,15 +244,17 @@ class EventChannel:
     A deque and one waiter future instead of an ``asyncio.Queue``: a streaming
     route waits once per token, and a timed wait on a queue needs
     ``asyncio.wait_for``, which starts a task for every wait (at 64 streams,
-    about a sixth of the event loop's CPU). :meth:`wait` arms one timer instead.
+    about a sixth of the event loop's CPU). The timed waits of a channel share
+    one :class:`~server.deadline.Deadline` instead.
     """
 
-    __slots__ = ("_loop", "_events", "_waiter", "_closed")
+    __slots__ = ("_loop", "_events", "_waiter", "_deadline", "_closed")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._events: collections.deque[Event] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._deadline: Deadline | None = None
         self._closed = False
 
     def put(self, event: Event) -> None:
@@ -284,23 +288,24 @@ class EventChannel:
         return self._events.popleft() if self._events else None
 
     async def _wait_once(self, timeout: float | None) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        timer = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+        self._waiter = self._loop.create_future()
+        deadline = None
+        if timeout is not None:
+            deadline = self._deadline
+            if deadline is None:
+                deadline = self._deadline = Deadline(timeout, self.wake)
+            deadline.seconds = timeout
+            deadline.start()
         try:
-            await waiter
+            await self._waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if deadline is not None:
+                deadline.stop()
 
     def get_nowait(self) -> Any:
         """Return the next event if one is ready, else ``None``."""
         return self._events.popleft() if self._events else None
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class EventBatch:

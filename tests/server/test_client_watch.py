@@ -82,18 +82,49 @@ def test_channel_wait_cancelled_cleans_up():
         loop = asyncio.get_running_loop()
         channel = EventChannel()
         timers = _armed_timers(loop)
-        task = asyncio.ensure_future(channel.wait(30.0))
+        task = asyncio.ensure_future(channel.wait(0.05))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         channel.put(TokenEvent("later", 1))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # past the deadline: its timer fired on no wait
         return channel._waiter, _armed_timers(loop) - timers, channel.get_nowait()
 
     waiter, timers, event = asyncio.run(main())
     assert waiter is None and timers == 0
     assert event.token_id == 1  # nothing lost after a cancelled wait
+
+
+def test_channel_waits_share_one_timer():
+    async def main():
+        loop = asyncio.get_running_loop()
+        channel = EventChannel()
+        timers = _armed_timers(loop)
+        armed = set()
+        for i in range(40):  # an event comes 1 ms into each wait, as tokens do
+            loop.call_later(0.001, channel.put, TokenEvent(str(i), i))
+            assert (await channel.wait(5.0)).token_id == i
+            armed.add(_armed_timers(loop) - timers)
+        return armed
+
+    assert asyncio.run(main()) == {1}  # the first wait armed it; the others reused it
+
+
+def test_a_shared_timer_times_each_wait_from_its_own_start():
+    async def main():
+        loop = asyncio.get_running_loop()
+        channel = EventChannel()
+        loop.call_later(0.001, channel.put, TokenEvent("x", 1))
+        await channel.wait(0.1)  # arms the timer for t0 + 0.1
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        got = await channel.wait(0.1)  # the timer fires mid-wait and re-arms for this one
+        return got, time.monotonic() - start
+
+    got, waited = asyncio.run(main())
+    assert got is None
+    assert waited >= 0.09
 
 
 # -- ClientWatch -----------------------------------------------------------------
@@ -171,7 +202,7 @@ def test_stall_timer_passes_quick_sends_with_one_timer():
         handles = set()
         for i in range(50):
             assert await timer.send(send, {"i": i})
-            handles.add(id(timer._handle))
+            handles.add(id(timer._deadline._handle))
         armed = _armed_timers(loop) - timers
         timer.close()
         return len(sent), len(handles), armed, _armed_timers(loop) - timers
