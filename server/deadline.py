@@ -54,8 +54,13 @@ class Deadline:
         self._on_expiry()
 
     def close(self) -> None:
-        """No more waits: disarm."""
+        """No more waits: disarm, and drop ``on_expiry`` (often its owner's method: a cycle)."""
         self._since = None
+        self._on_expiry = _closed
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+def _closed() -> None:
+    """What a closed :class:`Deadline` calls (never: its timer is cancelled)."""

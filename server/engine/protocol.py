@@ -18,7 +18,9 @@ import asyncio
 import collections
 import enum
 import threading
+import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from server.deadline import Deadline
@@ -248,7 +250,7 @@ class EventChannel:
     one :class:`~server.deadline.Deadline` instead.
     """
 
-    __slots__ = ("_loop", "_events", "_waiter", "_deadline", "_closed")
+    __slots__ = ("_loop", "_events", "_waiter", "_deadline", "_closed", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
@@ -292,8 +294,8 @@ class EventChannel:
         deadline = None
         if timeout is not None:
             deadline = self._deadline
-            if deadline is None:
-                deadline = self._deadline = Deadline(timeout, self.wake)
+            if deadline is None:  # holding the channel weakly: no cycle for the collector
+                deadline = self._deadline = Deadline(timeout, partial(_wake, weakref.ref(self)))
             deadline.seconds = timeout
             deadline.start()
         try:
@@ -306,6 +308,12 @@ class EventChannel:
     def get_nowait(self) -> Any:
         """Return the next event if one is ready, else ``None``."""
         return self._events.popleft() if self._events else None
+
+
+def _wake(channel: weakref.ref[EventChannel]) -> None:
+    live = channel()
+    if live is not None:
+        live.wake()
 
 
 class EventBatch:

@@ -145,6 +145,8 @@ class ModelRunner:
             keep = [i for i, r in enumerate(group.rows) if r.owner not in gone]
             if len(keep) < len(group.rows):
                 group.keep(keep)
+                if not keep:
+                    group.batch.close()
         if self.group is not None and not self.group.rows:
             self.group = None
         self.joining = [g for g in self.joining if g.rows]
@@ -159,6 +161,7 @@ class ModelRunner:
         self._plan = None
         self.batch.filter(keep)
         if not keep:
+            self.batch.close()
             self.batch, self.inputs = None, None
             return
         self.inputs = self.inputs[mx.array(keep, dtype=mx.int32)]
@@ -254,7 +257,7 @@ class ModelRunner:
         if len(group.rows) == 1:
             self._fail([group.rows[0].owner], exc, out)
             return
-        group.batch.release()
+        group.batch.close()
         self._solo.update(r.owner for r in group.rows)
         self.prefilling[:0] = group.rows
         self.group = None
@@ -311,6 +314,7 @@ class ModelRunner:
                 self.batch.write_back = self.kv_write_back
             else:
                 self.batch.extend(group.batch)
+                group.batch.close()  # emptied by extend
                 self.inputs = mx.concatenate([self.inputs, first])
             for row in group.rows:
                 row.first = None

@@ -21,7 +21,7 @@ from server.deadline import Deadline
 class StallTimer:
     """Cuts one response's ``send`` calls that take longer than ``seconds``."""
 
-    __slots__ = ("fired", "_task", "_deadline")
+    __slots__ = ("fired", "_task", "_deadline", "__weakref__")
 
     def __init__(self, seconds: float) -> None:
         self.fired = False

@@ -10,7 +10,9 @@ stream with exact ``n_used``; and that MLX memory above the idle figure
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -218,3 +220,34 @@ def test_small_calls_stay_on_mlx_lms_attention(model, monkeypatch):
     assert len(fast_calls) == layers  # one prompt call per layer, none of the decodes
     batch.release()
     assert arena.pool.stats.blocks_in_use() == 0
+
+
+
+def _batch_after_steps(model, arena, close: bool):
+    """A weak reference to a two-call batch that was dropped, closed first or not."""
+    batch, _ = _paged(model, arena, [_prompt(1, 40), _prompt(2, 23)], steps=3)
+    mx.eval(arena.data)
+    assert arena.pool.blocks_for(1)  # the rows hold blocks until released
+    if close:
+        batch.close()
+        assert all(c.batch is None and c.parts is None for c in batch.caches)
+    else:
+        batch.release()
+    assert not arena.pool.blocks_for(1) and not arena.pool.blocks_for(2)
+    return weakref.ref(batch)  # the batch's last reference goes with this frame
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_close_frees_the_batch_without_the_cycle_collector(model, close: bool):
+    # Why close() exists: a batch and its layer caches reference each other, so an
+    # unclosed one (and its arrays: gathered KV, held columns) waits for a collection.
+    arena = _arena(model)
+    gc.disable()
+    try:
+        ref = _batch_after_steps(model, arena, close)
+        freed_at_once = ref() is None
+    finally:
+        gc.enable()
+    assert freed_at_once is close
+    gc.collect()
+    assert ref() is None  # either way gone after a collection

@@ -283,3 +283,30 @@ def test_a_waiting_request_is_cancelled_when_its_client_hangs_up(stream: bool, m
         closed = time.monotonic()
         assert request.cancelled.wait(10.0), "the request was not cancelled when its client left"
         assert time.monotonic() - closed < 5.0
+
+
+def test_channels_and_stall_timers_are_freed_without_the_cycle_collector():
+    # Their shared timers call back into them; neither may form a cycle (a request's
+    # channel holds its events, a stall timer its task).
+    import gc
+    import weakref
+
+    async def main():
+        channel, timer = EventChannel(), StallTimer(30.0)
+        asyncio.get_running_loop().call_later(0.001, channel.put, TokenEvent("x", 1))
+        await channel.wait(5.0)
+
+        async def send(message):
+            await asyncio.sleep(0)
+
+        await timer.send(send, {})
+        timer.close()
+        return weakref.ref(channel), weakref.ref(timer)
+
+    gc.disable()
+    try:
+        refs = asyncio.run(main())
+        alive = [r() is not None for r in refs]
+    finally:
+        gc.enable()
+    assert alive == [False, False]

@@ -371,6 +371,20 @@ class PagedKVBatch:
         self.held.clear(len(self.rows))
         self._view_stale = True
 
+    def close(self) -> None:
+        """Return every row's blocks and let the batch go now; its caches are unusable after.
+
+        A batch and its layer caches reference each other, so a batch dropped
+        without this waits for Python's cycle collector, and so does the device
+        memory of its last call's arrays: a prefill chunk's gathered keys and
+        values, up to ``write_back`` held decode columns of every row and layer
+        (on the served tiny model, ~260 KB stayed after every request had ended
+        until a collection ran).
+        """
+        self.release()
+        for cache in self.caches:
+            cache.batch, cache.parts = None, None
+
 
 def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
                      left_padding: Sequence[int] | None = None,
