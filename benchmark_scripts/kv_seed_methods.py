@@ -54,6 +54,7 @@ def q8_layer(rows: int, context: int):
     arena = KVArena(pool, KVLayout(1, KV_HEADS, HEAD_DIM, mx.float32, KVFormat("q8")))
     ids = mx.arange(2 * rows * blocks, dtype=mx.int32).reshape(2 * rows, blocks)
     heads_g, heads_w = mx.arange(KV_HEADS)[None, :, None], mx.arange(KV_HEADS)[:, None]
+    index = arena.gather_index(heads_g, ids)
     slots = (ids[:, -1:] * BS).reshape(1, -1)
     arena.store(heads_w, slots,
                 mx.random.normal((KV_HEADS, 2 * rows, HEAD_DIM)))
@@ -61,7 +62,7 @@ def q8_layer(rows: int, context: int):
     new = mx.random.normal((KV_HEADS, 2 * rows, HEAD_DIM))
 
     def step():
-        both = arena.gather(heads_g, ids, 2 * rows, blocks * BS)
+        both = arena.gather(index, 2 * rows, blocks * BS)
         out = mx.fast.scaled_dot_product_attention(q, both[:rows], both[rows:],
                                                    scale=HEAD_DIM ** -0.5)
         arena.store(heads_w, slots, new)

@@ -104,7 +104,7 @@ def test_a_quantized_arena_stores_what_was_held(model):
     batch.flush()
     assert batch.held.count == 0
     batch.begin(1)  # a fresh view: the 6 columns are now stored tokens
-    stored = arena.gather(batch._heads_g, batch._table_ids[2], 4, batch._width)
+    stored = arena.gather(batch._gather_index[2], 4, batch._width)
     for i, tokens in enumerate(before):
         for part in (0, 1):  # keys, values
             want = held[part * 2 + i, :, :, :]

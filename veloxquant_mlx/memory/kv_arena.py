@@ -160,6 +160,8 @@ class KVArena:
         # Scatters into the arena so far: on a GPU each one copies all of it (see
         # veloxquant_mlx/memory/write_back.py), so /metrics reports them.
         self.writes = 0
+        self._views_key: tuple[int, int] | None = None  # (writes, n_ids) of _views
+        self._views: tuple[mx.array, ...] = ()
         self.ensure_ids()
 
     @property
@@ -183,6 +185,7 @@ class KVArena:
         if ids <= self.n_ids and self.data is not None:
             return False
         slots = (ids + 1 - self.n_ids) * self.block_size
+        self._views_key, self._views = None, ()  # they would keep the old arena alive
         fresh = [mx.zeros((self.layout.n_kv_heads, slots, width), dtype)
                  for width, dtype in self._columns()]
         kept = self.n_ids * self.block_size
@@ -213,23 +216,46 @@ class KVArena:
         return [(fmt.code_width(lay.head_dim), mx.uint8),
                 (fmt.param_width(lay.head_dim), mx.float16)]
 
-    def gather(self, heads: mx.array, table: mx.array, rows: int, width: int) -> mx.array:
-        """The blocks of ``table`` (``rows, blocks``) as ``(rows, H_kv, width, D)`` values.
+    @staticmethod
+    def gather_index(heads: mx.array, table: mx.array) -> tuple[mx.array, mx.array]:
+        """The index of :meth:`gather` for ``table``'s block ids, broadcast once.
 
         Args:
-            heads: ``arange(H_kv)[None, :, None]`` (built once by the caller).
-            table: Block ids, one row of ids per output row.
-            rows: Output rows (``table``'s first dimension).
+            heads: ``arange(H_kv)[None, :, None]``.
+            table: Block ids (``rows, blocks``), one row of ids per output row.
+
+        A caller keeps it while its table stands (a decode batch: up to its
+        write-back's 32 steps), so each step's gathers add no broadcast nodes.
+        """
+        return tuple(mx.broadcast_arrays(heads, table[:, None, :]))
+
+    def gather(self, index: tuple[mx.array, mx.array], rows: int, width: int) -> mx.array:
+        """The blocks of a table as ``(rows, H_kv, width, D)`` values.
+
+        Args:
+            index: :meth:`gather_index` of the table.
+            rows: Output rows (the table's first dimension).
             width: ``blocks x block_size`` columns per row.
         """
-        def take(array: mx.array) -> mx.array:
-            blocks = array.reshape(array.shape[0], self.n_ids + 1, self.block_size, -1)
-            return blocks[heads, table[:, None, :]].reshape(rows, array.shape[0], width, -1)
-
+        takes = [blocks[index].reshape(rows, blocks.shape[0], width, -1)
+                 for blocks in self._block_views()]
         if not self.quantized:
-            return take(self.data)
-        codes, params = self.data
-        return self.layout.kv_format.decode(take(codes), take(params), self.layout.dtype)
+            return takes[0]
+        return self.layout.kv_format.decode(*takes, self.layout.dtype)
+
+    def _block_views(self) -> tuple[mx.array, ...]:
+        """Each storage array as ``(H_kv, ids + 1, block_size, -1)``, one view per write.
+
+        Every layer of a step gathers from the same views (a reshape node per
+        layer and step otherwise); :meth:`store` and a growth drop them.
+        """
+        key = (self.writes, self.n_ids)
+        if self._views_key != key:
+            arrays = self.data if self.quantized else (self.data,)
+            self._views = tuple(a.reshape(a.shape[0], self.n_ids + 1, self.block_size, -1)
+                                for a in arrays)
+            self._views_key = key
+        return self._views
 
     def store(self, heads: mx.array, slots: mx.array, values: mx.array) -> None:
         """Write ``values`` (``H_kv, n, D``) into ``slots`` (``1, n``), encoding if quantized.
@@ -240,6 +266,9 @@ class KVArena:
             values: The keys or values to store, in the compute dtype.
         """
         self.writes += 1
+        # Drop the cached views first: a view still holding the buffer would make
+        # the scatter copy the whole arena instead of writing it in place.
+        self._views_key, self._views = None, ()
         if not self.quantized:
             self.data[heads, slots] = values
             return

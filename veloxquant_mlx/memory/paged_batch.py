@@ -87,8 +87,8 @@ class PagedKVBatch:
         # begun last (offset_pre) and after it (offset_next).
         self.offset_pre = self._offsets()
         self.offset_next = self.offset_pre
-        # Per layer: the (2 x rows, blocks) ids each call gathers, one array each.
-        self._table_ids: list[mx.array] = []
+        # Per layer: the gather index of the (2 x rows, blocks) ids each call reads.
+        self._gather_index: list[tuple[mx.array, mx.array]] = []
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
         self._mask_parts: tuple[mx.array | None, mx.array] | None = None
@@ -213,7 +213,8 @@ class PagedKVBatch:
         table = table[..., :stored].reshape(layers, 2 * len(rows), stored)
         # Split into views once (indexing one array by layer would add a gather
         # per layer to every step's graph: a kernel launch each on a GPU).
-        self._table_ids = [t.squeeze(0) for t in mx.split(mx.array(table), layers)]
+        self._gather_index = [self.arena.gather_index(self._heads_g, t.squeeze(0))
+                              for t in mx.split(mx.array(table), layers)]
         self._width, self._mask, self._mask_parts = stored * bs, None, None
         self._past = mx.array(past.astype(np.int32))
         self.same_past = int(past[0]) if len(past) and (past == past[0]).all() else None
@@ -277,8 +278,7 @@ class PagedKVBatch:
         """
         # A quantized arena decodes here; the call's own columns stay exact
         # until they are stored.
-        stored = self.arena.gather(self._heads_g, self._table_ids[layer], new.shape[0],
-                                   self._width)
+        stored = self.arena.gather(self._gather_index[layer], new.shape[0], self._width)
         if self._holding:
             return stored, self.held.append(layer, new)
         self._pending.append(new)
