@@ -209,4 +209,3 @@ class Guards:
             await self.app(scope, guarded_receive, guarded_send)
         finally:
             timer.close()
-
