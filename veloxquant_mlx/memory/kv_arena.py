@@ -160,8 +160,7 @@ class KVArena:
         # Scatters into the arena so far: on a GPU each one copies all of it (see
         # veloxquant_mlx/memory/write_back.py), so /metrics reports them.
         self.writes = 0
-        self._views_key: tuple[int, int] | None = None  # (writes, n_ids) of _views
-        self._views: tuple[mx.array, ...] = ()
+        self._views: tuple[mx.array, ...] = ()  # built by _block_views, dropped by writes
         self.ensure_ids()
 
     @property
@@ -185,7 +184,7 @@ class KVArena:
         if ids <= self.n_ids and self.data is not None:
             return False
         slots = (ids + 1 - self.n_ids) * self.block_size
-        self._views_key, self._views = None, ()  # they would keep the old arena alive
+        self._views = ()  # they would keep the old arena alive
         fresh = [mx.zeros((self.layout.n_kv_heads, slots, width), dtype)
                  for width, dtype in self._columns()]
         kept = self.n_ids * self.block_size
@@ -249,12 +248,10 @@ class KVArena:
         Every layer of a step gathers from the same views (a reshape node per
         layer and step otherwise); :meth:`store` and a growth drop them.
         """
-        key = (self.writes, self.n_ids)
-        if self._views_key != key:
+        if not self._views:
             arrays = self.data if self.quantized else (self.data,)
             self._views = tuple(a.reshape(a.shape[0], self.n_ids + 1, self.block_size, -1)
                                 for a in arrays)
-            self._views_key = key
         return self._views
 
     def store(self, heads: mx.array, slots: mx.array, values: mx.array) -> None:
@@ -268,7 +265,7 @@ class KVArena:
         self.writes += 1
         # Drop the cached views first: a view still holding the buffer would make
         # the scatter copy the whole arena instead of writing it in place.
-        self._views_key, self._views = None, ()
+        self._views = ()
         if not self.quantized:
             self.data[heads, slots] = values
             return
