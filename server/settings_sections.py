@@ -207,6 +207,7 @@ class BatchSection(_Section):
     max_prefill_tokens_per_step: int = Field(default=2048, ge=1)
     kv_write_back: int = Field(default=32, ge=1)
     compile_decode: bool = True
+    fuse_projections: bool = True
 
 
 KVFormatName = Literal["native", "q8", "q4"]

@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 from veloxquant_mlx.shared_rope import shared_rope
 
@@ -43,6 +44,27 @@ from veloxquant_mlx.shared_rope import shared_rope
 LLAMA_SHAPED = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen2": False,
                 "mlx_lm.models.qwen3": True}
 _PLAIN = (bool, int, float, str, type(None))
+_FUSED = "_fused"  # the decode tree's key for the fused projections' parameters
+
+
+class _Given:
+    """Stands in for a projection whose output a fused matmul already computed."""
+
+    def __init__(self, out: mx.array) -> None:
+        self.out = out
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.out
+
+
+def _decode_tree(block: Any) -> dict:
+    """The parameters a decode call reads: the block's, fused members by their fused layer."""
+    tree = block.parameters()
+    for child, fused in block._decode_fused.items():
+        for name in MEMBERS[child]:
+            del tree[child][name]  # views of the fused layer's parameters
+        tree.setdefault(_FUSED, {})[child] = fused.module.parameters()
+    return tree
 
 
 class _Halves:
@@ -55,7 +77,8 @@ class _Halves:
 
     def __init__(self, template: Any) -> None:
         self.template = template
-        self.names = [name for name, _ in tree_flatten(template.parameters())]
+        self.names = [name for name, _ in tree_flatten(_decode_tree(template))]
+        self.fused: dict[str, FusedProjection] = template._decode_fused
         self.attention_module = sys.modules[type(template.self_attn).__module__]
         self.head_norms = LLAMA_SHAPED[self.attention_module.__name__]
         # RoPE's tables once per step where mx.fast.rope is plain ops (the CPU): see shared_rope.
@@ -63,10 +86,20 @@ class _Halves:
         self.pre = mx.compile(self._pre)
         self.post = mx.compile(self._post)
 
-    def _swap_in(self, weights: tuple[mx.array, ...]) -> Any:
+    def _swap_in(self, weights: tuple[mx.array, ...]) -> tuple[dict, dict]:
+        """Put ``weights`` into the template (and its fused projections); returns its own."""
         own = self.template.parameters()
-        self.template.update(tree_unflatten(list(zip(self.names, weights, strict=True))))
-        return own
+        own_fused = {c: p.module.parameters() for c, p in self.fused.items()}
+        tree = tree_unflatten(list(zip(self.names, weights, strict=True)))
+        for child, params in tree.pop(_FUSED, {}).items():
+            self.fused[child].module.update(params)
+        self.template.update(tree)
+        return own, own_fused
+
+    def _put_back(self, own: tuple[dict, dict]) -> None:
+        self.template.update(own[0])
+        for child, params in own[1].items():
+            self.fused[child].module.update(params)
 
     def _rotate(self, t: mx.array, position: Any) -> mx.array:
         if self.rope is None:  # position: the rows' offsets
@@ -81,7 +114,8 @@ class _Halves:
             b, n, _ = x.shape
             # Rows flat (2-D): a 3-D matmul adds a flatten and an unflatten node each.
             h = block.input_layernorm(x.reshape(b * n, -1))
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            qkv = self.fused.get("self_attn")
+            q, k, v = qkv(h) if qkv else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
             q, k = q.reshape(b, n, attn.n_heads, -1), k.reshape(b, n, attn.n_kv_heads, -1)
             if self.head_norms:
                 q, k = attn.q_norm(q), attn.k_norm(k)
@@ -91,7 +125,7 @@ class _Halves:
             return (self._rotate(q, position),
                     mx.concatenate([self._rotate(k, position), v]))
         finally:
-            self.template.update(own)
+            self._put_back(own)
 
     def _post(self, x: mx.array, attended: mx.array, *weights: mx.array) -> mx.array:
         own = self._swap_in(weights)
@@ -100,9 +134,25 @@ class _Halves:
             b, _, n, _ = attended.shape
             flat = attended.transpose(0, 2, 1, 3).reshape(b * n, -1)
             h = x.reshape(b * n, -1) + block.self_attn.o_proj(flat)
-            return (h + block.mlp(block.post_attention_layernorm(h))).reshape(b, n, -1)
+            return (h + self._mlp(block.post_attention_layernorm(h))).reshape(b, n, -1)
         finally:
-            self.template.update(own)
+            self._put_back(own)
+
+    def _mlp(self, x: mx.array) -> mx.array:
+        """The block's MLP on ``x``, its gate and up projections by one matmul if fused."""
+        mlp, fused = self.template.mlp, self.fused.get("mlp")
+        if fused is None:
+            return mlp(x)
+        # mlx-lm's own MLP code runs (its activation), handed the fused outputs: the
+        # stand-ins shadow its children for this trace only.
+        given = dict(zip(MEMBERS["mlp"], fused(x), strict=True))
+        for name, out in given.items():
+            object.__setattr__(mlp, name, _Given(out))
+        try:
+            return mlp(x)
+        finally:
+            for name in given:
+                del mlp.__dict__[name]
 
     def __call__(self, block: Any, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
         weights = block._decode_weights
@@ -154,12 +204,19 @@ def _signature(block: Any) -> tuple:
     return shapes, settings
 
 
-def compile_decode_blocks(model: Any) -> int:
+def compile_decode_blocks(model: Any, fuse_projections: bool = True) -> int:
     """Route ``model``'s decode calls on paged caches through compiled halves.
 
     Call it once the weights are final (after loading, dequantizing,
     sharding): each block keeps the arrays it had then. Calling it again
     takes the current weights.
+
+    Args:
+        model: An mlx-lm model.
+        fuse_projections: Run q/k/v and gate/up as one matmul each
+            (:mod:`~veloxquant_mlx.fused_projections`; the projections'
+            weights become views of one buffer per group). Off where something
+            keys on those weights' own buffers (the CPU's quantized copies).
 
     Returns:
         Blocks now compiled (0 for a model whose blocks are not Llama-shaped:
@@ -168,11 +225,12 @@ def compile_decode_blocks(model: Any) -> int:
     blocks = [b for b in getattr(model, "layers", []) if _llama_shaped(b)]
     shared: dict[tuple, _Halves] = {}
     for block in blocks:
-        key = _signature(block)
-        halves = shared.get(key) or shared.setdefault(key, _Halves(block))
         # Plain attributes (not module children): the parameter tree stays mlx-lm's.
+        object.__setattr__(block, "_decode_fused", fuse_block(block) if fuse_projections else {})
+        key = (_signature(block), tuple(sorted(block._decode_fused)))
+        halves = shared.get(key) or shared.setdefault(key, _Halves(block))
         object.__setattr__(block, "_decode_halves", halves)
         object.__setattr__(block, "_decode_weights",
-                           tuple(w for _, w in tree_flatten(block.parameters())))
+                           tuple(w for _, w in tree_flatten(_decode_tree(block))))
         block.__class__ = _compiled_class(_uncompiled_class(block))
     return len(blocks)

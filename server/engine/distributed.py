@@ -315,7 +315,7 @@ def follow(runner: ModelRunner, link: RankLink) -> None:
 def serve_follower(settings: Any, group: Any) -> int:
     """A follower process's whole life: load and shard the model, then :func:`follow`."""
     from server.engine.kv_memory import kv_format_of
-    from server.engine.startup import plan_kv
+    from server.engine.startup import fuse_projections, plan_kv
     from server.model_loader import load_model
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 
@@ -325,7 +325,8 @@ def serve_follower(settings: Any, group: Any) -> int:
     pool, kv = plan_kv(settings, layout)
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena,
                          kv_write_back=settings.batch.kv_write_back,
-                         compile_decode=settings.batch.compile_decode)
+                         compile_decode=settings.batch.compile_decode,
+                         fuse_projections=fuse_projections(settings, loaded))
     log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
     follow(runner, RankLink(group))
     log.info("rank %d: rank 0 stopped; exiting", group.rank())

@@ -78,15 +78,19 @@ class ModelRunner:
             writes every step.
         compile_decode: Run the model's Llama-shaped blocks' decode calls as
             compiled halves (:mod:`veloxquant_mlx.compiled_decode`).
+        fuse_projections: With ``compile_decode``, run each block's q/k/v and
+            gate/up projections as one matmul each (off while the CPU's
+            quantized copies key on the separate weights' buffers).
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
                  arena: KVArena, clock: StepClock | None = None,
                  prefixes: PromptPrefixes | None = None, kv_write_back: int = 1,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, fuse_projections: bool = True) -> None:
         self.model = model
         # Blocks whose decode calls run compiled (0: off, or no Llama-shaped block).
-        self.compiled_blocks = compile_decode_blocks(model) if compile_decode else 0
+        self.compiled_blocks = (compile_decode_blocks(model, fuse_projections)
+                                if compile_decode else 0)
         self.kv_write_back = kv_write_back
         self.prefixes = prefixes  # prefix caching: prefilled prompts publish their blocks
         self.pool = pool

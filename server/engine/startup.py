@@ -47,6 +47,17 @@ def make_pool(settings: Settings, n_blocks: int | None = None) -> BlockPoolAlloc
     )
 
 
+def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
+    """Whether compiled decode runs q/k/v and gate/up as one matmul each.
+
+    Never while the CPU serves a dequantized model from its quantized codes:
+    those are registered under each projection's own float32 buffer, which
+    fusing would replace by a view of one stacked buffer (the codes would
+    serve nothing and the old buffers would stay held).
+    """
+    return settings.batch.fuse_projections and loaded.quantized_copies is None
+
+
 def plan_kv(settings: Settings, layout: KVLayout,
             pool: BlockPoolAllocator | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
     """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
@@ -102,7 +113,8 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
     batch = settings.batch
     runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,
-                         prefixes, batch.kv_write_back, batch.compile_decode)
+                         prefixes, batch.kv_write_back, batch.compile_decode,
+                         fuse_projections=fuse_projections(settings, loaded))
     compiled = runner.compiled_blocks
     if group is not None:  # the other ranks repeat this runner's calls
         from server.engine.distributed import LeaderRunner, RankLink
