@@ -148,11 +148,10 @@ class CapacityPlanner:
         out = dict.fromkeys(self.streams, 0)
         for owner, reservation in running:
             # Cached blocks it references count as held: they are in its table.
-            held = dict.fromkeys(self.streams, 0)
+            held = self.pool.n_blocks_held_per_stream(owner)
             if self.prefixes is not None:
-                held.update(self.prefixes.held_blocks(owner))
-            for block in self.pool.blocks_for(owner):
-                held[block.stream] = held.get(block.stream, 0) + 1
+                for stream, n in self.prefixes.held_blocks(owner).items():
+                    held[stream] = held.get(stream, 0) + n
             for stream, blocks in reservation.per_stream.items():
                 out[stream] += max(blocks - held.get(stream, 0), 0)
         return out

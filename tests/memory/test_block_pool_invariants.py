@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ def check_invariants(pool: BlockPoolAllocator) -> None:
         blocks = pool.blocks_for(owner)
         assert len(blocks) == held
         assert all(b.owner == owner for b in blocks)
+        assert pool.n_blocks_held_per_stream(owner) == dict(Counter(b.stream for b in blocks))
         owned_ids.extend(b.block_id for b in blocks)
     free_ids = [b.block_id for stream in pool._streams.values() for b in stream.stack]
     assert all(pool._blocks[i].owner is None for i in free_ids)

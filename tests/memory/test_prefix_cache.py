@@ -7,6 +7,7 @@ cached position is one k block and one v block and ids can be asserted exactly.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -47,8 +48,12 @@ def check_invariants(pool: BlockPoolAllocator, cache: PrefixCache, live: set[int
     assert pool.n_free("k") + pool.n_free("v") + pool.stats.blocks_in_use() == pool.stats.n_blocks
     refs = {id(e): 0 for e in cache.entries()}
     for owner in live:
+        counts: Counter[str] = Counter()
         for e in cache._held.get(owner, []):
             refs[id(e)] += 1
+            counts.update(b.stream for b in e.blocks)
+        assert cache.held_blocks(owner) == dict(counts)  # kept as references change
+    assert set(cache._held_counts) <= live  # a released owner's counts go with it
     assert set(cache.holders()) <= live
     for e in cache.entries():
         assert e.refs == refs[id(e)]

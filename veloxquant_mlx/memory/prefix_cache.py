@@ -121,6 +121,8 @@ class PrefixCache:
     _entries: dict[bytes, CachedBlock] = field(default_factory=dict)
     _lru: OrderedDict[bytes, CachedBlock] = field(default_factory=OrderedDict)  # oldest first
     _held: dict[int, list[CachedBlock]] = field(default_factory=dict)  # owner -> references
+    # owner -> pool blocks of its references per stream (admission asks every step)
+    _held_counts: dict[int, Counter[str]] = field(default_factory=dict)
     _evictable: Counter[str] = field(default_factory=Counter)  # blocks per stream in the LRU
     _cached: int = 0  # pool blocks in entries
 
@@ -144,12 +146,14 @@ class PrefixCache:
     def acquire(self, owner: int, entries: Sequence[CachedBlock]) -> None:
         """``owner`` references ``entries`` (they stop being evictable)."""
         held = self._held.setdefault(owner, [])
+        counts = self._held_counts.setdefault(owner, Counter())
         for entry in entries:
             if entry.refs == 0:
                 del self._lru[entry.key]
                 self._evictable.subtract(entry.per_stream)
             entry.refs += 1
             held.append(entry)
+            counts.update(entry.per_stream)
 
     def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
         """Count one admitted prompt and how much of it came from the cache."""
@@ -180,6 +184,7 @@ class PrefixCache:
         entry = CachedBlock(key, list(blocks), dict(Counter(b.stream for b in blocks)), refs=1)
         self._entries[key] = entry
         self._held.setdefault(owner, []).append(entry)
+        self._held_counts.setdefault(owner, Counter()).update(entry.per_stream)
         self._cached += len(blocks)
         self.counters.published_blocks += len(blocks)
         return True
@@ -190,6 +195,7 @@ class PrefixCache:
         Released tail first, so a chain's last blocks are the first evicted
         (its head, which more prompts share, stays longest).
         """
+        self._held_counts.pop(owner, None)
         for entry in reversed(self._held.pop(owner, [])):
             entry.refs -= 1
             if entry.refs == 0:
@@ -197,11 +203,8 @@ class PrefixCache:
                 self._evictable.update(entry.per_stream)
 
     def held_blocks(self, owner: int) -> dict[str, int]:
-        """Cached pool blocks ``owner`` references, per stream."""
-        out: Counter[str] = Counter()
-        for entry in self._held.get(owner, ()):
-            out.update(entry.per_stream)
-        return dict(out)
+        """Cached pool blocks ``owner`` references, per stream (kept as references change)."""
+        return dict(self._held_counts.get(owner, ()))
 
     # -- capacity ------------------------------------------------------------------
 
