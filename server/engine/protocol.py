@@ -309,6 +309,11 @@ class EventChannel:
         """Return the next event if one is ready, else ``None``."""
         return self._events.popleft() if self._events else None
 
+    @property
+    def ready(self) -> bool:
+        """Whether an event waits to be read (a read would not wait)."""
+        return bool(self._events)
+
 
 def _wake(channel: weakref.ref[EventChannel]) -> None:
     live = channel()

@@ -97,6 +97,11 @@ class GenerationCall:
             if not self.watch.gone and not self.engine.is_ready:
                 raise UnavailableError("the generation engine stopped")
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next event is here already (reading it would not wait)."""
+        return bool(self._ahead) or self.request.channel.ready
+
     async def start(self) -> Admitted:
         """Submit and wait for admission; cancel the request on any early exit.
 

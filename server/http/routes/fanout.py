@@ -49,6 +49,14 @@ class Fanout:
     def __init__(self, calls: list[GenerationCall], share_prefill: int = 1) -> None:
         self.calls = calls
         self.share_prefill = share_prefill
+        self._merged: asyncio.Queue | None = None  # events() of several choices, while running
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`events` has its next pair already (reading it would not wait)."""
+        if self._merged is not None:
+            return not self._merged.empty()
+        return len(self.calls) == 1 and self.calls[0].ready
 
     def cancel(self) -> None:
         """Cancel every engine request (idempotent; finished ones are unaffected)."""
@@ -109,6 +117,7 @@ class Fanout:
                     yield 0, event
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._merged = queue
 
         async def pump(j: int, call: GenerationCall) -> None:
             try:
@@ -131,6 +140,7 @@ class Fanout:
                 else:
                     yield j, item
         finally:
+            self._merged = None
             for task in tasks:
                 task.cancel()
             self.cancel()

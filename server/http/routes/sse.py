@@ -14,6 +14,10 @@ through a library:
 A failure after the first byte cannot change the status any more: it is sent
 as one ``{"error": ...}`` frame before ``[DONE]``. A client that left gets
 nothing more (its request is already cancelled).
+
+Each frame is one token's chunk, as OpenAI's clients expect; several frames
+may share one write when the event loop fell behind (``MAX_FRAMES_PER_SEND``),
+which SSE allows and clients parse alike.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ from server.http.routes.fanout import Fanout
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
+# Frames sent in one body message at most. A frame goes out as soon as it is
+# built unless the stream's next event is already waiting (the event loop fell
+# behind the engine): then frames are joined, and one send (the ASGI
+# middleware chain, HTTP framing, a socket write) carries several tokens.
+# Bounded so that a stream far behind still sends regularly.
+MAX_FRAMES_PER_SEND = 16
 
 
 # Built once: json.dumps with separators builds an encoder per call, and a stream
@@ -59,20 +69,23 @@ async def sse_stream(
     """
     for chunk in first or ():
         yield sse(chunk)
+    frames: list[bytes] = []  # built, not yet sent (see MAX_FRAMES_PER_SEND)
     try:
         async for j, event in fanout.events():
             if isinstance(event, Finished):
-                for chunk in on_finish(j, event):
-                    yield sse(chunk)
+                frames += [sse(chunk) for chunk in on_finish(j, event)]
             else:
                 chunk = on_token(j, event)
                 if chunk is not None:
-                    yield sse(chunk)
+                    frames.append(sse(chunk))
+            if frames and (len(frames) >= MAX_FRAMES_PER_SEND or not fanout.ready):
+                yield b"".join(frames)
+                frames = []
     except ClientGone:
         return  # nobody is listening; every request of the fanout is already cancelled
     except APIError as exc:
-        yield sse(exc.body())
+        frames.append(sse(exc.body()))
     else:
-        for chunk in last() if last is not None else ():
-            yield sse(chunk)
-    yield SSE_DONE
+        frames += [sse(chunk) for chunk in (last() if last is not None else ())]
+    frames.append(SSE_DONE)
+    yield b"".join(frames)

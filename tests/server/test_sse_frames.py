@@ -1,0 +1,82 @@
+"""SSE frames per send (server/http/routes/sse.py): one per token, joined only when behind.
+
+A stream whose next event is not there yet sends each frame at once (no
+token waits for another); when events are already waiting (the event loop
+fell behind, or a slow reader held up the last send) their frames share one
+send, at most ``MAX_FRAMES_PER_SEND``, in order, with the error frame and
+``[DONE]`` after whatever was built before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from server.engine.protocol import FinishReason, Finished, TokenEvent, Usage
+from server.http.errors import APIError
+from server.http.routes.sse import MAX_FRAMES_PER_SEND, SSE_DONE, sse_stream
+
+
+class ScriptedFanout:
+    """``events()`` from a script; ``ready`` says whether the next one is already here."""
+
+    def __init__(self, events: list, waiting_from: int, fail_at: int | None = None) -> None:
+        self.events_list = events
+        self.waiting_from = waiting_from  # events before this index wait already
+        self.fail_at = fail_at
+        self.next = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.next < min(self.waiting_from, len(self.events_list))
+
+    async def events(self):
+        for i, event in enumerate(self.events_list):
+            if i == self.fail_at:
+                raise APIError("model failed mid-stream")
+            if i >= self.waiting_from:
+                await asyncio.sleep(0)  # arrives later: the reader waited for it
+            self.next = i + 1
+            yield 0, event
+
+
+def _events(n: int) -> list:
+    return [TokenEvent(f" t{i}", i, None) for i in range(n)] + [
+        Finished(FinishReason.LENGTH, Usage(3, n, 1, 0))]
+
+
+def _sends(fanout: ScriptedFanout) -> list[bytes]:
+    async def run() -> list[bytes]:
+        return [s async for s in sse_stream(
+            fanout, lambda j, e: {"text": e.text},
+            lambda j, e: [{"finish_reason": e.reason.value}],
+            last=lambda: [{"usage": "u"}])]
+    return asyncio.run(run())
+
+
+def _frames(send: bytes) -> list[str]:
+    assert send.endswith(b"\n\n")
+    return [f.removeprefix("data: ") for f in send.decode().split("\n\n")[:-1]]
+
+
+def test_events_that_wait_already_share_sends_in_order():
+    sends = _sends(ScriptedFanout(_events(40), waiting_from=41))
+    frames = [f for s in sends for f in _frames(s)]
+    assert [json.loads(f)["text"] for f in frames[:40]] == [f" t{i}" for i in range(40)]
+    assert frames[40:] == ['{"finish_reason":"length"}', '{"usage":"u"}', "[DONE]"]
+    sizes = [len(_frames(s)) for s in sends]
+    assert max(sizes) == MAX_FRAMES_PER_SEND and len(sends) < 10, sizes
+
+
+def test_a_stream_that_keeps_up_sends_every_frame_at_once():
+    sends = _sends(ScriptedFanout(_events(5), waiting_from=0))
+    assert [len(_frames(s)) for s in sends] == [1, 1, 1, 1, 1, 1, 2]  # usage joins [DONE]
+    assert sends[-1].endswith(SSE_DONE)
+
+
+def test_an_error_frame_follows_the_frames_built_before_it():
+    sends = _sends(ScriptedFanout(_events(10), waiting_from=11, fail_at=6))
+    frames = [f for s in sends for f in _frames(s)]
+    assert [json.loads(f)["text"] for f in frames[:6]] == [f" t{i}" for i in range(6)]
+    assert json.loads(frames[6])["error"]["message"] == "model failed mid-stream"
+    assert frames[7:] == ["[DONE]"]
