@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server.engine.protocol import FinishReason, Finished, TokenEvent, Usage
+from server.engine.protocol import Finished, FinishReason, TokenEvent, Usage
 from server.http.errors import APIError
 from server.http.routes.sse import MAX_FRAMES_PER_SEND, SSE_DONE, sse_stream
 
