@@ -232,6 +232,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uncompiled-decode", action="store_true",
                    help="our batch.compile_decode = false (mlx-lm's blocks as written, the "
                         "A/B of the compiled decode halves)")
+    p.add_argument("--unfused-projections", action="store_true",
+                   help="our batch.fuse_projections = false (q/k/v and gate/up as separate "
+                        "matmuls, the A/B of the fused projections)")
     p.add_argument("--revision", default="", help="recorded revision (default: git's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the servers' stderr logs go (default: a new temp folder)")
@@ -305,6 +308,8 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
         env["VELOXQUANT_BATCH_KV_WRITE_BACK"] = str(args.kv_write_back)
     if args.uncompiled_decode:
         env["VELOXQUANT_BATCH_COMPILE_DECODE"] = "false"
+    if args.unfused_projections:
+        env["VELOXQUANT_BATCH_FUSE_PROJECTIONS"] = "false"
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,
             # levels still to come after a server's own (shares out the budget)
@@ -323,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     "revision": revision(args.revision), "smoke": args.smoke,
                     "kv_write_back": args.kv_write_back or "server default",
                     "compile_decode": not args.uncompiled_decode,
+                    "fuse_projections": not args.unfused_projections,
                     "ours_only": args.ours_only,
                     "phases_s": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -98,14 +98,15 @@ echo "benchmark exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 
 # The A/B of this round's host-side changes, when time is left: ours alone with them off
 # (mlx-lm's blocks as written, the KV written every step), same model and load.
-# SKIP_AB=1 leaves it out.
+# SKIP_AB=1 leaves it out; AB_FLAGS picks another A/B (e.g. "--unfused-projections").
+AB_FLAGS=${AB_FLAGS:---uncompiled-decode --kv-write-back 1}
 AB_T=$((510 - (SECONDS - START)))
 if [ -z "${SKIP_AB:-}" ] && [ "$AB_T" -ge 100 ]; then
-    echo "== A/B: ours without compiled decode and write-back, timeout ${AB_T} s"
+    echo "== A/B: ours with $AB_FLAGS, timeout ${AB_T} s"
     PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 15 "$AB_T" python3 \
         benchmark_scripts/benchmark_gpu.py --out "$OUT/results_ab_previous.json" \
         --log-dir "$OUT/logs_ab" --budget-s $((AB_T - 25)) --reserve-s 30 --revision "$REVISION" \
-        "$@" --ours-only --uncompiled-decode --kv-write-back 1 2>&1 | tee "$OUT/bench_ab.log"
+        "$@" --ours-only $AB_FLAGS 2>&1 | tee "$OUT/bench_ab.log"
     echo "A/B exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 fi
 
@@ -134,7 +135,7 @@ TEST_T=$((570 - (SECONDS - START)))
 [ -n "${SKIP_TESTS:-}" ] && TEST_T=0  # a rerun of the figures alone
 [ "$TEST_T" -gt 0 ] && PYTHONPATH=$(pwd) timeout $((TEST_T > 30 ? TEST_T : 30)) python3 -m pytest -q -p no:cacheprovider tests/server/test_drain.py \
     tests/test_mlx_device.py tests/server/test_model_weights.py tests/server/test_batch_sampling.py \
-    tests/test_compiled_decode.py tests/memory/test_maskless_decode.py \
+    tests/test_compiled_decode.py tests/test_fused_projections.py tests/memory/test_maskless_decode.py \
     2>&1 | tail -25 | tee -a "$OUT/checks.log"
 rm -f "$OUT/results.tmp"  # a half-written copy, only if the run was cut mid-save
 ls -la "$OUT" "$OUT/logs" 2>/dev/null

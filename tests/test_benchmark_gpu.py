@@ -70,18 +70,21 @@ def test_smoke_defaults_are_small_and_full_defaults_match_the_issue():
 
 
 def test_ab_flags_reach_only_our_server(tmp_path):
-    """--kv-write-back 1 and --uncompiled-decode (the A/B runs) set our settings only."""
+    """--kv-write-back 1, --uncompiled-decode, --unfused-projections (A/B runs): ours only."""
     args = benchmark_gpu.parse_args(["--smoke", "--kv-write-back", "1", "--uncompiled-decode",
-                                     "--log-dir", str(tmp_path)])
+                                     "--unfused-projections", "--log-dir", str(tmp_path)])
     ctx = benchmark_gpu.server_context(args, tmp_path, [], False, Budget(60, 10))
     assert ctx["env"]["VELOXQUANT_BATCH_KV_WRITE_BACK"] == "1"
     assert ctx["env"]["VELOXQUANT_BATCH_COMPILE_DECODE"] == "false"
-    assert not any("write" in a or "compile" in a for a in ctx["extra"][benchmark_gpu.PEER])
+    assert ctx["env"]["VELOXQUANT_BATCH_FUSE_PROJECTIONS"] == "false"
+    assert not any("write" in a or "compile" in a or "fuse" in a
+                   for a in ctx["extra"][benchmark_gpu.PEER])
     default = benchmark_gpu.server_context(
         benchmark_gpu.parse_args(["--smoke", "--log-dir", str(tmp_path)]), tmp_path, [], False,
         Budget(60, 10))
     assert "VELOXQUANT_BATCH_KV_WRITE_BACK" not in default["env"]
     assert "VELOXQUANT_BATCH_COMPILE_DECODE" not in default["env"]
+    assert "VELOXQUANT_BATCH_FUSE_PROJECTIONS" not in default["env"]
 
 
 def test_ours_only_leaves_no_levels_for_a_peer(tmp_path):
