@@ -20,7 +20,8 @@ cp "$SHARED/device_install.sh" "$GPU/"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$GPU/extra" \
-    "pydantic-settings>=2.3" python-dotenv "platformdirs>=4" "llguidance>=1.9,<2"
+    "pydantic-settings>=2.3" python-dotenv "platformdirs>=4" "llguidance>=1.9,<2" \
+    "httptools>=0.6"
 
 # What each call sends: the working tree (tracked and not ignored) plus what it carries.
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)

@@ -54,6 +54,8 @@ class ServerSection(_Section):
     header_timeout_s: float = Field(default=10.0, gt=0)
     keep_alive_timeout_s: float = Field(default=5.0, gt=0)
     max_connections: int = Field(default=1000, ge=1)
+    # HTTP/1.1 parser: httptools (C) when installed, else h11 (server/http/connections.py).
+    http_parser: Literal["auto", "httptools", "h11"] = "auto"
     # Browser origins allowed to call the API (CORS); empty = no CORS headers at all, so a
     # page on another origin cannot read answers from a loopback server.
     cors_allow_origins: list[str] = Field(default_factory=list)

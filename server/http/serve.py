@@ -26,7 +26,7 @@ from typing import Any
 import uvicorn
 
 from server.file_limit import raise_open_file_limit
-from server.http.connections import guarded_protocol
+from server.http.connections import guarded_protocol, parser_name
 from server.http.guards import DrainState
 from server.settings import Settings
 
@@ -104,7 +104,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
-    """The uvicorn config: guarded h11 connections (header deadline, connection cap).
+    """The uvicorn config: guarded connections (header deadline, connection cap).
 
     Args:
         app: The app from ``create_app``.
@@ -126,7 +126,8 @@ def serve(app: Any, settings: Settings) -> None:
     if warning:
         log.warning(warning)
     soft = raise_open_file_limit(settings.server.max_connections)
-    log.info("open-file limit %s; server.max_connections=%d, header timeout %.1fs",
-             soft, settings.server.max_connections, settings.server.header_timeout_s)
+    log.info("open-file limit %s; server.max_connections=%d, header timeout %.1fs, "
+             "HTTP parser %s", soft, settings.server.max_connections,
+             settings.server.header_timeout_s, parser_name(settings))
     DrainingServer(uvicorn_config(app, settings), app.state.drain,
                    settings.server.shutdown_grace_s, app.state.engine).run()

@@ -10,6 +10,7 @@ keeps answering, and every half-open socket is closed once
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import selectors
 import socket
@@ -94,9 +95,11 @@ def flood_room():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_slowloris_flood_is_bounded_and_reaped(tiny_model_path, tmp_path, flood_room):
+@pytest.mark.parametrize("parser", ["httptools", "h11"])  # server.http_parser: both guarded
+def test_slowloris_flood_is_bounded_and_reaped(tiny_model_path, tmp_path, flood_room, parser):
     env = {"VELOXQUANT_SERVER_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-           "VELOXQUANT_SERVER_KEEP_ALIVE_TIMEOUT_S": "1", "VELOXQUANT_SERVER_LOG_LEVEL": "warning"}
+           "VELOXQUANT_SERVER_KEEP_ALIVE_TIMEOUT_S": "1", "VELOXQUANT_SERVER_LOG_LEVEL": "info",
+           "VELOXQUANT_SERVER_HTTP_PARSER": parser}
     server = ServerProcess(tmp_path / "server.log", ["--model", str(tiny_model_path)], env,
                            preexec_fn=_low_file_limit)
     with server:
@@ -128,6 +131,7 @@ def test_slowloris_flood_is_bounded_and_reaped(tiny_model_path, tmp_path, flood_
         _idle_keep_alive_is_closed(server.port)
         assert server.proc.poll() is None
     assert "Too many open files" not in server.log()
+    assert f"HTTP parser {parser}" in server.log()
 
 
 def _long_stream_outlives_the_header_timeout(base: str) -> None:
@@ -152,3 +156,75 @@ def _idle_keep_alive_is_closed(port: int) -> None:
         t0 = time.monotonic()
         assert sock.recv(4096) == b""  # closed by the server: keep-alive timeout 1 s
         assert 0.5 < time.monotonic() - t0 < 4
+
+
+class _Transport(asyncio.Transport):
+    """What a protocol writes and whether it closed (no socket)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 8000) if name in ("sockname", "peername") else default
+
+
+async def _never_answers(scope, receive, send):  # headers in: the ASGI app takes over
+    await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_the_header_deadline_runs_exactly_while_headers_are_awaited(parser):
+    """Unit level, both parsers: armed at connect and at a request's first bytes, cancelled
+    once its headers are complete, so a slow answer is never cut by it."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from server.http.connections import guarded_protocol
+    from tests.server.conftest import make_settings
+
+    async def run() -> None:
+        settings = make_settings(server={"http_parser": parser, "header_timeout_s": 0.2})
+        config = uvicorn.Config(_never_answers, log_level="warning")
+        config.load()
+        protocol = guarded_protocol(settings)(config, ServerState(), {})
+        transport = _Transport()
+        protocol.connection_made(transport)
+        assert protocol._header_timer is not None  # a silent connection has a deadline
+        protocol.data_received(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        assert protocol._header_timer is not None  # half its headers: still running
+        protocol.data_received(b"\r\n")
+        assert protocol._header_timer is None  # complete: the app has it now
+        await asyncio.sleep(0.4)  # past the deadline, the answer still pending
+        assert not transport.closed
+        protocol.connection_lost(None)
+
+        late = guarded_protocol(settings)(config, ServerState(), {})
+        late.connection_made(_Transport())
+        late.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        await asyncio.sleep(0.4)
+        assert late.transport.closed  # never finished its headers: closed
+        late.connection_lost(None)
+
+        # Headers that never end but keep coming: 400 once past h11's 16 KiB, not buffered on.
+        endless = guarded_protocol(settings)(config, ServerState(), {})
+        endless.connection_made(_Transport())
+        endless.data_received(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        sent = 0
+        while not endless.transport.closed and sent < 1 << 20:
+            endless.data_received(b"X-Pad: " + b"a" * 1000 + b"\r\n")
+            sent += 1009
+        assert endless.transport.closed and sent < 64 * 1024, sent
+        assert endless.transport.written.startswith(b"HTTP/1.1 400")
+        endless.connection_lost(None)
+
+    asyncio.run(run())
