@@ -1,4 +1,4 @@
-"""Connection limits uvicorn lacks (a header deadline, a cap on open connections), on its fast parser.
+"""Connection limits uvicorn lacks: a header deadline, a cap on open connections.
 
 uvicorn closes idle keep-alive connections (``timeout_keep_alive``), but a
 connection that sends half a request line and then nothing is kept forever,
