@@ -44,6 +44,9 @@ def check_invariants(pool: BlockPoolAllocator, cache: PrefixCache, live: set[int
     assert {b.block_id for b in pool.blocks_for(CACHE_OWNER)} == cached_ids
     held = pool.blocks_held_by_owner()
     assert set(held) - {CACHE_OWNER} <= live
+    for owner in held:  # the pool's per-stream counts follow transfers to the cache
+        recount = Counter(b.stream for b in pool.blocks_for(owner))
+        assert pool.n_blocks_held_per_stream(owner) == dict(recount)
     assert sum(held.values()) == pool.stats.blocks_in_use()
     assert pool.n_free("k") + pool.n_free("v") + pool.stats.blocks_in_use() == pool.stats.n_blocks
     refs = {id(e): 0 for e in cache.entries()}
@@ -198,8 +201,13 @@ def test_transfer_keeps_counters_and_owner_active():
     assert pool.stats.snapshot().as_dict() == before
     assert len(pool.history) == history
     assert 1 in pool.active_owners() and pool.n_blocks_held(1) == 0
+    assert pool.n_blocks_held_per_stream(CACHE_OWNER) == {"k": 2}
+    assert pool.n_blocks_held_per_stream(1) == {}
+    pool.transfer(blocks + blocks, CACHE_OWNER)  # listed twice, to their holder: no change
+    assert pool.n_blocks_held_per_stream(CACHE_OWNER) == {"k": 2}
     pool.free(blocks)
     assert pool.stats.blocks_in_use() == 0
+    assert pool.n_blocks_held_per_stream(CACHE_OWNER) == {}
 
 
 def test_random_mix_of_requests_cancels_and_evictions_keeps_every_block_accounted():

@@ -88,6 +88,8 @@ class BlockPoolAllocator:
         # owner -> {block_id: block} in allocation order; an entry per active owner
         self._owned: dict[int, dict[object, Block]] = {}
         self._released: set[int] = set()  # release_owner()'d owners still holding blocks
+        # owner -> blocks it holds per stream (only owners holding some; kept, not recounted)
+        self._per_stream: dict[int, dict[str, int]] = {}
         self._next_id = 0
         self.stats = AllocationStats(n_blocks=self.config.n_blocks)
         # History: a ring of preallocated stats records, one written per
@@ -122,6 +124,19 @@ class BlockPoolAllocator:
         self._next_id += count
         stream.stack[:0] = new
         stream.n_fresh += count
+
+    def _count(self, owner: int, stream: str, delta: int) -> None:
+        """Add ``delta`` to the blocks ``owner`` holds on ``stream`` (zeros are dropped)."""
+        counts = self._per_stream.get(owner)
+        if counts is None:
+            counts = self._per_stream[owner] = {}
+        n = counts.get(stream, 0) + delta
+        if n:
+            counts[stream] = n
+            return
+        del counts[stream]
+        if not counts:
+            del self._per_stream[owner]
 
     def _record(self, c: AllocationStats) -> None:
         pos = self._ring_pos
@@ -252,6 +267,7 @@ class BlockPoolAllocator:
                 n = 1
             if fresh_owner:
                 self._owned[owner] = owned
+            self._count(owner, st.name, n)
             if self._released:
                 self._released.discard(owner)  # growing again re-activates it
             in_use = c.n_allocations + n - c.n_frees
@@ -353,6 +369,7 @@ class BlockPoolAllocator:
                 if owned is None or owned.pop(block._key, None) is None:
                     continue  # already free, or listed twice in this call
                 to_free.append(block)
+                self._count(owner, block.stream, -1)
                 if not owned:  # its last block: the owner is done
                     del self._owned[owner]
                     self._released.discard(owner)
@@ -375,6 +392,7 @@ class BlockPoolAllocator:
         self._acquire()
         try:
             owned = self._owned.pop(owner, None)
+            self._per_stream.pop(owner, None)
             if self._released:
                 self._released.discard(owner)
             if owned:
@@ -418,12 +436,15 @@ class BlockPoolAllocator:
                 old = block.owner
                 source = self._owned.get(old) if old is not None else None
                 if old is not None and source is not None:
-                    source.pop(block._key, None)
+                    if source.pop(block._key, None) is not None:
+                        self._count(old, block.stream, -1)
                     if not source and old in self._released:  # a retired owner's last block
                         del self._owned[old]
                         self._released.discard(old)
                 block.owner = owner
-                target[block._key] = block
+                if block._key not in target:  # listed twice: moved once
+                    target[block._key] = block
+                    self._count(owner, block.stream, 1)
         finally:
             self._release()
 
@@ -486,21 +507,15 @@ class BlockPoolAllocator:
             self._release()
 
     def n_blocks_held_per_stream(self, owner: int) -> dict[str, int]:
-        """How many blocks ``owner`` holds on each stream it holds any of, without copying them.
+        """How many blocks ``owner`` holds on each stream it holds any of.
 
         What admission asks of every running request (blocks reserved less
-        blocks held, per stream): counted here, in the compiled module, rather
-        than by the caller over a copied list of blocks.
+        blocks held, per stream), so the counts are kept as blocks change hands
+        (allocate, free, transfer), not recounted: O(streams), not O(blocks).
         """
-        out: dict[str, int] = {}
         self._acquire()
         try:
-            owned = self._owned.get(owner)
-            if owned:
-                for block in owned.values():
-                    stream = block.stream
-                    out[stream] = out.get(stream, 0) + 1
-            return out
+            return dict(self._per_stream.get(owner, {}))
         finally:
             self._release()
 
