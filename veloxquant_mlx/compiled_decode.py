@@ -13,7 +13,9 @@ cache comes in, and each side becomes one ``mx.compile`` call::
 
 A compiled call replays its recorded graph in C++ instead of running ~25
 Python-level module calls, and fuses the elementwise ops (fewer kernels on a
-GPU). Blocks with the same parameter shapes and settings share one compiled
+GPU). With ``fuse_projections`` the halves also run q/k/v as one matmul and
+the MLP's gate/up as another (:mod:`~veloxquant_mlx.fused_projections`).
+Blocks with the same parameter shapes and settings share one compiled
 pair, their weights passed in as inputs: a batch size seen for the first
 time costs two traces (a few ms here), not two per layer. ``position`` is the
 rows' offsets, or on the CPU the step's RoPE tables, computed once for every

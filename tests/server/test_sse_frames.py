@@ -80,3 +80,44 @@ def test_an_error_frame_follows_the_frames_built_before_it():
     assert [json.loads(f)["text"] for f in frames[:6]] == [f" t{i}" for i in range(6)]
     assert json.loads(frames[6])["error"]["message"] == "model failed mid-stream"
     assert frames[7:] == ["[DONE]"]
+
+
+class _ScriptedCall:
+    """A GenerationCall stand-in: its events with pauses, and a request to cancel."""
+
+    class _Request:
+        def cancel(self) -> None:
+            pass
+
+    def __init__(self, script: list) -> None:
+        self.script = script
+        self.request = self._Request()
+
+    async def events(self):
+        for item in self.script:
+            if isinstance(item, float):
+                await asyncio.sleep(item)
+            else:
+                yield item
+
+
+def test_a_choice_that_ended_is_not_an_event_waiting():
+    """Several choices: ``ready`` counts queued events, not a finished choice's end marker
+    (reading past that one waits for the other choice, which would hold the frames back)."""
+    from server.http.routes.fanout import Fanout
+
+    done = Finished(FinishReason.STOP, Usage(1, 2, 1, 0))
+    fanout = Fanout([_ScriptedCall([TokenEvent("a0", 1, None), 0.01, done]),
+                     _ScriptedCall([TokenEvent("b0", 2, None), 0.2, done])])
+
+    async def read() -> list[tuple[int, str, bool]]:
+        seen = []
+        async for j, event in fanout.events():
+            seen.append((j, type(event).__name__, fanout.ready))
+            if len(seen) == 3:  # choice 0 finished; choice 1 is still generating
+                break
+        return seen
+
+    seen = asyncio.run(read())
+    assert seen == [(0, "TokenEvent", True), (1, "TokenEvent", False), (0, "Finished", False)]
+    assert not fanout.ready  # events() ended: nothing merges any more

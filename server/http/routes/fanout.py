@@ -49,13 +49,16 @@ class Fanout:
     def __init__(self, calls: list[GenerationCall], share_prefill: int = 1) -> None:
         self.calls = calls
         self.share_prefill = share_prefill
-        self._merged: asyncio.Queue | None = None  # events() of several choices, while running
+        # Several choices: events (or errors) their pumps queued and events() has not read
+        # yet; None while events() is not merging (its ends are not counted: reading past
+        # one may wait).
+        self._queued: int | None = None
 
     @property
     def ready(self) -> bool:
         """Whether :meth:`events` has its next pair already (reading it would not wait)."""
-        if self._merged is not None:
-            return not self._merged.empty()
+        if self._queued is not None:
+            return self._queued > 0
         return len(self.calls) == 1 and self.calls[0].ready
 
     def cancel(self) -> None:
@@ -117,14 +120,18 @@ class Fanout:
                     yield 0, event
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self._merged = queue
+        self._queued = 0
+
+        def put(item: tuple[int, Any]) -> None:
+            self._queued += 1
+            queue.put_nowait(item)
 
         async def pump(j: int, call: GenerationCall) -> None:
             try:
                 async for event in call.events():
-                    queue.put_nowait((j, event))
+                    put((j, event))
             except Exception as exc:  # ClientGone or APIError: raised to the reader
-                queue.put_nowait((j, exc))
+                put((j, exc))
             finally:
                 queue.put_nowait((j, _END))
 
@@ -135,12 +142,13 @@ class Fanout:
                 j, item = await queue.get()
                 if item is _END:
                     live -= 1
-                elif isinstance(item, Exception):
+                    continue
+                self._queued -= 1
+                if isinstance(item, Exception):
                     raise item
-                else:
-                    yield j, item
+                yield j, item
         finally:
-            self._merged = None
+            self._queued = None
             for task in tasks:
                 task.cancel()
             self.cancel()
