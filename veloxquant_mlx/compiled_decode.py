@@ -36,7 +36,12 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block
+from veloxquant_mlx.fused_projections import (
+    MEMBERS,
+    FusedProjection,
+    fuse_block,
+    plain_settings,
+)
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 from veloxquant_mlx.shared_rope import shared_rope
 
@@ -45,7 +50,6 @@ from veloxquant_mlx.shared_rope import shared_rope
 # normalises each head's queries and keys (``q_norm``/``k_norm``) before RoPE.
 LLAMA_SHAPED = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen2": False,
                 "mlx_lm.models.qwen3": True}
-_PLAIN = (bool, int, float, str, type(None))
 _FUSED = "_fused"  # the decode tree's key for the fused projections' parameters
 
 
@@ -200,9 +204,8 @@ def _signature(block: Any) -> tuple:
     """What a shared trace depends on: parameter shapes and every plain setting."""
     shapes = tuple((name, tuple(w.shape), w.dtype) for name, w in
                    tree_flatten(block.parameters()))
-    settings = tuple((path, type(m).__name__, tuple(sorted(
-        (k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN))))
-        for path, m in block.named_modules())
+    settings = tuple((path, type(m).__name__, plain_settings(m))
+                     for path, m in block.named_modules())
     return shapes, settings
 
 

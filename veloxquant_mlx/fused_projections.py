@@ -20,6 +20,7 @@ and ``biases`` alike.
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +31,7 @@ GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "
 MEMBERS = dict(GROUPS)
 # Layer classes whose call is a plain (quantized) matmul of their parameters.
 _PLAIN_LAYERS = (nn.Linear, nn.QuantizedLinear)
+_PLAIN = (bool, int, float, str, type(None))
 
 
 class FusedProjection:
@@ -43,20 +45,17 @@ class FusedProjection:
     def __init__(self, module: nn.Module, sizes: list[int]) -> None:
         self.module = module
         self.sizes = sizes
+        self._cuts = list(itertools.accumulate(sizes[:-1]))  # where each member's columns start
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each member's output for ``x`` (views of one matmul's result)."""
-        y = self.module(x)
-        cuts, at = [], 0
-        for size in self.sizes[:-1]:
-            at += size
-            cuts.append(at)
-        return mx.split(y, cuts, axis=-1)
+        return mx.split(self.module(x), self._cuts, axis=-1)
 
 
-def _settings(layer: nn.Module) -> tuple:
-    plain = (bool, int, float, str, type(None))
-    return tuple(sorted((k, v) for k, v in vars(layer).items() if isinstance(v, plain)))
+def plain_settings(module: nn.Module) -> tuple:
+    """A module's plain attributes (bits, group_size, eps, ...), sorted: what its call depends
+    on besides its parameters."""
+    return tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN)))
 
 
 def fusable(layers: list[Any]) -> bool:
@@ -66,7 +65,7 @@ def fusable(layers: list[Any]) -> bool:
         return False
     keys = sorted(first.keys())
     return all(type(m) is type(first) and sorted(m.keys()) == keys
-               and _settings(m) == _settings(first)
+               and plain_settings(m) == plain_settings(first)
                and all(m[k].shape[1:] == first[k].shape[1:] and m[k].dtype == first[k].dtype
                        for k in keys)
                for m in layers[1:])
