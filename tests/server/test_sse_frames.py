@@ -12,9 +12,20 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from server.engine.protocol import Finished, FinishReason, TokenEvent, Usage
 from server.http.errors import APIError
-from server.http.routes.sse import MAX_FRAMES_PER_SEND, SSE_DONE, sse_stream
+from server.http.routes.sse import (
+    MAX_FRAMES_PER_SEND,
+    SSE_DONE,
+    TEXT_MARK,
+    FrameTemplate,
+    sse,
+    sse_stream,
+)
 
 
 class ScriptedFanout:
@@ -121,3 +132,49 @@ def test_a_choice_that_ended_is_not_an_event_waiting():
     seen = asyncio.run(read())
     assert seen == [(0, "TokenEvent", True), (1, "TokenEvent", False), (0, "Finished", False)]
     assert not fanout.ready  # events() ended: nothing merges any more
+
+
+# -- frames spliced from a template (FrameTemplate) -------------------------------
+
+_CHUNK = {"id": "chatcmpl-9f2c", "object": "chat.completion.chunk", "created": 1764633600,
+          "model": "tiny", "choices": [{"index": 3, "delta": {"content": TEXT_MARK},
+                                        "logprobs": None, "finish_reason": None}]}
+
+
+def _with(text: str) -> dict:
+    chunk = json.loads(json.dumps(_CHUNK))
+    chunk["choices"][0]["delta"]["content"] = text
+    return chunk
+
+
+@pytest.mark.parametrize("text", ["", " hello", 'say "hi"', "back\\slash", "two\nlines\r\t",
+                                  "\x00\x1f\x7f", "caf\u00e9 \u4e2d\u6587", "\U0001f600 emoji",
+                                  "\ufffd", "</script>", "\u2028\u2029", "\ud800"])
+def test_a_template_frame_is_the_frame_of_the_whole_chunk(text: str):
+    assert FrameTemplate(_CHUNK).frame(text) == sse(_with(text))
+
+
+@given(st.text())
+@settings(max_examples=300, deadline=None)
+def test_any_text_splices_to_the_same_bytes(text: str):
+    frame = FrameTemplate(_CHUNK).frame(text)
+    assert frame == sse(_with(text))
+    assert json.loads(frame.removeprefix(b"data: "))["choices"][0]["delta"]["content"] == text
+
+
+@pytest.mark.parametrize("chunk", [{"text": "no mark"}, {"a": TEXT_MARK, "b": TEXT_MARK}])
+def test_a_template_needs_the_mark_exactly_once(chunk: dict):
+    with pytest.raises(ValueError, match="TEXT_MARK once"):
+        FrameTemplate(chunk)
+
+
+def test_sse_stream_sends_ready_frames_as_they_are():
+    template = FrameTemplate({"text": TEXT_MARK})
+
+    async def run() -> list[bytes]:
+        return [s async for s in sse_stream(
+            ScriptedFanout(_events(3), waiting_from=0), lambda j, e: template.frame(e.text),
+            lambda j, e: [])]
+
+    frames = [f for s in asyncio.run(run()) for f in _frames(s)]
+    assert frames == ['{"text":" t0"}', '{"text":" t1"}', '{"text":" t2"}', "[DONE]"]

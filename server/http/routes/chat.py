@@ -28,7 +28,7 @@ from server.http.routes.params import (
     new_id,
     resolve_params,
 )
-from server.http.routes.sse import SSE_HEADERS, sse_stream
+from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
 from server.http.routes.structured import output_constraint
 from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.schemas import ChatCompletionRequest
@@ -121,14 +121,19 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         return {**base, "choices": [{"index": i, "delta": content, "logprobs": logprobs,
                                      "finish_reason": finish}]}
 
-    def on_token(i: int, event: TokenEvent) -> dict[str, Any] | None:
+    templates = [FrameTemplate(delta(i, {"content": TEXT_MARK}, None))
+                 for i in range(len(fanout.calls))]
+
+    def on_token(i: int, event: TokenEvent) -> dict[str, Any] | bytes | None:
         text = event.text if held[i] is None else held[i].feed(event.text)
         logprobs = None
         if want_logprobs and event.logprob is not None and text == event.text:
             logprobs = {"content": [chat_entry(event.logprob)]}
         if not text and logprobs is None and held[i] is not None:
             return None  # held back: it may be part of a tool call
-        return delta(i, {"content": text}, None, logprobs)
+        if logprobs is not None:
+            return delta(i, {"content": text}, None, logprobs)
+        return templates[i].frame(text)
 
     def on_finish(i: int, event: Finished) -> list[dict[str, Any]]:
         usage.add(0, event.usage)

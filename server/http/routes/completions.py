@@ -23,7 +23,7 @@ from server.http.routes.params import (
     new_id,
     resolve_params,
 )
-from server.http.routes.sse import SSE_HEADERS, sse_stream
+from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
 from server.http.routes.structured import output_constraint
 from server.http.schemas import CompletionRequest
 from server.http.schemas.refusals import refuse_unsupported
@@ -166,11 +166,14 @@ class _Answer:
                     first.append({**self.base,
                                   "choices": [self._choice(j, "", None, "length")]})
 
-        def on_token(j: int, event: TokenEvent) -> dict[str, Any]:
-            logprobs = None
+        templates = [FrameTemplate({**self.base, "choices": [self._choice(
+            j, TEXT_MARK, None, None)]}) for j in range(len(fanout.calls))]
+
+        def on_token(j: int, event: TokenEvent) -> dict[str, Any] | bytes:
             if self.want_logprobs and event.logprob is not None:
                 logprobs = self.legacy[j].chunk([event.logprob])
-            return {**self.base, "choices": [self._choice(j, event.text, logprobs, None)]}
+                return {**self.base, "choices": [self._choice(j, event.text, logprobs, None)]}
+            return templates[j].frame(event.text)
 
         def on_finish(j: int, event: Finished) -> list[dict[str, Any]]:
             self.usage.add(j // self.n, event.usage)

@@ -4,7 +4,8 @@ Scoring a prompt is model work, so it runs on the engine thread, one chunk
 per :meth:`Engine.run_on_engine` call (running requests decode in between);
 tokenizing it runs on a worker thread (server.engine.scoring). The route
 waits the way a generation does: it stops when the request's client watch
-says the client left, and checks every 100 ms that the engine is alive.
+says the client left (woken at once), and checks every ``ENGINE_CHECK_S`` that the
+engine is alive.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ async def _on_engine(http_request: Request, engine: Any, fn: Callable[[], Any]) 
     watch = client_watch(http_request.scope)
     watch.listen(http_request.receive)
     future = asyncio.wrap_future(engine.run_on_engine(fn))
+    gone = asyncio.get_running_loop().create_future()  # the client leaving ends a wait
+    watch.on_gone(lambda: gone.done() or gone.set_result(None))
     while True:
-        done, _ = await asyncio.wait({future}, timeout=ENGINE_CHECK_S)
-        if done:
+        await asyncio.wait({future, gone}, timeout=ENGINE_CHECK_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if future.done():
             break
         if watch.gone:
             raise ClientGone()  # the chunk in progress ends on its own; the job is dropped

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from server.engine.protocol import Finished, TokenEvent
@@ -51,9 +52,45 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + _encode(payload).encode() + b"\n\n"
 
 
+# Stands for the varying string while a FrameTemplate encodes its chunk: private-use
+# characters, which no id, model name or role of ours contains.
+TEXT_MARK = "\ue000veloxquant-text\ue000"
+_MARK_JSON = encode_basestring_ascii(TEXT_MARK).encode()
+
+
+class FrameTemplate:
+    """The SSE frames of one chunk shape in which only one string differs per frame.
+
+    A streamed token's chunk is the same dict every time (id, model, choice
+    index, ``null`` fields) but for its text. Encoding that dict per token was
+    about a tenth of the event loop's CPU at 64 streams; here it is encoded
+    once, with :data:`TEXT_MARK` in place of the text, and each frame is the
+    encoded text spliced in: the same bytes :func:`sse` gives (checked by the
+    tests), with the text escaped as the encoder escapes it.
+
+    Args:
+        chunk: The chunk, holding :data:`TEXT_MARK` exactly once as a string value.
+
+    Raises:
+        ValueError: ``chunk`` holds the mark zero or several times.
+    """
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, chunk: dict[str, Any]) -> None:
+        head, *tails = sse(chunk).split(_MARK_JSON)
+        if len(tails) != 1:
+            raise ValueError(f"the chunk must hold TEXT_MARK once, not {len(tails)} times")
+        self._head, self._tail = head, tails[0]
+
+    def frame(self, text: str) -> bytes:
+        """The frame of the chunk with ``text`` in place of the mark."""
+        return self._head + encode_basestring_ascii(text).encode() + self._tail
+
+
 async def sse_stream(
     fanout: Fanout,
-    on_token: Callable[[int, TokenEvent], dict[str, Any] | None],
+    on_token: Callable[[int, TokenEvent], dict[str, Any] | bytes | None],
     on_finish: Callable[[int, Finished], list[dict[str, Any]]],
     first: list[dict[str, Any]] | None = None,
     last: Callable[[], list[dict[str, Any]]] | None = None,
@@ -62,7 +99,8 @@ async def sse_stream(
 
     Args:
         fanout: The admitted calls (one per choice; none for an echo-only answer).
-        on_token: Builds the chunk for choice j's token event (None to skip it).
+        on_token: Builds the chunk for choice j's token event, or its frame ready
+            encoded (:class:`FrameTemplate`); None to skip it.
         on_finish: Builds choice j's closing chunks (finish reason).
         first: Chunks to send before any token (chat role deltas, echoed prompts).
         last: Builds the chunks sent once every choice finished (the usage chunk).
@@ -77,7 +115,7 @@ async def sse_stream(
             else:
                 chunk = on_token(j, event)
                 if chunk is not None:
-                    frames.append(sse(chunk))
+                    frames.append(chunk if isinstance(chunk, bytes) else sse(chunk))
             if frames and (len(frames) >= MAX_FRAMES_PER_SEND or not fanout.ready):
                 yield b"".join(frames)
                 frames = []
