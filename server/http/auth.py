@@ -17,6 +17,10 @@ FastAPI parses a JSON body before it runs dependencies, so a request with
 bad JSON and no key would learn 400 before 401. :func:`early_refusal` runs
 the same checks on the raw headers in the ASGI guards, before any route or
 body parsing; the dependencies stay as the routes' documented security.
+
+The dependencies are ``async def`` although they never await: FastAPI runs a
+plain ``def`` dependency on its thread pool, a thread hop (and at times a new
+thread) for every request.
 """
 
 from __future__ import annotations
@@ -84,14 +88,14 @@ _METRICS_WRONG = ("missing or wrong API key for /metrics (Authorization: Bearer 
                   "server.metrics_require_key is on")
 
 
-def require_api_key(request: Request, credentials: Credentials) -> None:
+async def require_api_key(request: Request, credentials: Credentials) -> None:
     """With ``VELOXQUANT_API_KEY`` set, demand it."""
     key = request.app.state.settings.api_key
     if key and not _matches(credentials, key):
         raise AuthenticationError(_KEY_WRONG)
 
 
-def require_admin(request: Request, credentials: Credentials) -> None:
+async def require_admin(request: Request, credentials: Credentials) -> None:
     """Let the request through only with the configured admin token."""
     token = request.app.state.settings.admin_token
     if not token:
@@ -100,7 +104,7 @@ def require_admin(request: Request, credentials: Credentials) -> None:
         raise AuthenticationError(_ADMIN_WRONG)
 
 
-def require_metrics_key(request: Request, credentials: Credentials) -> None:
+async def require_metrics_key(request: Request, credentials: Credentials) -> None:
     """With ``server.metrics_require_key`` and an API key set, demand the key."""
     settings = request.app.state.settings
     if settings.server.metrics_require_key and settings.api_key \
