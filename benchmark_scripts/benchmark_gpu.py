@@ -235,6 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unfused-projections", action="store_true",
                    help="our batch.fuse_projections = false (q/k/v and gate/up as separate "
                         "matmuls, the A/B of the fused projections)")
+    p.add_argument("--events-at-once", action="store_true",
+                   help="our batch.events_at_submit = false (a step's events go out as soon "
+                        "as they are ready, the A/B of sending them at the next submit)")
     p.add_argument("--revision", default="", help="recorded revision (default: git's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the servers' stderr logs go (default: a new temp folder)")
@@ -310,6 +313,8 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
         env["VELOXQUANT_BATCH_COMPILE_DECODE"] = "false"
     if args.unfused_projections:
         env["VELOXQUANT_BATCH_FUSE_PROJECTIONS"] = "false"
+    if args.events_at_once:
+        env["VELOXQUANT_BATCH_EVENTS_AT_SUBMIT"] = "false"
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,
             # levels still to come after a server's own (shares out the budget)
@@ -329,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kv_write_back": args.kv_write_back or "server default",
                     "compile_decode": not args.uncompiled_decode,
                     "fuse_projections": not args.unfused_projections,
+                    "events_at_submit": not args.events_at_once,
                     "ours_only": args.ours_only,
                     "phases_s": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

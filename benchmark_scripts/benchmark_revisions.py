@@ -8,11 +8,18 @@ repeats. Besides tok/s it records CPU milliseconds per generated token, for the 
 process and for its main thread alone: the asyncio loop that serves HTTP, whose share of
 the GIL the engine thread waits behind when it builds a step.
 
+It also records each side's engine time per decode step by phase (``/metrics``'s
+``veloxquant_engine_phase_seconds`` over the measured rounds). ``--old-env`` and
+``--new-env`` set environment variables of one side only: with ``--old-root .`` that is
+the A/B of one setting in this checkout (run it both ways round: each side's place in the
+rounds is not quite neutral).
+
 Usage::
 
     flock /tmp/velox-bench.lock .venv/bin/python benchmark_scripts/benchmark_revisions.py \\
         --old-root /tmp/kvbase [--rounds 4] [--out figures/server/kv_memory_uniform.json] \\
-        [--model tiny --concurrency 64 --requests 64 --tokens 128 --max-batch 64]
+        [--model tiny --concurrency 64 --requests 64 --tokens 128 --max-batch 64] \\
+        [--old-env VELOXQUANT_BATCH_EVENTS_AT_SUBMIT=false]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_server import free_port, make_prompts, process_cpu_s, wait_up  # noqa: E402
@@ -48,18 +56,38 @@ def checkout_revision(root: Path) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def start(root: Path, model: Path, max_batch: int | None = None
-          ) -> tuple[subprocess.Popen, str]:
+def start(root: Path, model: Path, max_batch: int | None = None,
+          extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(root)
     if max_batch:
         env["VELOXQUANT_BATCH_MAX_BATCH_SIZE"] = str(max_batch)
+    env.update(extra_env or {})
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(model), "--port",
                              str(port), "--log-level", "warning"], cwd=root, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_up(f"http://127.0.0.1:{port}", proc)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def phase_totals(base: str) -> dict[str, float]:
+    """The engine's seconds per step phase so far, and its decode steps (``steps``)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        if family.name in ("veloxquant_engine_phase_seconds", "veloxquant_engine_decode_steps"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    totals[sample.labels.get("phase", "steps")] = sample.value
+    return totals
+
+
+def env_pair(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of ``--old-env``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def main() -> int:
@@ -72,12 +100,16 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=REQUESTS, help="per server and round")
     p.add_argument("--tokens", type=int, default=TOKENS, help="prompt and completion tokens")
     p.add_argument("--max-batch", type=int, default=None, help="batch.max_batch_size")
+    p.add_argument("--old-env", type=env_pair, action="append", default=[],
+                   help="KEY=VALUE in the old side's environment only (repeatable)")
+    p.add_argument("--new-env", type=env_pair, action="append", default=[],
+                   help="KEY=VALUE in the new side's environment only (repeatable)")
     args = p.parse_args()
     model = ensure_model(args.model)
     n = args.requests
     prompts = make_prompts(model, n * args.rounds + 2, args.tokens)
-    servers = {"new": start(ROOT, model, args.max_batch),
-               "old": start(args.old_root, model, args.max_batch)}
+    servers = {"new": start(ROOT, model, args.max_batch, dict(args.new_env)),
+               "old": start(args.old_root, model, args.max_batch, dict(args.old_env))}
     try:
         ids = {k: httpx.get(b + "/v1/models").json()["data"][0]["id"]
                for k, (_, b) in servers.items()}
@@ -86,13 +118,17 @@ def main() -> int:
         got = {k: [] for k in servers}
         wall, cpu = dict.fromkeys(servers, 0.0), dict.fromkeys(servers, 0.0)
         loop_cpu = dict.fromkeys(servers, 0.0)
+        phases: dict[str, dict[str, float]] = {k: {} for k in servers}
         for r in range(args.rounds):
             batch = prompts[r * n: (r + 1) * n]
             for k in (["new", "old"] if r % 2 == 0 else ["old", "new"]):
                 proc, base = servers[k]
                 cpu0, loop0 = process_cpu_s(proc.pid), process_cpu_s(proc.pid, proc.pid)
+                before = phase_totals(base)
                 res, sec = asyncio.run(run_requests(base, ids[k], batch, args.concurrency,
                                                     n, args.tokens, 240))
+                for phase, value in phase_totals(base).items():
+                    phases[k][phase] = phases[k].get(phase, 0.0) + value - before.get(phase, 0)
                 cpu[k] += process_cpu_s(proc.pid) - cpu0
                 loop_cpu[k] += process_cpu_s(proc.pid, proc.pid) - loop0
                 got[k] += res
@@ -106,9 +142,13 @@ def main() -> int:
         tokens = max(out[k]["generated_tokens"], 1)
         out[k]["cpu_ms_per_token"] = round(1000 * cpu[k] / tokens, 3)
         out[k]["main_thread_cpu_ms_per_token"] = round(1000 * loop_cpu[k] / tokens, 4)
+        steps = max(phases[k].pop("steps", 0.0), 1.0)
+        out[k]["engine_ms_per_step"] = {phase: round(1000 * v / steps, 3)
+                                        for phase, v in phases[k].items()}
     out["load"] = {"model": args.model, "concurrency": args.concurrency, "requests": n,
                    "rounds": args.rounds, "tokens": args.tokens, "max_batch": args.max_batch}
     out["revisions"] = {"new": checkout_revision(ROOT), "old": checkout_revision(args.old_root)}
+    out["env"] = {"new": dict(args.new_env), "old": dict(args.old_env)}
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["ratio_new_over_old_tok_per_s"] = round(out["new"]["tok_per_s"] / out["old"]["tok_per_s"],
                                                 3)

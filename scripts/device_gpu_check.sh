@@ -96,10 +96,12 @@ PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 15 "$BENCH_T" python3 \
     --budget-s $((BENCH_T - 35)) --revision "$REVISION" "$@" 2>&1 | tee "$OUT/bench.log"
 echo "benchmark exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 
-# The A/B of this round's host-side changes, when time is left: ours alone with them off
-# (mlx-lm's blocks as written, the KV written every step), same model and load.
-# SKIP_AB=1 leaves it out; AB_FLAGS picks another A/B (e.g. "--unfused-projections").
-AB_FLAGS=${AB_FLAGS:---uncompiled-decode --kv-write-back 1}
+# The A/B of this round's host-side change, when time is left: ours alone with it off
+# (a step's events sent as soon as they are ready, not at the next submit), same model
+# and load. SKIP_AB=1 leaves it out; AB_FLAGS picks another A/B ("--unfused-projections",
+# or "--uncompiled-decode --kv-write-back 1" for mlx-lm's blocks as written and the KV
+# written every step).
+AB_FLAGS=${AB_FLAGS:---events-at-once}
 AB_T=$((510 - (SECONDS - START)))
 if [ -z "${SKIP_AB:-}" ] && [ "$AB_T" -ge 100 ]; then
     echo "== A/B: ours with $AB_FLAGS, timeout ${AB_T} s"

@@ -282,7 +282,8 @@ class Engine:
         self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output
         self._preparer = parts.preparer
         self.steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
-                                 self.metrics, self.clock, self.fault_hook)
+                                 self.metrics, self.clock, self.fault_hook,
+                                 self.settings.batch.events_at_submit)
         self.loaded = parts.loaded  # last: is_ready from here on
         self._ready.set()
         return True
@@ -294,6 +295,7 @@ class Engine:
             return
         while True:
             if isinstance(item, _Command):
+                self.steps.send_events()  # commands may run model work (echo scoring)
                 _run_command(item)
             elif isinstance(item, Prepared):
                 self.scheduler.intake(item)
@@ -305,6 +307,7 @@ class Engine:
     def _shutdown(self) -> None:
         self.steps.end(list(self.scheduler.running.values()), FinishReason.ERROR,
                         Reason.SHUTTING_DOWN, SHUTTING_DOWN)
+        self.steps.send_events()
         self.runner.close()
         # Before the inbox is drained: what the workers still deliver lands there.
         self._preparer.close()

@@ -110,6 +110,11 @@ class ModelRunner:
         # on a model split over ranks, where it hands every rank rank 0's tokens
         # (server.engine.distributed.token_sharer).
         self.share_tokens: Callable[[mx.array], mx.array] = _same
+        # Called right before a decode hands its graph to the device: from there the
+        # engine thread waits without the GIL (the device computes, then the token
+        # read), the moment for the event loop to stream the last step's tokens
+        # (server.engine.steps.EngineSteps).
+        self.before_submit: Callable[[], None] = _nothing
 
     # -- rows in and out -------------------------------------------------------
 
@@ -347,6 +352,7 @@ class ModelRunner:
         tokens = None
         raw = logits
         if plan.masks is not None:
+            self.before_submit()
             mx.async_eval(logits, self.arena.data)
             clock.lap("submit")
             tokens = current.tolist()
@@ -361,6 +367,7 @@ class ModelRunner:
             raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
             logprobs = mx.where(plan.free[:, None], logprobs, raw_lp)
         clock.lap("sample_graph")
+        self.before_submit()  # right before the GIL is let go: see its note in __init__
         # The call's KV writes too. The log-probabilities (an exp per vocabulary
         # entry and row: ~10 ms a step for 16 rows of a 49k vocabulary on this
         # CPU) only when some row hands them back.
@@ -384,3 +391,7 @@ class ModelRunner:
 
 def _same(tokens: mx.array) -> mx.array:
     return tokens
+
+
+def _nothing() -> None:
+    pass

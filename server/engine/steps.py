@@ -53,39 +53,72 @@ class EngineSteps:
         metrics: Request metrics.
         clock: Where step time goes (/metrics).
         fault_hook: Optional per-call hook, see :data:`FaultHook`.
+        events_at_submit: Send a step's events at the next decode's submit (see
+            :meth:`step`); False sends them as soon as they are ready.
     """
 
     def __init__(self, parts: EngineParts, max_prefill_tokens: int, metrics: ServerMetrics,
-                 clock: StepClock, fault_hook: FaultHook | None = None) -> None:
+                 clock: StepClock, fault_hook: FaultHook | None = None,
+                 events_at_submit: bool = True) -> None:
         self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output
         self.kv, self.pool, self.prefixes = parts.kv, parts.pool, parts.prefixes
         self.max_prefill_tokens = max_prefill_tokens
         self.metrics, self.clock, self.fault_hook = metrics, clock, fault_hook
-        self._events = EventBatch()  # a step's token events, sent together
+        # Token and end events, sent together (a channel's in the order they came).
+        self._events = EventBatch()
+        self.events_at_submit = events_at_submit
+        if events_at_submit:
+            self.runner.before_submit = self._events.send
 
     def step(self) -> None:
-        """schedule -> run -> postprocess: prefill within the token budget, then one decode."""
+        """schedule -> run -> postprocess: prefill within the token budget, then one decode.
+
+        A step's events are not sent when they are ready but at the next decode's
+        submit (``runner.before_submit``), a few milliseconds later: the engine
+        thread then waits for the device without the GIL, and the event loop
+        streams the tokens meanwhile. Sent at once, the loop's work for every
+        stream competed with the engine building the next graph, both holding the
+        GIL in turns, each step waiting for the loop's work. Where no decode
+        follows soon (nothing left to decode, or a prefill's model calls come
+        first) they are sent at once. (``batch.events_at_submit = false``: every
+        batch of events is sent as soon as it is complete.)
+        """
         clock = self.clock
         clock.start()
+        runner = self.runner
         self.scheduler.expire()
         for state in self.scheduler.admit():
             self._start(state)
         if not self.scheduler.running:
+            self._events.send()
             clock.lap("schedule")
             return
         self.end(self.scheduler.cancelled(), FinishReason.CANCELLED)
         clock.lap("schedule")
         hook = self._row_hook if self.fault_hook is not None else None
-        prefilled = self.runner.prefill(self.max_prefill_tokens, hook)
+        if runner.prefilling or runner.group is not None:
+            self._events.send()  # before the prefill's model calls
+        prefilled = runner.prefill(self.max_prefill_tokens, hook)
         clock.lap("prefill")
         self._postprocess(prefilled)
         clock.lap("postprocess")
-        decoded = self.runner.decode(hook)  # laps decode_graph, sample_graph, submit, read
+        decoded = runner.decode(hook)  # laps decode_graph, sample_graph, submit, read
+        self._events.send()  # a call that failed before its submit sent nothing
         self._postprocess(decoded)
+        if not (runner.rows or runner.joining):
+            self._events.send()  # no decode next step to carry them
         if decoded.rows:
             self.metrics.batch_step(decoded.rows)
             clock.steps += 1
         clock.lap("postprocess")
+
+    def _sent_unless_deferred(self) -> None:
+        if not self.events_at_submit:
+            self._events.send()
+
+    def send_events(self) -> None:
+        """Send the events not sent yet (the engine stops: no step follows)."""
+        self._events.send()
 
     def _row_hook(self, owner: int) -> None:
         self.fault_hook(self.scheduler.running[owner])
@@ -117,8 +150,8 @@ class EngineSteps:
                 self._events.add(state.request.channel, event)
             if state.finish is not None:
                 done.append(state)
-        self._events.send()  # before any request's end: its tokens come first
         self.end(done)  # they leave the runner together (one filter of each layer)
+        self._sent_unless_deferred()
         if out.failed:
             reset_random_state()  # a failure inside a compiled sampler poisons it
         for failure in out.failed:
@@ -150,6 +183,7 @@ class EngineSteps:
                 kv_blocks = self.scheduler.release(
                     state, max(held, peaks.get(state.owner, 0)))
                 self._notify_end(state, reason or state.finish, failure, message, kv_blocks)
+            self._sent_unless_deferred()
 
     def _cache_outputs(self, states: list[RequestState], reason: FinishReason | None) -> None:
         """Requests that finished normally leave their output's full blocks in the cache.
@@ -173,13 +207,15 @@ class EngineSteps:
         usage = Usage(len(state.prompt_ids), state.generated, kv_blocks, state.cached_tokens)
         if reason is FinishReason.ERROR:
             failure = failure or Reason.MODEL_ERROR
-            state.request.channel.put(Failed(failure, message or "generation failed", usage))
+            # Queued behind the request's tokens, never ahead of them.
+            self._events.add(state.request.channel,
+                             Failed(failure, message or "generation failed", usage))
         else:
             tail = ""
             if reason in (FinishReason.STOP, FinishReason.LENGTH):
                 state.finish = reason
                 tail = self.output.final_text(state)
-            state.request.channel.put(Finished(reason, usage, tail))
+            self._events.add(state.request.channel, Finished(reason, usage, tail))
         self.metrics.finished(state, reason, kv_blocks, failure)
 
     def sample_memory(self) -> None:
