@@ -108,9 +108,11 @@ def main() -> int:
     model = ensure_model(args.model)
     n = args.requests
     prompts = make_prompts(model, n * args.rounds + 2, args.tokens)
-    servers = {"new": start(ROOT, model, args.max_batch, dict(args.new_env)),
-               "old": start(args.old_root, model, args.max_batch, dict(args.old_env))}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
+        # Inside the try: a side that fails to start does not leave the other running.
+        servers["new"] = start(ROOT, model, args.max_batch, dict(args.new_env))
+        servers["old"] = start(args.old_root, model, args.max_batch, dict(args.old_env))
         ids = {k: httpx.get(b + "/v1/models").json()["data"][0]["id"]
                for k, (_, b) in servers.items()}
         for k, (_, base) in servers.items():  # warm-up, not measured

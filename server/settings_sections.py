@@ -210,7 +210,7 @@ class BatchSection(_Section):
     kv_write_back: int = Field(default=32, ge=1)
     compile_decode: bool = True
     fuse_projections: bool = True
-    events_at_submit: bool = True
+    events_at_submit: Literal["auto"] | bool = "auto"
 
 
 KVFormatName = Literal["native", "q8", "q4"]

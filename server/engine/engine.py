@@ -33,7 +33,7 @@ from server.engine.protocol import FinishReason, GenerationRequest, Reason, Reje
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.scoring import ScoringJob, new_job
-from server.engine.startup import assemble, make_pool, release_thread_streams
+from server.engine.startup import assemble, events_at_submit, make_pool, release_thread_streams
 from server.engine.step_clock import StepClock
 from server.engine.steps import EngineSteps, FaultHook
 from server.metrics import ServerMetrics
@@ -283,7 +283,7 @@ class Engine:
         self._preparer = parts.preparer
         self.steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
                                  self.metrics, self.clock, self.fault_hook,
-                                 self.settings.batch.events_at_submit)
+                                 events_at_submit(self.settings))
         self.loaded = parts.loaded  # last: is_ready from here on
         self._ready.set()
         return True

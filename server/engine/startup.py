@@ -47,6 +47,24 @@ def make_pool(settings: Settings, n_blocks: int | None = None) -> BlockPoolAlloc
     )
 
 
+def events_at_submit(settings: Settings) -> bool:
+    """Whether a step's events wait for the next decode's submit (``batch.events_at_submit``).
+
+    ``auto`` is on where the model runs on a GPU: from the submit on, the engine
+    thread waits for the device and the host's cores are idle, so the event
+    loop streams the tokens for free. On the CPU backend the same wait is the
+    model computing on those cores, and the loop's work would slow it down
+    (``figures/server/events_at_submit_ab*.json``: 3 ms less engine host work a
+    step, 5 ms more compute, on 2 cores).
+    """
+    choice = settings.batch.events_at_submit
+    if choice == "auto":
+        import mlx.core as mx
+
+        return mx.default_device().type == mx.DeviceType.gpu
+    return bool(choice)
+
+
 def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
     """Whether compiled decode runs q/k/v and gate/up as one matmul each.
 

@@ -80,8 +80,9 @@ class EngineSteps:
         stream competed with the engine building the next graph, both holding the
         GIL in turns, each step waiting for the loop's work. Where no decode
         follows soon (nothing left to decode, or a prefill's model calls come
-        first) they are sent at once. (``batch.events_at_submit = false``: every
-        batch of events is sent as soon as it is complete.)
+        first) they are sent at once. That is ``batch.events_at_submit``, on a GPU
+        by default (:func:`server.engine.startup.events_at_submit`); off, every
+        batch of events is sent as soon as it is complete.
         """
         clock = self.clock
         clock.start()

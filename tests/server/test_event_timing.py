@@ -1,10 +1,10 @@
 """When the engine hands a step's events to the event loop (``batch.events_at_submit``).
 
-By default a decode step's token events (and the end events of that step) wait
-in the engine's batch until the next decode is handed to the device, when the
-engine thread lets the GIL go; where no decode follows (the last row ended, a
-prefill comes first) they go at once. Off, every batch goes as soon as it is
-complete. Either way each request's events arrive in order: admitted, its
+On (``auto`` on a GPU), a decode step's token events (and the end events of
+that step) wait in the engine's batch until the next decode is handed to the
+device, when the engine thread lets the GIL go; where no decode follows (the
+last row ended, a prefill comes first) they go at once. Off (``auto`` on the
+CPU backend), every batch goes as soon as it is complete. Either way each request's events arrive in order: admitted, its
 tokens, then its end.
 
 The engine is driven step by step on the test thread (tiny model), its
@@ -137,3 +137,30 @@ def test_the_last_rows_events_are_not_kept_waiting(stepped):
     events = stepped.received["short"]
     assert isinstance(events[-1], Finished) and _tokens(events) == 2
     assert stepped.pending() == 0
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, False),  # auto on the CPU backend: the submit's wait is the model computing
+    ("auto", False), (True, True), (False, False),
+])
+def test_the_setting_and_its_auto_choice(value, expected):
+    from server.engine.startup import events_at_submit
+
+    settings = make_settings(**({} if value is None else {"batch": {"events_at_submit": value}}))
+    assert settings.batch.events_at_submit == ("auto" if value is None else value)
+    assert events_at_submit(settings) is expected
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("false", False), ("auto", False)])
+def test_the_environment_sets_it(raw, expected):
+    from server.engine.startup import events_at_submit
+
+    settings = make_settings(env={"VELOXQUANT_BATCH_EVENTS_AT_SUBMIT": raw})
+    assert events_at_submit(settings) is expected
+
+
+def test_a_wrong_value_is_refused():
+    from server.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="events_at_submit"):
+        make_settings(batch={"events_at_submit": "sometimes"})
