@@ -11,12 +11,15 @@ The registry is private to each app, so tests can build many apps.
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
 
@@ -24,6 +27,57 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class StepHistogram:
+    """A histogram filled a decode step at a time: one lock per step, not per token.
+
+    The engine records a latency per generated token. prometheus-client's
+    ``Histogram.observe`` takes its locks and walks the buckets in Python for
+    each one; with the token counter's ``inc`` that was 244 us of every 64-row
+    step on the engine thread, whose Python a GPU step waits for, and is 27 us
+    now (``benchmark_scripts/benchmark_token_metrics.py``). Here a step's values
+    are bucketed with ``bisect`` and added under one lock; ``/metrics`` renders
+    the same ``_bucket``/``_count``/``_sum`` samples (a bucket counts values
+    <= its bound, as there).
+
+    Args:
+        name: Metric name (no suffix).
+        documentation: Its help text.
+        buckets: Upper bounds, ascending (``+Inf`` is added).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = sorted(buckets)
+        self._counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values: list[float]) -> None:
+        """Count ``values`` (any thread)."""
+        if not values:
+            return
+        slots = [bisect.bisect_left(self.bounds, v) for v in values]
+        total = sum(values)
+        with self._lock:
+            counts = self._counts
+            for slot in slots:
+                counts[slot] += 1
+            self._sum += total
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                    sum_value=total)
 
 
 class RequestEndListener(Protocol):
@@ -40,7 +94,7 @@ class ServerMetrics:
     """Counters and histograms the routes and the engine record into.
 
     Every method is thread-safe (prometheus-client locks its values); the
-    engine calls :meth:`token` once per generated token, so it stays tiny.
+    engine calls :meth:`tokens` once per step with that step's tokens.
     Request ends are also passed to each of :attr:`listeners`.
     """
 
@@ -59,12 +113,13 @@ class ServerMetrics:
         self.rejections = Counter("veloxquant_request_rejected",
                                   "Requests turned away before running, by reason.", ["reason"],
                                   registry=r)
-        self.ttft = Histogram("veloxquant_time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("veloxquant_inter_token_latency_seconds",
-                             "Time between consecutive tokens of a request.",
-                             buckets=ITL_BUCKETS, registry=r)
+        self.ttft = StepHistogram("veloxquant_time_to_first_token_seconds",
+                                  "Time from arrival to the first generated token.",
+                                  LATENCY_BUCKETS)
+        self.itl = StepHistogram("veloxquant_inter_token_latency_seconds",
+                                 "Time between consecutive tokens of a request.", ITL_BUCKETS)
+        r.register(self.ttft)
+        r.register(self.itl)
         self.latency = Histogram("veloxquant_request_latency_seconds",
                                  "End-to-end time of generation requests (arrival to end).",
                                  buckets=LATENCY_BUCKETS, registry=r)
@@ -88,13 +143,15 @@ class ServerMetrics:
         self.queue_wait.observe(waited_s)
         self.prompt_tokens.inc(prompt_tokens)
 
-    def token(self, state: Any) -> None:
-        """One token generated for ``state`` (a RequestState)."""
-        self.generation_tokens.inc()
-        if state.generated == 1:
-            self.ttft.observe(state.first_token_at - state.submitted_at)
-        else:
-            self.itl.observe(state.last_token_at - state.prev_token_at)
+    def tokens(self, states: list[Any]) -> None:
+        """One token generated for each of ``states`` (RequestStates), in one step."""
+        if not states:
+            return
+        self.generation_tokens.inc(len(states))
+        self.ttft.observe_many([s.first_token_at - s.submitted_at
+                                for s in states if s.generated == 1])
+        self.itl.observe_many([s.last_token_at - s.prev_token_at
+                               for s in states if s.generated > 1])
 
     def batch_step(self, rows: int) -> None:
         """One batched decode step ran over ``rows`` requests."""

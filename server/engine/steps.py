@@ -140,17 +140,18 @@ class EngineSteps:
         """Tokens to events; requests that finished or failed end, together."""
         failed = {f.owner for f in out.failed}
         running = self.scheduler.running
-        done = []
+        done, generated = [], []
         for sampled in out.tokens:
             state = running.get(sampled.owner)
             if state is None or sampled.owner in failed:
                 continue
             event = self.output.accept(state, sampled.token, sampled.logprobs)
-            self.metrics.token(state)
+            generated.append(state)
             if event is not None and (event.text or event.logprob is not None):
                 self._events.add(state.request.channel, event)
             if state.finish is not None:
                 done.append(state)
+        self.metrics.tokens(generated)
         self.end(done)  # they leave the runner together (one filter of each layer)
         self._sent_unless_deferred()
         if out.failed:
