@@ -4,8 +4,8 @@ On (``auto`` on a GPU), a decode step's token events (and the end events of
 that step) wait in the engine's batch until the next decode is handed to the
 device, when the engine thread lets the GIL go; where no decode follows (the
 last row ended, a prefill comes first) they go at once. Off (``auto`` on the
-CPU backend), every batch goes as soon as it is complete. Either way each request's events arrive in order: admitted, its
-tokens, then its end.
+CPU backend), every batch goes as soon as it is complete. Either way each
+request's events arrive in order: admitted, its tokens, then its end.
 
 The engine is driven step by step on the test thread (tiny model), its
 channels bound to a loop the test runs between steps, so what reached the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
 
 from server.engine import runner as runner_module
@@ -139,9 +140,12 @@ def test_the_last_rows_events_are_not_kept_waiting(stepped):
     assert stepped.pending() == 0
 
 
+# auto: on a GPU only (on the CPU backend the submit's wait is the model computing)
+ON_GPU = mx.default_device().type == mx.DeviceType.gpu
+
+
 @pytest.mark.parametrize(("value", "expected"), [
-    (None, False),  # auto on the CPU backend: the submit's wait is the model computing
-    ("auto", False), (True, True), (False, False),
+    (None, ON_GPU), ("auto", ON_GPU), (True, True), (False, False),
 ])
 def test_the_setting_and_its_auto_choice(value, expected):
     from server.engine.startup import events_at_submit
@@ -151,7 +155,8 @@ def test_the_setting_and_its_auto_choice(value, expected):
     assert events_at_submit(settings) is expected
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("false", False), ("auto", False)])
+@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("false", False),
+                                               ("auto", ON_GPU)])
 def test_the_environment_sets_it(raw, expected):
     from server.engine.startup import events_at_submit
 
