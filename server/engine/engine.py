@@ -268,22 +268,28 @@ class Engine:
                 self._shutdown()
         finally:
             release_thread_streams()
+            # However the thread ended, nobody may wait for it to be ready any longer
+            # (a start-up that waited forever would ignore SIGTERM too).
+            self._ready.set()
 
     def _load(self) -> bool:
+        parts = None
         try:
             parts = assemble(self.settings, self.pool, self._loader, self.metrics, self.clock,
                              self._inbox.put)
+            steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
+                                self.metrics, self.clock, self.fault_hook,
+                                events_at_submit(self.settings))
         except Exception as exc:  # the server reports it on /health and exits
+            if parts is not None:
+                parts.preparer.close()  # its prompt workers would outlive the failure
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
             self._ready.set()
             return False
         self.pool, self.kv, self.prefixes = parts.pool, parts.kv, parts.prefixes
         self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output
-        self._preparer = parts.preparer
-        self.steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
-                                 self.metrics, self.clock, self.fault_hook,
-                                 events_at_submit(self.settings))
+        self._preparer, self.steps = parts.preparer, steps
         self.loaded = parts.loaded  # last: is_ready from here on
         self._ready.set()
         return True

@@ -159,3 +159,33 @@ def test_stalled_client_is_cut_off_and_its_blocks_freed(faulty_server: LiveServe
     r = httpx.post(faulty_server.base_url + "/v1/completions",
                    json={"prompt": "after", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200
+
+
+class _Abort(BaseException):
+    """Not an Exception: nothing in the engine catches it."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError("steps could not be built"),
+                                   _Abort("engine thread killed")])
+def test_a_start_up_that_fails_after_the_model_loaded_ends_the_wait(tiny_model_path, monkeypatch,
+                                                                    error):
+    """Start-up waits for the engine to be ready; a failure past the model's load (here:
+    building the step loop) must end that wait, or the server hangs and ignores SIGTERM."""
+    import server.engine.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(engine_module, "EngineSteps", broken)
+    engine = Engine(make_settings(model={"path": str(tiny_model_path)}), ServerMetrics())
+    monkeypatch.setattr("threading.excepthook", lambda args: None)  # _Abort: expected
+    engine.start()
+    try:
+        started = time.monotonic()
+        assert engine.wait_ready(90) is False
+        assert time.monotonic() - started < 60, "the wait only ended at its timeout"
+        assert not engine.is_ready
+        if isinstance(error, Exception):
+            assert engine.load_error == f"RuntimeError: {error}"
+    finally:
+        engine.stop()
