@@ -17,7 +17,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -27,6 +26,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmark_scripts"))
+from benchmark_write_back import save_figures  # noqa: E402
+
 from server.metrics import ITL_BUCKETS, LATENCY_BUCKETS, ServerMetrics  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "server" / "token_metrics.json"
@@ -90,13 +92,9 @@ def main() -> int:
                           "speedup": round(best["per_token"] / best["per_step"], 2)}
         print(f"{rows:3d} rows: per token {best['per_token']:8.1f} us/step, "
               f"per step {best['per_step']:7.1f} us/step ({rows_out[rows]['speedup']}x)")
-    out = {"benchmark": "benchmark_scripts/benchmark_token_metrics.py",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": platform.platform(), "python": platform.python_version(),
-           "steps": args.steps, "rounds": args.rounds, "best_of_rounds": rows_out}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    save_figures(args.out, "benchmark_token_metrics.py",
+                 {"python": platform.python_version(), "steps": args.steps,
+                  "rounds": args.rounds, "best_of_rounds": rows_out})
     return 0
 
 
