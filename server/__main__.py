@@ -1,7 +1,8 @@
 """``python -m server`` / ``veloxquant-serve``: parse flags, load settings, serve.
 
-Order matters: settings first (cheap, no MLX), then the optimized-BLAS
-re-exec (must happen before anything imports MLX), then the app.
+Order matters: settings first (cheap, no MLX), then MLX's environment defaults
+(:mod:`veloxquant_mlx.mlx_env`) and the optimized-BLAS re-exec (both must happen before
+anything imports MLX), then the app.
 
 Both entry points call :func:`run`, which ends the process with ``os._exit`` once
 :func:`main` has returned (see :func:`run` for why); :func:`main` itself returns the
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
 from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # imports no MLX
+from veloxquant_mlx.mlx_env import apply_mlx_env_defaults  # imports no MLX
 
 log = logging.getLogger("veloxquant.server")
 
@@ -68,10 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"veloxquant-serve: bad configuration: {exc}", file=sys.stderr)
         return 2
+    # MLX reads these when it makes a stream: before any MLX import (and the re-exec keeps them).
+    applied = apply_mlx_env_defaults()
     # Re-execs this process with OpenBLAS preloaded (once); must precede any MLX import.
     ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if applied:
+        log.info("MLX environment defaults: %s",
+                 " ".join(f"{name}={value}" for name, value in applied.items()))
     if settings.distributed.ranks > 1:
         return _serve_distributed(settings)
     return _serve(settings)
