@@ -238,10 +238,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--events-at-once", action="store_true",
                    help="our batch.events_at_submit = false (a step's events go out as soon "
                         "as they are ready, the A/B of sending them at the next submit)")
+    p.add_argument("--mlx-env", action="append", default=[], metavar="MLX_NAME=VALUE",
+                   help="an MLX setting for the servers' environment, repeatable (e.g. "
+                        "MLX_MAX_OPS_PER_BUFFER=120: kernels per CUDA graph, 30 on an "
+                        "H100/H200; MLX_CUDA_GRAPH_CACHE_SIZE, MLX_USE_CUDA_GRAPHS=0)")
     p.add_argument("--revision", default="", help="recorded revision (default: git's)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the servers' stderr logs go (default: a new temp folder)")
     args = p.parse_args(argv)
+    for item in args.mlx_env:
+        name, sep, _ = item.partition("=")
+        if not (sep and name.startswith("MLX_")):
+            p.error(f"--mlx-env takes MLX_NAME=VALUE, got {item!r}")
     smoke = args.smoke
     defaults = {"preset": "tiny" if smoke else "1b", "requests": [2, 4, 8] if smoke else
                 [8, 48, 192], "prompt_tokens": 32 if smoke else 128,
@@ -315,6 +323,7 @@ def server_context(args: argparse.Namespace, model: Path, prompts: list[str], on
         env["VELOXQUANT_BATCH_FUSE_PROJECTIONS"] = "false"
     if args.events_at_once:
         env["VELOXQUANT_BATCH_EVENTS_AT_SUBMIT"] = "false"
+    env.update(item.split("=", 1) for item in args.mlx_env)
     return {"model": model, "env": env, "prompts": prompts, "budget": budget, "extra": extra,
             "log_dir": log_dir,
             # levels still to come after a server's own (shares out the budget)
@@ -335,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     "compile_decode": not args.uncompiled_decode,
                     "fuse_projections": not args.unfused_projections,
                     "events_at_submit": not args.events_at_once,
+                    "mlx_env": dict(item.split("=", 1) for item in args.mlx_env),
                     "ours_only": args.ours_only,
                     "phases_s": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

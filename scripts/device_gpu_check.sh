@@ -99,8 +99,9 @@ echo "benchmark exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 # The A/B of this round's host-side change, when time is left: ours alone with it off
 # (a step's events sent as soon as they are ready, not at the next submit), same model
 # and load. SKIP_AB=1 leaves it out; AB_FLAGS picks another A/B ("--unfused-projections",
-# or "--uncompiled-decode --kv-write-back 1" for mlx-lm's blocks as written and the KV
-# written every step).
+# "--uncompiled-decode --kv-write-back 1" for mlx-lm's blocks as written and the KV
+# written every step, or "--mlx-env MLX_MAX_OPS_PER_BUFFER=120" for CUDA graphs of 120
+# kernels instead of MLX's 30 on an H100/H200).
 AB_FLAGS=${AB_FLAGS:---events-at-once}
 AB_T=$((510 - (SECONDS - START)))
 if [ -z "${SKIP_AB:-}" ] && [ "$AB_T" -ge 100 ]; then

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
 import benchmark_gpu  # noqa: E402
 from gpu_phases import Budget  # noqa: E402
@@ -96,3 +98,15 @@ def test_ours_only_leaves_no_levels_for_a_peer(tmp_path):
                                                            "tok_per_s": 100.0}]}}}
     assert benchmark_gpu.ratios(result, [1]) == {"c1": {"tok_per_s": None, "ttft_p50": None,
                                                         "ttft_p99": None}}
+
+
+def test_mlx_env_settings_reach_the_servers_and_bad_ones_are_refused(tmp_path, capsys):
+    args = benchmark_gpu.parse_args(["--smoke", "--log-dir", str(tmp_path), "--mlx-env",
+                                     "MLX_MAX_OPS_PER_BUFFER=120", "--mlx-env",
+                                     "MLX_USE_CUDA_GRAPHS=0"])
+    env = benchmark_gpu.server_context(args, tmp_path, [], False, Budget(60, 10))["env"]
+    assert (env["MLX_MAX_OPS_PER_BUFFER"], env["MLX_USE_CUDA_GRAPHS"]) == ("120", "0")
+    for bad in ("MLX_MAX_OPS_PER_BUFFER", "VELOXQUANT_X=1"):
+        with pytest.raises(SystemExit):
+            benchmark_gpu.parse_args(["--mlx-env", bad])
+        assert "--mlx-env takes MLX_NAME=VALUE" in capsys.readouterr().err
