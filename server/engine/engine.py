@@ -225,6 +225,11 @@ class Engine:
         return self.prefixes.cache if self.prefixes is not None else None
 
     @property
+    def failing(self) -> str | None:
+        """Why the model's calls keep failing (several in a row, none run since), else None."""
+        return self.steps.health.failing if self.steps is not None else None
+
+    @property
     def degraded(self) -> str | None:
         """Why the server cannot serve every valid request any more (a forced shrink), else None."""
         return self.scheduler.degraded if self.scheduler else None

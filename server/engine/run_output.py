@@ -55,8 +55,13 @@ class RunOutput:
         tokens: Sampled tokens, at most one per row.
         failed: Rows whose model work raised.
         rows: Rows in the batched decode call (0: no call, or a prefill pass).
+        calls_ran: Model calls handed to the device without raising.
+        call_error: What the last model call that raised raised (its rows are in
+            ``failed`` or, for a prefill group, restart alone), else None.
     """
 
     tokens: list[Sampled] = field(default_factory=list)
     failed: list[RowFailure] = field(default_factory=list)
     rows: int = 0
+    calls_ran: int = 0
+    call_error: Exception | None = None

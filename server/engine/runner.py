@@ -205,8 +205,10 @@ class ModelRunner:
                 if logits is not None:
                     self._first_tokens(group, logits)
             except Exception as exc:
+                out.call_error = exc
                 self._prefill_failed(group, exc, out)
                 continue
+            out.calls_ran += 1
             left -= used
             if logits is not None:
                 self.group = None
@@ -305,8 +307,10 @@ class ModelRunner:
         out.rows = len(self.rows) + sum(len(g.rows) for g in self.joining)
         try:
             out.tokens = self._decode_step()
+            out.calls_ran = int(bool(self.rows))
         except Exception as exc:
             self._refused = []  # failing with every row of the call
+            out.call_error = exc
             self._fail([row.owner for row in self.rows], exc, out)
             out.rows = 0
         refused, self._refused = self._refused, []

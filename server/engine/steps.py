@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from server.engine.call_health import CallHealth
 from server.engine.kv_memory import memory_snapshot
 from server.engine.protocol import (
     Admitted,
@@ -66,6 +67,7 @@ class EngineSteps:
         self.metrics, self.clock, self.fault_hook = metrics, clock, fault_hook
         # Token and end events, sent together (a channel's in the order they came).
         self._events = EventBatch()
+        self.health = CallHealth()  # model calls failing in a row: /health
         self.events_at_submit = events_at_submit
         if events_at_submit:
             self.runner.before_submit = self._events.send
@@ -101,9 +103,11 @@ class EngineSteps:
             self._events.send()  # before the prefill's model calls
         prefilled = runner.prefill(self.max_prefill_tokens, hook)
         clock.lap("prefill")
+        self.health.record(prefilled)
         self._postprocess(prefilled)
         clock.lap("postprocess")
         decoded = runner.decode(hook)  # laps decode_graph, sample_graph, submit, read
+        self.health.record(decoded)
         self._events.send()  # a call that failed before its submit sent nothing
         self._postprocess(decoded)
         if not (runner.rows or runner.joining):
