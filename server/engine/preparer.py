@@ -17,6 +17,7 @@ burst of large prompts can claim.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from server.engine.protocol import GenerationRequest, Reason, Rejected
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.settings import LimitsSection
+
+log = logging.getLogger("veloxquant.server")
 
 # Worker threads: enough to keep tokenizing while one huge prompt is in progress; small
 # because each one competes with the engine thread for the CPU.
@@ -99,6 +102,10 @@ class PromptPreparer:
             self.deliver(Prepared(request, ids))
         except RequestRejected as exc:
             self.reject(request, exc.event)
+        except Exception as exc:  # a bug here must still answer the request, never hang it
+            log.exception("preparing request %s failed", request.request_id)
+            self.reject(request, Rejected(Reason.MODEL_ERROR,
+                                          f"preparing the prompt failed: {exc}"))
         finally:
             with self._lock:
                 self._pending.pop(id(request), None)
@@ -112,7 +119,7 @@ class PromptPreparer:
         """
         prompt = request.prompt
         if isinstance(prompt, str) and self.max_prompt_bytes is not None:
-            n_bytes = len(prompt.encode())
+            n_bytes = len(utf8(prompt))
             if n_bytes > self.max_prompt_bytes:
                 raise self._too_long(f"prompt has {n_bytes} bytes, so more than "
                                      f"limits.max_prompt_tokens={self.max_prompt_tokens} "
@@ -146,3 +153,20 @@ class PromptPreparer:
             self._pending.clear()
         for request in left:
             self.reject(request, Rejected(Reason.SHUTTING_DOWN, "the server is shutting down"))
+
+
+def utf8(prompt: str) -> bytes:
+    """The prompt's UTF-8 bytes.
+
+    JSON can carry a lone UTF-16 surrogate (``"\\ud800"``), which Python keeps in the
+    string but no UTF-8 encoder (nor the tokenizer) accepts.
+
+    Raises:
+        RequestRejected: The prompt holds such a surrogate (400 ``invalid_prompt``).
+    """
+    try:
+        return prompt.encode()
+    except UnicodeEncodeError as exc:
+        raise RequestRejected(Rejected(
+            Reason.INVALID_PROMPT, f"the prompt is not valid Unicode: a lone surrogate "
+            f"(U+{ord(prompt[exc.start]):04X}) at character {exc.start}", "prompt")) from None

@@ -8,6 +8,7 @@ with ``-s``): a running stream's worst inter-token gap while three prompts of
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -96,3 +97,41 @@ def test_huge_prompts_do_not_stall_running_streams(tiny_model_path, max_prompt_t
 def _idle(server: LiveServer) -> None:
     m = server.wait_idle()
     assert m["veloxquant_block_pool_blocks_in_use"] == 0
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_path):
+    with run_server(make_settings(model={"path": str(tiny_model_path)},
+                                  pool={"n_blocks": 1024})) as server:
+        yield server
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "\ud800", "max_tokens": 2},
+    {"prompt": "ok \udfff then", "max_tokens": 2, "stream": True},
+    {"prompt": ["fine", "\ud800"], "max_tokens": 2},
+], ids=["lone-high", "lone-low-streamed", "one-of-several"])
+def test_a_prompt_with_a_lone_surrogate_is_refused_not_left_hanging(small_server, body):
+    # json.dumps writes "\ud800" as that escape, which json.loads turns back into a lone
+    # surrogate: a string no UTF-8 encoder takes. It used to leave the request unanswered.
+    resp = httpx.post(small_server.base_url + "/v1/completions", content=json.dumps(body),
+                      headers={"content-type": "application/json"}, timeout=20)
+    err = assert_openai_error(resp, 400, "invalid_prompt")
+    assert err["param"] == "prompt" and "lone surrogate" in err["message"]
+    _idle(small_server)
+
+
+def test_an_unexpected_error_while_preparing_is_answered(small_server, monkeypatch):
+    def broken(loaded, params):
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr("server.engine.preparer.check_token_params", broken)
+    resp = httpx.post(small_server.base_url + "/v1/completions", timeout=20,
+                      json={"prompt": "hello", "max_tokens": 2})
+    err = assert_openai_error(resp, 500, "generation_failed")
+    assert err["message"] == "generation failed: preparing the prompt failed: a bug in a check"
+    monkeypatch.undo()
+    ok = httpx.post(small_server.base_url + "/v1/completions", timeout=20,
+                    json={"prompt": "hello", "max_tokens": 2})
+    assert ok.status_code == 200
+    _idle(small_server)
