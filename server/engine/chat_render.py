@@ -39,17 +39,29 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def _template_knows(tokenizer: Any, role: str) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and role in template
+
+
 def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
     """The prompt ids of a chat, generation prompt included.
+
+    A ``developer`` message is OpenAI's newer name for a ``system`` one, and is
+    rendered as one unless the template knows the role: most templates would
+    write it as a turn of an unknown speaker (SmolLM2's then also adds its own
+    default system prompt).
 
     Raises:
         Exception: Whatever the template raises (the caller turns it into a 400).
     """
+    chat = prompt.messages if _template_knows(tokenizer, "developer") else [
+        {**m, "role": "system"} if m["role"] == "developer" else m for m in prompt.messages]
     if template_takes_tools(tokenizer):
-        messages = [_native(m) for m in prompt.messages]
+        messages = [_native(m) for m in chat]
         extra = {"tools": list(prompt.tools)} if prompt.tools else {}
     else:
-        messages = _with_tools_block([_as_text(m) for m in prompt.messages], prompt.tools)
+        messages = _with_tools_block([_as_text(m) for m in chat], prompt.tools)
         extra = {}
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         **extra)
@@ -99,6 +111,7 @@ def _with_tools_block(messages: list[dict[str, str]],
     if not tools:
         return messages
     block = tools_block(tools)
+    # (a developer message is still one here only where the template knows the role)
     if messages and messages[0]["role"] in ("system", "developer"):
         first = messages[0]
         return [{"role": first["role"], "content": f"{first['content']}\n\n{block}"},

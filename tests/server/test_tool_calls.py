@@ -184,6 +184,39 @@ def test_a_template_with_tools_gets_them_natively():
     assert messages[2]["role"] == "tool"
 
 
+def test_a_developer_message_is_a_system_one_unless_the_template_knows_the_role():
+    chat = ({"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "Say hello"})
+    plain = RecordingTokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    render_ids(plain, ChatPrompt(chat, (WEATHER,)))
+    messages, _ = plain.calls[0]
+    assert messages[0] == {"role": "system",
+                           "content": "Answer in French.\n\n" + tools_block((WEATHER,))}
+    tooled = RecordingTokenizer("{% if tools %}{{ tools }}{% endif %}{{ messages }}")
+    render_ids(tooled, ChatPrompt(chat, ()))
+    assert tooled.calls[0][0][0] == {"role": "system", "content": "Answer in French."}
+    knowing = RecordingTokenizer("{% if m.role == 'developer' %}{% endif %}")
+    render_ids(knowing, ChatPrompt(chat, ()))
+    assert knowing.calls[0][0][0]["role"] == "developer"
+
+
+def test_smollm2_renders_developer_as_its_system_turn():
+    # Its template would write "<|im_start|>developer" and add its default system prompt.
+    from mlx_lm.utils import load_tokenizer
+
+    from server.model_loader import resolve_model_path
+    from tests.server.conftest import make_settings
+
+    tok = load_tokenizer(resolve_model_path(make_settings(model={"path": "smollm2"}).model))
+
+    def ids(role: str) -> list[int]:
+        return render_ids(tok, ChatPrompt(({"role": role, "content": "Answer in French."},
+                                           {"role": "user", "content": "Say hello"}), ()))
+
+    assert ids("developer") == ids("system")
+    assert tok.decode(ids("developer")).startswith("<|im_start|>system\nAnswer in French.")
+
+
 # -- routes, scripted answers --------------------------------------------------------------
 
 @pytest.fixture()
