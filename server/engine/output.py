@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from server.engine.protocol import FinishReason, TokenEvent, TokenLogprob, TopLogprob
+from server.engine.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from server.engine.request_state import RequestState
@@ -31,6 +32,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.decode: Callable[[list[int]], str] = tokenizer.decode
+        self.token_bytes = TokenBytes(tokenizer)
         self.primer = primer_token(tokenizer)
 
     def accept(self, state: RequestState, token: int,
@@ -60,7 +62,8 @@ class OutputProcessor:
         params = state.request.params
         logprob = None
         if params.logprobs and logprobs is not None:
-            logprob = token_logprob(logprobs, token, params.top_logprobs, self.decode)
+            logprob = token_logprob(logprobs, token, params.top_logprobs, self.decode,
+                                    self.token_bytes)
         if not state.detokenizer.tokens:
             prime(state.detokenizer, self.primer)
         state.detokenizer.add_token(token)
@@ -116,7 +119,8 @@ def prime(detokenizer: Any, primer: int | None) -> None:
 
 
 def token_logprob(
-    logprobs: mx.array, token_id: int, top_n: int, decode: Callable[[list[int]], str]
+    logprobs: mx.array, token_id: int, top_n: int, decode: Callable[[list[int]], str],
+    token_bytes: Callable[[int], bytes],
 ) -> TokenLogprob:
     """Log-probability of the chosen token and the ``top_n`` best alternatives.
 
@@ -125,6 +129,7 @@ def token_logprob(
         token_id: The sampled token.
         top_n: How many alternatives to report (0 for none).
         decode: Token ids to text.
+        token_bytes: A token id's own bytes (:class:`~server.engine.token_bytes.TokenBytes`).
     """
     chosen = logprobs[token_id].item()
     top: tuple[TopLogprob, ...] = ()
@@ -132,8 +137,10 @@ def token_logprob(
         ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
         values = logprobs[ids]
         pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
-        top = tuple(TopLogprob(decode([i]), finite_logprob(v), int(i)) for i, v in pairs)
-    return TokenLogprob(decode([token_id]), finite_logprob(chosen), token_id, top)
+        top = tuple(TopLogprob(decode([i]), finite_logprob(v), int(i), token_bytes(int(i)))
+                    for i, v in pairs)
+    return TokenLogprob(decode([token_id]), finite_logprob(chosen), token_id, top,
+                        token_bytes(token_id))
 
 
 def finite_logprob(value: float) -> float:

@@ -134,21 +134,27 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class TopLogprob:
-    """One alternative token and its log-probability."""
+    """One alternative token and its log-probability.
+
+    ``raw`` is the token's own bytes (part of a character, possibly), where the
+    answer reports them (chat); None elsewhere.
+    """
 
     token: str
     logprob: float
     token_id: int
+    raw: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """Log-probability of a generated token, with the top alternatives."""
+    """Log-probability of a generated token, with the top alternatives (``raw``: as above)."""
 
     token: str
     logprob: float
     token_id: int
     top: tuple[TopLogprob, ...] = ()
+    raw: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ to factual questions over HTTP, and perplexity on a fixed English text.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 
@@ -105,3 +106,30 @@ def test_first_token_keeps_its_leading_space(smollm2_server: LiveServer):
     text = "".join(c["delta"].get("content") or "" for c in choices)
     tokens = [e["token"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
     assert text and "".join(tokens) == text
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(smollm2_server: LiveServer):
+    """SmolLM2 writes each emoji as several tokens: their bytes, joined, are the text."""
+    import httpx
+
+    body = {"temperature": 0, "max_tokens": 12, "logprobs": True, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": "Repeat exactly: 🎉🚀 日本語"}]}
+    for stream in (False, True):
+        resp = httpx.post(smollm2_server.base_url + "/v1/chat/completions", timeout=120,
+                          json={**body, "stream": stream})
+        assert resp.status_code == 200, resp.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+                      if line.startswith("data: {")]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            entries = [e for c in chunks for e in (c["choices"][0].get("logprobs") or {}
+                                                   ).get("content") or ()]
+        else:
+            choice = resp.json()["choices"][0]
+            content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+        assert "🎉" in content
+        assert any(e["token"] == "\ufffd" for e in entries)  # a character split across tokens
+        # (max_tokens may cut the last character: the text then ends in U+FFFD there too)
+        assert bytes(b for e in entries for b in e["bytes"]).decode(errors="replace") == content
+        for entry in entries:  # an alternative's bytes are its own too (each at most a token)
+            assert all(len(top["bytes"]) <= 16 for top in entry["top_logprobs"])

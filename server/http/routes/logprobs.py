@@ -2,14 +2,16 @@
 
 Invariant of both: the token strings, joined, are the choice's text (the
 first generated token keeps its leading space: server.engine.output.prime),
-and a legacy ``text_offset`` is each token's position in that text.
+and a legacy ``text_offset`` is each token's position in that text, except
+where a token holds part of a character: its string is then U+FFFD. Chat's
+``bytes``, joined, are the text's UTF-8 even then.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from server.engine.protocol import TokenLogprob
+from server.engine.protocol import TokenLogprob, TopLogprob
 
 
 class LegacyLogprobs:
@@ -48,11 +50,20 @@ def merge_legacy(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def chat_entry(record: TokenLogprob) -> dict[str, Any]:
-    """One ``logprobs.content`` entry of a chat answer."""
+    """One ``logprobs.content`` entry of a chat answer.
+
+    ``bytes`` are the token's own (``raw``), part of a character where the token
+    holds one; joined over an answer they are its text's UTF-8, which the ``token``
+    strings are not when a character is split (such a token decodes to U+FFFD).
+    """
     return {
         "token": record.token,
         "logprob": record.logprob,
-        "bytes": list(record.token.encode()),
-        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+        "bytes": list(_raw(record)),
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(_raw(t))}
                          for t in record.top],
     }
+
+
+def _raw(record: TokenLogprob | TopLogprob) -> bytes:
+    return record.raw if record.raw is not None else record.token.encode()
