@@ -133,3 +133,31 @@ def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(smollm2_serve
         assert bytes(b for e in entries for b in e["bytes"]).decode(errors="replace") == content
         for entry in entries:  # an alternative's bytes are its own too (each at most a token)
             assert all(len(top["bytes"]) <= 16 for top in entry["top_logprobs"])
+
+
+def test_float32_products_give_the_same_greedy_text_from_a_warm_prefix_cache(tmp_path):
+    """With model.quantized_matmul_rows = 0 a cached prompt continues as a cold one does.
+
+    A whole ``python -m server`` process: only there is the BLAS forward preloaded, which
+    computes small products from the codes when the setting allows it (the README's
+    "reproducible output"; with the codes on, 4 of these 5 prompts came out differently).
+    """
+    import httpx
+
+    from benchmark_scripts.server_process import ServerProcess
+
+    env = {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0", "VELOXQUANT_ADMIN_TOKEN": "admin"}
+    prompts = ["Tell a joke", "Write a haiku about the sea", "List three fruits",
+               "Explain gravity briefly", "What is 2+2?"]
+    with ServerProcess(tmp_path / "server.log", [], env, startup_timeout_s=300) as server:
+        for prompt in prompts:
+            httpx.post(server.base_url + "/admin/cache/reset", timeout=30,
+                       headers={"Authorization": "Bearer admin"}).raise_for_status()
+            body = {"temperature": 0, "max_tokens": 40,
+                    "messages": [{"role": "user", "content": prompt}]}
+            cold, warm = [httpx.post(server.base_url + "/v1/chat/completions", json=body,
+                                     timeout=120).json() for _ in range(2)]
+            assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+            assert (warm["choices"][0]["message"]["content"]
+                    == cold["choices"][0]["message"]["content"]), prompt
+
