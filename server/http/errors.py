@@ -64,6 +64,8 @@ class APIError(Exception):
 class InvalidRequestError(APIError):
     """The request is malformed or asks for something impossible (400)."""
 
+    code = "invalid_value"
+
 
 class RequestTooLargeError(APIError):
     """The request body is over ``limits.max_body_bytes`` (413)."""
@@ -205,7 +207,14 @@ _STATUS_TYPES = {
 }
 
 
+# Codes of the errors Starlette raises itself (a body it cannot parse, an oversized one);
+# other statuses keep the status as their code.
+_HTTP_CODES = {400: "invalid_value", 413: "request_too_large"}
+
+
 def _http_message(request: Request, status: int, detail: Any) -> str:
+    if status == 400 and detail == "There was an error parsing the body":
+        return "request body is not valid JSON (it must be UTF-8 encoded JSON)"
     if status == 404:
         return (f"no route {request.method} {request.url.path}; see GET /v1/models, "
                 "POST /v1/completions, POST /v1/chat/completions")
@@ -235,7 +244,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         body = error_body(_http_message(request, status, exc.detail),
-                          _STATUS_TYPES.get(status, "invalid_request_error"), None, str(status))
+                          _STATUS_TYPES.get(status, "invalid_request_error"), None,
+                          _HTTP_CODES.get(status, str(status)))
         return _json(body, status, settings_of(request), getattr(exc, "headers", None))
 
     @app.exception_handler(VeloxQuantError)

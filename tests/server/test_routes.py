@@ -160,6 +160,20 @@ def test_404_and_405_are_openai_shaped(client):
     assert_error(client.delete("/health"), 405)
 
 
+@pytest.mark.parametrize("body,code,param", [
+    ({"prompt": ""}, "empty_prompt", "prompt"),
+    ({"prompt": []}, "empty_prompt", "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),
+    ({"prompt": "hi", "stop": ["x" * 1000]}, "invalid_value", "stop"),
+    ({"prompt": "hi", "best_of": 2}, "unsupported_parameter", "best_of"),
+    (b'{"prompt": "\xff"}', "invalid_value", None),  # not UTF-8
+], ids=["empty", "empty-list", "max_tokens-0", "long-stop", "best_of", "not-utf8"])
+def test_every_400_has_a_code_from_the_readme_table(client, body, code, param):
+    resp = (client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
+            if isinstance(body, bytes) else client.post(COMPLETIONS, json=body))
+    assert assert_error(resp, 400, param)["code"] == code
+
+
 def test_engine_rejections_map_to_status(client):
     resp = client.post(COMPLETIONS, json={"prompt": "REJECT429"})
     err = assert_error(resp, 429)
@@ -192,6 +206,8 @@ def test_not_ready_engine_gives_503():
 
 def test_health_and_models(client):
     assert client.get("/health").json()["status"] == "ok"
+    head = client.head("/health")  # some probes only send HEAD
+    assert head.status_code == 200 and head.content == b""
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
 

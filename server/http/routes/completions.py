@@ -39,7 +39,8 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
     for i, one in enumerate(batch):
         if not one:
             where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
-            raise InvalidRequestError(f"{where} must not be empty", param="prompt")
+            raise InvalidRequestError(f"{where} must not be empty", param="prompt",
+                                      code="empty_prompt")
     return batch
 
 
@@ -50,7 +51,8 @@ def _check(body: CompletionRequest, n_prompts: int, settings: Any) -> None:
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError(
             f"best_of={body.best_of} is not supported: this server returns every choice it "
-            f"generates, so best_of must equal n ({body.n}) or be left out", param="best_of")
+            f"generates, so best_of must equal n ({body.n}) or be left out", param="best_of",
+            code="unsupported_parameter")
     check_choices(body.n, n_prompts, settings)
     if body.max_tokens == 0 and not body.echo:
         raise InvalidRequestError("max_tokens must be at least 1; 0 is allowed only with "

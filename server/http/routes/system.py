@@ -17,7 +17,7 @@ models_router = APIRouter()
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: some probes only ask that
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the engine thread is alive; 503 otherwise.
 
