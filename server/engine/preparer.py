@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from server.engine.intake import RequestRejected, check_token_params, tokenize_prompt
 from server.engine.prompt_bound import max_bytes_per_token
-from server.engine.protocol import GenerationRequest, Reason, Rejected
+from server.engine.protocol import ChatPrompt, GenerationRequest, Reason, Rejected
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.settings import LimitsSection
@@ -129,14 +129,17 @@ class PromptPreparer:
             raise RequestRejected(Rejected(Reason.EMPTY_PROMPT, "the prompt is empty (0 tokens)",
                                            "prompt"))
         if len(ids) > self.max_prompt_tokens:
-            raise self._too_long(f"prompt has {len(ids)} tokens, more than "
+            chat = isinstance(prompt, ChatPrompt)
+            raise self._too_long(f"{'the rendered messages have' if chat else 'prompt has'} "
+                                 f"{len(ids)} tokens, more than "
                                  f"limits.max_prompt_tokens={self.max_prompt_tokens}; "
-                                 "shorten the prompt")
+                                 f"shorten the {'messages' if chat else 'prompt'}",
+                                 "messages" if chat else "prompt")
         return ids
 
     @staticmethod
-    def _too_long(message: str) -> RequestRejected:
-        return RequestRejected(Rejected(Reason.TOO_LARGE, message, "prompt"))
+    def _too_long(message: str, param: str = "prompt") -> RequestRejected:
+        return RequestRejected(Rejected(Reason.TOO_LARGE, message, param))
 
     def close(self) -> None:
         """Stop taking requests; finish the ones in progress, refuse the queued ones.

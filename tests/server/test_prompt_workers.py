@@ -135,3 +135,12 @@ def test_an_unexpected_error_while_preparing_is_answered(small_server, monkeypat
                     json={"prompt": "hello", "max_tokens": 2})
     assert ok.status_code == 200
     _idle(small_server)
+
+
+def test_chat_messages_over_the_prompt_limit_name_messages(small_server):
+    limit = small_server.engine.settings.limits.max_prompt_tokens
+    resp = httpx.post(small_server.base_url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "word " * (limit + 100)}], "max_tokens": 2})
+    err = assert_openai_error(resp, 400, "context_length_exceeded")
+    assert err["param"] == "messages" and "shorten the messages" in err["message"]
+    _idle(small_server)
