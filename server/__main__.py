@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
 from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # imports no MLX
-from veloxquant_mlx.mlx_env import apply_mlx_env_defaults  # imports no MLX
+from veloxquant_mlx.mlx_env import MLX_ENV_DEFAULTS, apply_mlx_env_defaults  # no MLX
 
 log = logging.getLogger("veloxquant.server")
 
@@ -71,14 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"veloxquant-serve: bad configuration: {exc}", file=sys.stderr)
         return 2
     # MLX reads these when it makes a stream: before any MLX import (and the re-exec keeps them).
-    applied = apply_mlx_env_defaults()
+    apply_mlx_env_defaults()
     # Re-execs this process with OpenBLAS preloaded (once); must precede any MLX import.
     ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if applied:
-        log.info("MLX environment defaults: %s",
-                 " ".join(f"{name}={value}" for name, value in applied.items()))
     if settings.distributed.ranks > 1:
         return _serve_distributed(settings)
     return _serve(settings)
@@ -98,6 +95,10 @@ def _serve(settings: Settings) -> int:
     except ModelSourceError as exc:
         print(f"veloxquant-serve: {exc}", file=sys.stderr)
         return 2
+    # After the model check (a bad source still stops with one line); the values in effect,
+    # ours or the operator's (a re-exec'd process no longer knows which).
+    log.info("MLX settings: %s",
+             " ".join(f"{name}={os.environ.get(name)}" for name in MLX_ENV_DEFAULTS))
     from server.http import request_log
     from server.http.app import create_app
     from server.http.serve import serve

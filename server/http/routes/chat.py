@@ -59,12 +59,18 @@ async def _with_grammar(params: SamplingParams, body: ChatCompletionRequest, eng
     return dataclasses.replace(params, constraint=constraint, stop=stop)
 
 
+def _calls_finish(tools: ToolPlan) -> str:
+    """The finish reason of an answer with calls: ``tool_calls``, but ``stop`` for a call the
+    request named in ``tool_choice``, as OpenAI's API answers (streamed or not)."""
+    return "stop" if tools.mode == "named" else "tool_calls"
+
+
 def _message(text: str, finish: str, tools: ToolPlan) -> tuple[dict[str, Any], str]:
-    """The assistant message of one choice and its finish reason (``tool_calls`` with calls)."""
+    """The assistant message of one choice and its finish reason (see :func:`_calls_finish`)."""
     content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
     if not calls:
         return {"role": "assistant", "content": text}, finish
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}, _calls_finish(tools)
 
 
 @router.post("/v1/chat/completions")
@@ -146,7 +152,7 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         chunks = [delta(i, {"content": rest}, None)] if rest else []
         chunks += [delta(i, {"tool_calls": [{"index": k, **call}]}, None)
                    for k, call in enumerate(calls)]
-        return chunks + [delta(i, {}, "tool_calls" if calls else event.reason.value)]
+        return chunks + [delta(i, {}, _calls_finish(tools) if calls else event.reason.value)]
 
     def last() -> list[dict[str, Any]]:
         return [{**base, "choices": [], "usage": usage.as_dict()}] if include_usage else []
