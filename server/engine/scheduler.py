@@ -90,8 +90,7 @@ class Scheduler:
         request, prompt_ids = prepared.request, prepared.prompt_ids
         try:
             need = self._check_size(request, prompt_ids)
-            if len(self.waiting) >= self.limits.max_queue and not (
-                    self._has_room() and self._fits_now(need)):
+            if len(self.waiting) >= self.limits.max_queue and not self._queue_fits_now(need):
                 raise RequestRejected(Rejected(
                     Reason.QUEUE_FULL, f"server busy: {len(self.waiting)} requests already "
                     f"wait for KV capacity (limits.max_queue={self.limits.max_queue}); "
@@ -330,6 +329,22 @@ class Scheduler:
 
     def _fits_now(self, need: Reservation) -> bool:
         return self.planner.fits_now(need, self.outstanding())
+
+    def _queue_fits_now(self, need: Reservation) -> bool:
+        """Whether every waiting request and then this one could all be admitted now.
+
+        A full queue still takes a request that would run at the next step. Asking
+        whether it fits alone was not enough: admission is first come first served,
+        so the requests ahead take the room first (a burst into an idle pool, or small
+        requests behind a large one that waits, grew the queue past its bound).
+        """
+        if len(self.running) + len(self.waiting) >= self.max_batch_size:
+            return False
+        total = dict(need.per_stream)
+        for pending in self.waiting:
+            for stream, blocks in pending.reservation.per_stream.items():
+                total[stream] = total.get(stream, 0) + blocks
+        return self.planner.fits_now(Reservation(total), self.outstanding())
 
     def reject_waiting(self, event: Rejected) -> None:
         """Answer every waiting request with ``event`` (the engine is stopping)."""

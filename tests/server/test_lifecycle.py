@@ -138,6 +138,9 @@ async def _admission_scenario(base_url: str) -> dict:
             waiting = [asyncio.ensure_future(_complete(c, max_tokens=100)) for _ in range(2)]
             await asyncio.sleep(0.3)
             out["queue_full"] = await _complete(c, max_tokens=100)
+            # 4 blocks a stream: it fits the 20 free ones alone, but the two waiting ahead
+            # (first come, first served) take them first: the full queue must refuse it.
+            out["small_behind"] = await _complete(c, prompt="x", max_tokens=10)
             out["never_fits"] = await _complete(c, prompt="x", max_tokens=4096)
             metrics = (await c.get("/metrics")).text
             out["waiting_gauge"] = "veloxquant_requests_waiting 2.0" in metrics
@@ -157,6 +160,8 @@ def test_admission_by_capacity(small_pool_server: LiveServer):
     full = out["queue_full"]
     assert full.status_code == 429 and full.headers["Retry-After"] == "1"
     assert full.json()["error"]["code"] == "queue_full"
+    small = out["small_behind"]
+    assert small.status_code == 429 and small.json()["error"]["code"] == "queue_full"
     never = out["never_fits"]
     assert never.status_code == 400
     msg = never.json()["error"]["message"]
