@@ -79,6 +79,25 @@ class RequestLog:
             "latency_s": round(now - state.submitted_at, 4),
         })
 
+    @staticmethod
+    def scored(request_id: str, status: int, prompt_tokens: int | None, started: float,
+               code: str | None = None) -> None:
+        """A completions ``echo`` request whose prompts were scored and nothing generated
+        (``max_tokens: 0``), or that ended while they were scored: no generation of the
+        engine's writes its line. It holds no blocks (``owner`` null)."""
+        _emit({
+            "request_id": request_id,
+            "owner": None,
+            "status": status,
+            "finish_reason": "length" if status == 200 else "rejected" if code else None,
+            **({"code": code} if code else {}),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "blocks_peak": 0,
+            "ttft_s": None,
+            "latency_s": round(time.monotonic() - started, 4),
+        })
+
     def rejected(self, request: Any, reason: Reason) -> None:
         """A request refused before it ran (``request`` is the GenerationRequest)."""
         _emit({

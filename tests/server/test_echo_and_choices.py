@@ -8,6 +8,7 @@ ones generation reported for the same tokens.
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -137,6 +138,21 @@ def test_echo_refusals(live_server):
     assert err["param"] == "prompt"
     err = error_of(post(live_server, COMPLETIONS, {"prompt": "x", "max_tokens": 0}))
     assert err["param"] == "max_tokens" and "echo" in err["message"]
+
+
+def test_scoring_requests_write_their_request_log_line(live_server, caplog):
+    """No generation's line covers an echo with max_tokens 0: it writes its own."""
+    caplog.set_level("INFO", logger="veloxquant.requests")
+    ok = post(live_server, COMPLETIONS, {"prompt": PROMPT, "echo": True, "max_tokens": 0,
+                                         "logprobs": 1})
+    refused = post(live_server, COMPLETIONS, {"prompt": [10**6], "echo": True, "max_tokens": 0})
+    assert (ok.status_code, refused.status_code) == (200, 400)
+    lines = [json.loads(r.getMessage()) for r in caplog.records
+             if r.name == "veloxquant.requests"]
+    assert [(line["request_id"], line["status"], line["finish_reason"]) for line in lines] == [
+        (ok.json()["id"], 200, "length"), (lines[1]["request_id"], 400, "rejected")]
+    assert lines[0]["prompt_tokens"] == ok.json()["usage"]["prompt_tokens"]
+    assert lines[1]["code"] == "invalid_prompt" and lines[0]["owner"] is None
 
 
 # -- 8. batch prompts and n --------------------------------------------------------------------

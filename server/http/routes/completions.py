@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.protocol import Finished, SamplingParams, TokenEvent
-from server.http.errors import CLIENT_CLOSED, InvalidRequestError
+from server.http.errors import CLIENT_CLOSED, APIError, InvalidRequestError
+from server.http.request_log import RequestLog
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.echo import score_prompts
 from server.http.routes.fanout import Fanout, UsageTotal, shared_prefill
@@ -73,8 +74,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = dataclasses.replace(params, constraint=constraint)
     rid = new_id("cmpl")
     try:
-        echoes = await score_prompts(request, engine, prompts, body.logprobs) \
-            if body.echo else None
+        echoes = await _scored(request, engine, prompts, body.logprobs, rid,
+                               params.max_tokens == 0) if body.echo else None
         fanout = Fanout(_calls(request, engine, prompts, body.n, params, rid),
                         shared_prefill(body.n, settings))
         await fanout.start()
@@ -91,6 +92,28 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(answer.json(outs))
+
+
+async def _scored(request: Request, engine: Any, prompts: list[str | list[int]],
+                  top_n: int | None, rid: str, only: bool) -> list[Any]:
+    """The ``echo`` scoring jobs; their request log line when no generation follows.
+
+    Raises:
+        APIError: A prompt was refused or scoring failed.
+        ClientGone: The client left while the prompts were scored.
+    """
+    started = time.monotonic()
+    try:
+        jobs = await score_prompts(request, engine, prompts, top_n)
+    except ClientGone:
+        RequestLog.scored(rid, CLIENT_CLOSED, None, started)
+        raise
+    except APIError as exc:
+        RequestLog.scored(rid, exc.status, None, started, exc.code)
+        raise
+    if only:  # max_tokens 0: no generation call writes a line for this request
+        RequestLog.scored(rid, 200, sum(len(job.ids) for job in jobs), started)
+    return jobs
 
 
 def _calls(request: Request, engine: Any, prompts: list[str | list[int]], n: int,
