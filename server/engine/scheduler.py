@@ -181,17 +181,22 @@ class Scheduler:
         """
         streams = self.pool.config.streams
         targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
-        if self.prefixes is not None:  # unreferenced cached blocks count as free: evict first
-            self.prefixes.evict({s: self.prefixes.evictable(s) for s in targets})
+        # Unreferenced cached blocks count as free: they are evicted, then retired, but only
+        # once the shrink is known to go ahead (a refused one leaves the cache as it was).
+        evictable = ({s: self.prefixes.evictable(s) for s in targets}
+                     if self.prefixes is not None else {})
         outstanding = self.outstanding()
         floors = {s: max(target_free, outstanding.get(s, 0)) for s in targets}
-        retiring = {s: max(self.pool.n_free(s) - floors[s], 0) for s in targets}
+        retiring = {s: max(self.pool.n_free(s) + evictable.get(s, 0) - floors[s], 0)
+                    for s in targets}
         why = self.maximal_request_misfit(retiring)
         if why is not None and not force and any(retiring.values()):
             raise ShrinkRefused(
                 "shrink refused: the pool could no longer hold one maximal request "
                 f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}; keep more "
                 "free blocks, lower those limits, or pass \"force\": true")
+        if any(evictable.values()):
+            self.prefixes.evict(evictable)
         retired = sum(self.pool.shrink(s, floors[s]) for s in targets)
         self.capacity_changed()
         return retired, {s: self.pool.n_free(s) for s in targets}

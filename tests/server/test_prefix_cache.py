@@ -305,6 +305,24 @@ def test_shrink_evicts_cached_blocks_before_retiring(tiny_model_path):
         assert_accounted(live)
 
 
+def test_a_refused_shrink_leaves_the_cache_as_it_was(tiny_model_path):
+    settings = settings_for(tiny_model_path, pool={"n_blocks": 1024},
+                            limits={"max_tokens_cap": 64, "default_max_tokens": 16,
+                                    "max_prompt_tokens": 256})
+    with run_server(settings) as live:
+        complete(live, [4 + i % 70 for i in range(100)])
+        before = live.wait_idle()
+        r = httpx.post(live.base_url + "/admin/shrink", headers=ADMIN,
+                       json={"stream": "kv", "target_free": 0})  # below one maximal request
+        assert r.status_code == 409, r.text
+        after = live.metrics()
+        for name in ("cached_blocks", "evictions_total", "blocks_total"):
+            key = f"veloxquant_block_pool_{name}"
+            assert after[key] == before[key], key
+        assert after["veloxquant_block_pool_cached_blocks"] == 6 * 4 * 2
+        assert_accounted(live)
+
+
 def test_output_blocks_are_cached_and_reused(tiny_model_path):
     """A finished request's generated tokens, in full blocks, serve the next turn's prompt."""
     settings = settings_for(tiny_model_path, pool={"n_blocks": 2048})
