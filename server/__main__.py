@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from server.engine.pool_fit import records_problem  # imports no MLX
 from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
 from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # imports no MLX
 from veloxquant_mlx.mlx_env import MLX_ENV_DEFAULTS, apply_mlx_env_defaults  # no MLX
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"veloxquant-serve: bad configuration: {exc}", file=sys.stderr)
         return 2
+    problem = records_problem(settings)
+    if problem is not None:  # before the app builds the pool's records
+        print(f"veloxquant-serve: bad configuration: {problem}", file=sys.stderr)
+        return 2
     # MLX reads these when it makes a stream: before any MLX import (and the re-exec keeps them).
     apply_mlx_env_defaults()
     # Re-execs this process with OpenBLAS preloaded (once); must precede any MLX import.
@@ -101,12 +106,16 @@ def _serve(settings: Settings) -> int:
              " ".join(f"{name}={os.environ.get(name)}" for name in MLX_ENV_DEFAULTS))
     from server.http import request_log
     from server.http.app import create_app
-    from server.http.serve import serve
+    from server.http.serve import ModelLoadFailed, serve
 
     request_log.configure(settings.server.request_log)
     log.info("settings: %r", settings)  # secrets are excluded from the repr
     # SIGTERM drains (server/http/serve.py); a non-loopback bind without an API key warns.
-    serve(create_app(settings), settings)
+    try:
+        serve(create_app(settings), settings)
+    except ModelLoadFailed as exc:
+        print(f"veloxquant-serve: model failed to load: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

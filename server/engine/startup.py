@@ -17,6 +17,7 @@ from typing import Any
 from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory, kv_format_of
 from server.engine.kv_memory import describe as describe_kv
 from server.engine.output import OutputProcessor
+from server.engine.pool_fit import arena_problem, device_memory_bytes
 from server.engine.prefix import PromptPrefixes, cache_root
 from server.engine.preparer import PromptPreparer
 from server.engine.runner import ModelRunner
@@ -81,6 +82,13 @@ def plan_kv(settings: Settings, layout: KVLayout,
     """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
     ``[pool]``) and its KV arena. Call before anything holds blocks."""
     blocks = blocks_for_bytes(settings, layout)
+    n_blocks = blocks or (pool.config.n_blocks if pool is not None else settings.pool.n_blocks)
+    import mlx.core as mx
+
+    problem = arena_problem(settings, n_blocks, layout.bytes_per_block(settings.pool.block_size),
+                            device_memory_bytes(mx))
+    if problem is not None:  # before anything is allocated
+        raise ValueError(problem)
     if blocks is not None or pool is None:
         pool = make_pool(settings, blocks)
     return pool, build_kv_memory(settings, pool, layout)

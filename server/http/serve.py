@@ -120,8 +120,26 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
     return uvicorn.Config(app, **{**kwargs, **overrides})
 
 
+class ModelLoadFailed(Exception):
+    """The model (or what is built around it, such as the KV arena) could not be loaded."""
+
+
 def serve(app: Any, settings: Settings) -> None:
-    """Serve ``app`` (from ``create_app``) until SIGTERM has drained it, or SIGINT."""
+    """Serve ``app`` (from ``create_app``) until SIGTERM has drained it, or SIGINT.
+
+    The model loads first, before uvicorn starts (its lifespan then finds it loaded):
+    a load that fails is one line and exit code 2 from the entry point, not
+    Starlette's lifespan traceback and uvicorn's exit code 3, and SIGTERM during the
+    load ends the process at once (there is nothing to drain yet).
+
+    Raises:
+        ModelLoadFailed: With the engine's one-line reason.
+    """
+    engine = app.state.engine
+    engine.start()
+    if not engine.wait_ready():
+        engine.stop()
+        raise ModelLoadFailed(getattr(engine, "load_error", None) or "the engine stopped")
     warning = bind_warning(settings)
     if warning:
         log.warning(warning)
