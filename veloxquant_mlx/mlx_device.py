@@ -166,11 +166,23 @@ def describe_device(mx: Any, device: Any) -> str:
         return f"cpu ({name})" if name else "cpu"
     api = next((label for label, module in (("CUDA", "cuda"), ("Metal", "metal"))
                 if _backend_available(mx, module)), None)
-    memory = info.get("total_memory") or info.get("memory_size")
+    memory = _memory_of(info)
     details = [f"{api}: {name}" if api and name else api or name or "",
-               f"{memory / 2**30:.0f} GiB" if isinstance(memory, int) and memory > 0 else ""]
+               f"{memory / 2**30:.0f} GiB" if memory else ""]
     details = [d for d in details if d]
     return f"gpu ({', '.join(details)})" if details else "gpu"
+
+
+def device_memory(mx: Any, device: Any) -> int:
+    """Bytes of memory MLX reports for ``device`` (the GPU's own, or unified), 0 if none."""
+    return _memory_of(_device_info(mx, device))
+
+
+def _memory_of(info: dict[str, Any]) -> int:
+    memory = info.get("total_memory") or info.get("memory_size")
+    if isinstance(memory, str) and memory.isdigit():  # some builds report it as text
+        memory = int(memory)
+    return memory if isinstance(memory, int) and memory > 0 else 0
 
 
 def _backend_available(mx: Any, module: str) -> bool:

@@ -35,13 +35,13 @@ _TOOLS_HOWTO = (
 
 def template_takes_tools(tokenizer: Any) -> bool:
     """True when the tokenizer's chat template renders a ``tools`` list itself."""
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
+    return _template_knows(tokenizer, "tools")
 
 
-def _template_knows(tokenizer: Any, role: str) -> bool:
+def _template_knows(tokenizer: Any, word: str) -> bool:
+    """Whether the chat template mentions ``word`` (a role, ``tools``)."""
     template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and role in template
+    return isinstance(template, str) and word in template
 
 
 def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from server.model_weights import machine_memory_bytes
 from server.settings import Settings
+from veloxquant_mlx.mlx_device import device_memory
 
 # Host bytes one block's record takes at least (measured ~250 with the native
 # allocator, more in pure Python): a floor, so the check never refuses a pool that fits.
@@ -73,13 +74,5 @@ def device_memory_bytes(mx: Any) -> int:
     """Memory of MLX's default device: the GPU's own, or this machine's RAM on the CPU."""
     device = mx.default_device()
     if device.type == mx.DeviceType.gpu:
-        try:
-            info = dict(mx.device_info(device))
-        except Exception:  # an MLX without device_info: judge by RAM
-            info = {}
-        size = info.get("total_memory") or info.get("memory_size")
-        if isinstance(size, str) and size.isdigit():  # MLX's CUDA backend reports strings
-            size = int(size)
-        if isinstance(size, int) and size > 0:
-            return size
+        return device_memory(mx, device) or machine_memory_bytes()
     return machine_memory_bytes()

@@ -283,13 +283,19 @@ def test_caching_off_by_env(tiny_model_path):
         assert reset(live) == 0
 
 
-def test_shrink_evicts_cached_blocks_before_retiring(tiny_model_path):
+@contextlib.contextmanager
+def warm_small_pool(tiny_model_path):
+    """A 1024-block server whose cache holds one 100-token prompt; yields (server, metrics)."""
     settings = settings_for(tiny_model_path, pool={"n_blocks": 1024},
                             limits={"max_tokens_cap": 64, "default_max_tokens": 16,
                                     "max_prompt_tokens": 256})
     with run_server(settings) as live:
         complete(live, [4 + i % 70 for i in range(100)])
-        m = live.wait_idle()
+        yield live, live.wait_idle()
+
+
+def test_shrink_evicts_cached_blocks_before_retiring(tiny_model_path):
+    with warm_small_pool(tiny_model_path) as (live, m):
         cached = int(m["veloxquant_block_pool_cached_blocks"])
         assert cached == 6 * 4 * 2  # 6 full prompt positions x 4 layers x (k, v)
         r = httpx.post(live.base_url + "/admin/shrink", headers=ADMIN,
@@ -306,12 +312,7 @@ def test_shrink_evicts_cached_blocks_before_retiring(tiny_model_path):
 
 
 def test_a_refused_shrink_leaves_the_cache_as_it_was(tiny_model_path):
-    settings = settings_for(tiny_model_path, pool={"n_blocks": 1024},
-                            limits={"max_tokens_cap": 64, "default_max_tokens": 16,
-                                    "max_prompt_tokens": 256})
-    with run_server(settings) as live:
-        complete(live, [4 + i % 70 for i in range(100)])
-        before = live.wait_idle()
+    with warm_small_pool(tiny_model_path) as (live, before):
         r = httpx.post(live.base_url + "/admin/shrink", headers=ADMIN,
                        json={"stream": "kv", "target_free": 0})  # below one maximal request
         assert r.status_code == 409, r.text
