@@ -18,7 +18,8 @@ class RequestRejected(Exception):
         self.event = event
 
 
-def _vocab_size(loaded: LoadedModel) -> int | None:
+def vocab_size(loaded: LoadedModel) -> int | None:
+    """The model's vocabulary size, when its config says it (None otherwise)."""
     return getattr(getattr(loaded.model, "args", None), "vocab_size", None)
 
 
@@ -34,7 +35,7 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
             return render_ids(tokenizer, prompt)
         if isinstance(prompt, str):
             return list(tokenizer.encode(prompt))
-        vocab = _vocab_size(loaded)
+        vocab = vocab_size(loaded)
         if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
         return list(prompt)
@@ -54,7 +55,7 @@ def check_token_params(loaded: LoadedModel, params: SamplingParams) -> None:
     Raises:
         RequestRejected: With the first offending id.
     """
-    vocab = _vocab_size(loaded)
+    vocab = vocab_size(loaded)
     if vocab is None:
         return
     for token, _ in params.logit_bias:

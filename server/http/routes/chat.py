@@ -31,22 +31,27 @@ from server.http.routes.params import (
 from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
 from server.http.routes.structured import output_constraint
 from server.http.routes.tool_calls import ToolStream, parse_calls
-from server.http.schemas import ChatCompletionRequest
+from server.http.schemas import ChatCompletionRequest, ChatMessage
 from server.http.schemas.refusals import refuse_unsupported
 from server.http.schemas.tools import ToolPlan, tool_plan
 
 router = APIRouter()
 
 
-def _chat_prompt(body: ChatCompletionRequest, tools: ToolPlan) -> ChatPrompt:
-    messages = []
-    for i, message in enumerate(body.messages):
+def chat_prompt(messages: list[ChatMessage], tools: ToolPlan) -> ChatPrompt:
+    """The conversation as the engine renders it, with the tools ``tools`` offers.
+
+    Raises:
+        InvalidRequestError: A message's content cannot be rendered (non-text parts).
+    """
+    rendered = []
+    for i, message in enumerate(messages):
         try:
-            messages.append(message.rendered())
+            rendered.append(message.rendered())
         except ValueError as exc:
             raise InvalidRequestError(f"messages[{i}].content: {exc}",
                                       param=f"messages.{i}.content") from None
-    return ChatPrompt(tuple(messages), tuple(f.as_tool() for f in tools.offered))
+    return ChatPrompt(tuple(rendered), tuple(f.as_tool() for f in tools.offered))
 
 
 async def _with_grammar(params: SamplingParams, body: ChatCompletionRequest, engine: Any,
@@ -87,7 +92,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         else body.max_tokens
     params = resolve_params(body, settings, max_tokens, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
-    prompt, rid = _chat_prompt(body, tools), new_id("chatcmpl")
+    prompt, rid = chat_prompt(body.messages, tools), new_id("chatcmpl")
     params = await _with_grammar(params, body, engine, tools)
     fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),
                                     rid if body.n == 1 else f"{rid}-{i}")

@@ -1,0 +1,98 @@
+"""``POST /tokenize`` and ``POST /detokenize`` on live servers (tiny model).
+
+The count a client gets must be the prompt_tokens a generation with the same
+prompt is charged, for text, for a conversation and for one with tools.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, make_settings, run_server
+from tests.server.test_security import assert_openai_error
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def post(server: LiveServer, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60, **kw)
+
+
+def test_text_count_is_what_a_completion_is_charged(live_server: LiveServer):
+    prompt = "The quick brown fox jumps over the lazy dog, twice."
+    out = post(live_server, "/tokenize", {"prompt": prompt}).json()
+    assert out["count"] == len(out["tokens"]) > 5
+    assert out["max_prompt_tokens"] == live_server.app.state.settings.limits.max_prompt_tokens
+    ran = post(live_server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()
+    assert ran["usage"]["prompt_tokens"] == out["count"]
+    # The same ids sent as the prompt are charged the same.
+    again = post(live_server, "/v1/completions", {"prompt": out["tokens"], "max_tokens": 1})
+    assert again.json()["usage"]["prompt_tokens"] == out["count"]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_chat_count_is_what_a_chat_is_charged(live_server: LiveServer, tools):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]}]
+    body = {"messages": messages} | ({"tools": tools} if tools else {})
+    out = post(live_server, "/tokenize", body).json()
+    ran = post(live_server, "/v1/chat/completions", {**body, "max_tokens": 1}).json()
+    assert ran["usage"]["prompt_tokens"] == out["count"] == len(out["tokens"])
+    if tools:  # the tools are rendered into the prompt, so they cost tokens
+        plain = post(live_server, "/tokenize", {"messages": messages}).json()
+        assert out["count"] > plain["count"]
+
+
+def test_detokenize_gives_back_the_text(live_server: LiveServer):
+    text = "Hello there, world: 42 + 1!"
+    ids = post(live_server, "/tokenize", {"prompt": text}).json()["tokens"]
+    back = post(live_server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert back.endswith(text)  # a tokenizer may put a start token first
+    assert post(live_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, None),
+    ("/tokenize", {"prompt": "x", "tools": TOOLS}, 400, None),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages.0.content"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
+     400, "tools[0]"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens"),  # the tiny vocabulary is 4096
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+def test_bad_input_is_a_typed_client_error(live_server: LiveServer, path, body, status, param):
+    err = assert_openai_error(post(live_server, path, body), status)
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_lone_surrogate_is_refused(live_server: LiveServer):
+    resp = httpx.post(live_server.base_url + "/tokenize", content=b'{"prompt": "a\\ud800"}',
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert assert_openai_error(resp, 400, "invalid_prompt")["param"] == "prompt"
+
+
+def test_a_too_long_prompt_is_counted_not_refused(tiny_model_path):
+    """The count is how a client learns a prompt is over the limit before sending it."""
+    settings = make_settings(model={"path": str(tiny_model_path)}, pool={"n_blocks": 256},
+                             limits={"max_prompt_tokens": 16},
+                             env={"VELOXQUANT_API_KEY": "sk-tok"})
+    auth = {"Authorization": "Bearer sk-tok"}
+    with run_server(settings) as server:
+        assert_openai_error(post(server, "/tokenize", {"prompt": "x"}), 401, "invalid_api_key")
+        out = post(server, "/tokenize", {"prompt": "word " * 40}, headers=auth).json()
+        assert out["count"] > out["max_prompt_tokens"] == 16
+        ran = post(server, "/v1/completions", {"prompt": "word " * 40}, headers=auth)
+        assert_openai_error(ran, 400)
+        assert str(out["count"]) in ran.json()["error"]["message"]
