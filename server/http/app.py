@@ -20,7 +20,7 @@ from server.http.auth import require_api_key
 from server.http.cors import add_cors
 from server.http.errors import CLIENT_CLOSED, install_error_handlers
 from server.http.guards import DrainState, Guards
-from server.http.routes import admin, chat, completions, system, tokens
+from server.http.routes import admin, chat, completions, responses, system, tokens
 from server.metrics import EngineCollector, PoolCollector, ServerMetrics
 from server.settings import Settings
 
@@ -111,6 +111,7 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     guarded = [Depends(require_api_key)]
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(chat.router, dependencies=guarded)
+    app.include_router(responses.router, dependencies=guarded)
     app.include_router(tokens.router, dependencies=guarded)
     app.include_router(system.models_router, dependencies=guarded)
     app.include_router(system.router)

@@ -54,7 +54,7 @@ log = logging.getLogger("veloxquant.server")
 # Routes that stay answerable while draining and do not count as in-flight work.
 OPEN_PATHS = ("/health", "/metrics")
 # Routes that start a generation (the per-client cap counts these).
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @dataclass(slots=True)

@@ -59,7 +59,8 @@ def check_answer(status: int, body: bytes, content_type: str) -> None:
 
 
 # Every documented operation; test_openapi_documents_exactly_these keeps the list honest.
-ROUTES = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
+ROUTES = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
+          ("/v1/responses", "POST"), ("/v1/models", "GET"),
           ("/v1/models/{model_id}", "GET"), ("/health", "GET"), ("/health", "HEAD"),
           ("/metrics", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
           ("/admin/pool", "GET"), ("/admin/shrink", "POST"), ("/admin/cache/reset", "POST")]

@@ -54,7 +54,7 @@ def chat_prompt(messages: list[ChatMessage], tools: ToolPlan) -> ChatPrompt:
     return ChatPrompt(tuple(rendered), tuple(f.as_tool() for f in tools.offered))
 
 
-async def _with_grammar(params: SamplingParams, body: ChatCompletionRequest, engine: Any,
+async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engine: Any,
                         tools: ToolPlan) -> SamplingParams:
     """Add the output's grammar, and with ``parallel_tool_calls: false`` stop after one call."""
     constraint = await output_constraint(engine, body.response_format, tools)
@@ -93,7 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = resolve_params(body, settings, max_tokens, logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0)
     prompt, rid = chat_prompt(body.messages, tools), new_id("chatcmpl")
-    params = await _with_grammar(params, body, engine, tools)
+    params = await with_grammar(params, body, engine, tools)
     fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),
                                     rid if body.n == 1 else f"{rid}-{i}")
                      for i in range(body.n)], shared_prefill(body.n, settings))

@@ -1,0 +1,244 @@
+"""``POST /v1/responses``: OpenAI's Responses API, JSON or its typed stream of events.
+
+The request becomes a chat request (:func:`server.http.schemas.responses.chat_request`)
+and runs as one: same prompt rendering, sampling, grammar and tool-call parsing.
+Only the answer's shape differs. It is a ``response`` object whose ``output`` is
+a list of items: the assistant ``message`` (one ``output_text`` part), then one
+``function_call`` item per call. A stream is Server-Sent Events with an ``event:``
+line each, numbered by ``sequence_number``::
+
+    response.created, response.in_progress
+    response.output_item.added (message), response.content_part.added,
+    response.output_text.delta ..., response.output_text.done,
+    response.content_part.done, response.output_item.done
+    per call: response.output_item.added, response.function_call_arguments.delta / .done,
+              response.output_item.done
+    response.completed  (response.incomplete when max_output_tokens ran out)
+
+A failure after the first event is sent as ``response.failed``. Nothing is stored:
+every response is answered while its request is open, and ``store`` is taken as
+a hint (see the schema module).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from server.engine.protocol import Finished, FinishReason, TokenEvent, Usage
+from server.http.errors import CLIENT_CLOSED, APIError
+from server.http.routes.call import ClientGone, GenerationCall, get_engine
+from server.http.routes.chat import chat_prompt, with_grammar
+from server.http.routes.fanout import Fanout
+from server.http.routes.logprobs import chat_entry
+from server.http.routes.params import check_model, resolve_params
+from server.http.routes.sse import SSE_HEADERS, sse
+from server.http.routes.tool_calls import ToolStream, parse_calls
+from server.http.schemas.responses import (
+    ResponsesRequest,
+    chat_request,
+    in_responses_terms,
+    refuse_unsupported,
+)
+from server.http.schemas.tools import ToolPlan, tool_plan
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    """Answer ``input`` once (``stream: true`` for the typed events)."""
+    engine = get_engine(request)
+    check_model(body.model, engine)
+    refuse_unsupported(body)
+    chat = chat_request(body)
+    rid = f"resp_{secrets.token_hex(12)}"  # OpenAI writes these ids with an underscore
+    try:
+        tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        params = resolve_params(chat, request.app.state.settings, chat.max_completion_tokens,
+                                logprobs=chat.logprobs, top_logprobs=chat.top_logprobs or 0)
+        params = await with_grammar(params, chat, engine, tools)
+        fanout = Fanout([GenerationCall(request, engine, chat_prompt(chat.messages, tools),
+                                        params, rid)])
+        await fanout.start()
+    except APIError as exc:  # a check shared with chat names chat's fields
+        raise in_responses_terms(exc) from None
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    shape = ResponseShape(rid, engine.model_name, body, tools, params.temperature, params.top_p)
+    if body.stream:
+        return StreamingResponse(_events(fanout, shape, tools, chat.logprobs),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        (out,) = await fanout.collect()
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    text = "".join(out.text_parts)
+    content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
+    entries = [chat_entry(r) for r in out.logprobs] if chat.logprobs and not calls else []
+    return JSONResponse(shape.response(shape.items(content, calls, entries), out.finished))
+
+
+class ResponseShape:
+    """The ``response`` object of one request, and its output items."""
+
+    def __init__(self, rid: str, model: str, body: ResponsesRequest, tools: ToolPlan,
+                 temperature: float, top_p: float) -> None:
+        self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.base = {
+            "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": temperature, "top_p": top_p, "parallel_tool_calls": tools.parallel,
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [], "text": {"format": (body.text or {}).get("format")
+                                                or {"type": "text"}},
+            "store": False, "metadata": body.metadata or {}, "truncation": "disabled",
+            "previous_response_id": None, "usage": None}
+
+    def message(self, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """The assistant message item holding ``text``."""
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": [part] if status != "in_progress" else []}
+
+    @staticmethod
+    def call_item(call: dict[str, Any]) -> dict[str, Any]:
+        """A ``function_call`` item for a call parsed from the text (chat's shape)."""
+        function = call["function"]
+        return {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}",
+                "call_id": call["id"], "name": function["name"],
+                "arguments": function["arguments"], "status": "completed"}
+
+    def items(self, content: str | None, calls: list[dict[str, Any]],
+              logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Output items: the message (unless the answer is only calls), then the calls."""
+        items = [self.message(content or "", "completed", logprobs)] if content or not calls \
+            else []
+        return items + [self.call_item(call) for call in calls]
+
+    def response(self, output: list[dict[str, Any]], finished: Finished) -> dict[str, Any]:
+        """The finished response: ``incomplete`` when it ran out of ``max_output_tokens``."""
+        cut = finished.reason is FinishReason.LENGTH and \
+            not any(item["type"] == "function_call" for item in output)
+        for item in output:
+            if cut and item["type"] == "message":
+                item["status"] = "incomplete"
+        return {**self.base, "status": "incomplete" if cut else "completed", "output": output,
+                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                "usage": _usage(finished.usage)}
+
+    def failed(self, exc: APIError) -> dict[str, Any]:
+        """The response of a generation that failed after the stream began."""
+        code = "rate_limit_exceeded" if exc.status == 429 else "server_error"
+        return {**self.base, "status": "failed", "error": {"code": code,
+                                                           "message": exc.message}}
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    # cache_write_tokens: the openai client's type requires an integer; prompts published to
+    # the prefix cache are not counted per request here, so it stays 0.
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "kv_blocks": usage.kv_blocks}
+
+
+class _Events:
+    """Numbered SSE events of one response (``event:`` line, JSON ``data:``)."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        frame = b"event: " + kind.encode() + b"\n" + sse(
+            {"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return frame
+
+
+async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
+                  want_logprobs: bool) -> AsyncIterator[bytes]:
+    """The stream of a response; see the module docstring for the order of events."""
+    event = _Events()
+    held = ToolStream(tools) if tools.mode != "none" else None
+    sent: list[str] = []  # message text streamed so far
+    logprobs: list[dict[str, Any]] = []  # of the text streamed so far
+    pending: list[dict[str, Any]] = []  # of tokens whose text is held back
+    mid = shape.message_id
+    where = {"item_id": mid, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=shape.base)
+    yield event("response.in_progress", response=shape.base)
+
+    def opened() -> list[bytes]:
+        """The message item's opening events, the first time text is to be sent."""
+        if sent:
+            return []
+        return [event("response.output_item.added", output_index=0,
+                      item=shape.message("", "in_progress", [])),
+                event("response.content_part.added", **{k: where[k] for k in where},
+                      part={"type": "output_text", "text": "", "annotations": [],
+                            "logprobs": []})]
+
+    def delta(text: str) -> list[bytes]:
+        nonlocal pending
+        frames = opened()
+        entries, pending = pending, []
+        logprobs.extend(entries)
+        sent.append(text)
+        return frames + [event("response.output_text.delta", **where, delta=text,
+                               logprobs=entries)]
+
+    try:
+        async for _, item in fanout.events():
+            if isinstance(item, TokenEvent):
+                if want_logprobs and item.logprob is not None:
+                    pending.append(chat_entry(item.logprob))
+                text = item.text if held is None else held.feed(item.text)
+                if text:
+                    yield b"".join(delta(text))
+                continue
+            finished: Finished = item
+            rest, calls = (finished.text, []) if held is None else _finish(held, finished.text)
+            frames = delta(rest) if rest else []
+            text = "".join(sent)
+            done = shape.response(shape.items(text, calls, logprobs if not calls else []),
+                                  finished)
+            for index, out in enumerate(done["output"]):
+                if out["type"] == "message":
+                    part = out["content"][0]
+                    frames += opened() + [
+                        event("response.output_text.done", **where, text=text,
+                              logprobs=part["logprobs"]),
+                        event("response.content_part.done", **where, part=part)]
+                else:
+                    at = {"item_id": out["id"], "output_index": index}
+                    frames += [event("response.output_item.added", output_index=index,
+                                     item={**out, "arguments": "", "status": "in_progress"}),
+                               event("response.function_call_arguments.delta", **at,
+                                     delta=out["arguments"]),
+                               event("response.function_call_arguments.done", **at,
+                                     arguments=out["arguments"], name=out["name"])]
+                frames.append(event("response.output_item.done", output_index=index, item=out))
+            kind = "response.incomplete" if done["status"] == "incomplete" \
+                else "response.completed"
+            yield b"".join(frames + [event(kind, response=done)])
+    except ClientGone:
+        return  # nobody is listening; the request is already cancelled
+    except APIError as exc:
+        yield event("response.failed", response=shape.failed(exc))
+
+
+def _finish(held: ToolStream, tail: str) -> tuple[str, list[dict[str, Any]]]:
+    """The held text's end: content still to send and the calls."""
+    now = held.feed(tail)
+    rest, calls = held.finish()
+    return now + rest, calls
