@@ -42,7 +42,14 @@ _CACHE_SIZE = 256  # compiled constraints kept (clients repeat their schemas)
 
 
 class ConstraintViolation(RuntimeError):
-    """A row's sampled token was refused by its grammar (a bug: masks should prevent it)."""
+    """A row's sampled token was refused by its grammar, although its own mask allowed it.
+
+    The grammar reached a state with no way on: llguidance lets the first
+    token of a schema that admits no finite JSON value through (an object whose
+    required property recursively requires the object again) and refuses it
+    once consumed. The request is answered 400 (``invalid_value``): it asked
+    for output that cannot exist.
+    """
 
 
 class Constraint:
@@ -94,10 +101,23 @@ class Matcher:
         Raises:
             ConstraintViolation: the grammar refuses it.
         """
-        if not self.ll.consume_token(token):
-            raise ConstraintViolation(
-                f"token {token} breaks the {self.constraint.kind} constraint "
-                f"{self.constraint.name!r}: {self.ll.get_error() or 'refused'}")
+        try:
+            accepted = self.ll.consume_token(token)
+        except ValueError as exc:  # llguidance raises where its parser gave up
+            raise self.dead_end(f"token {token}: {exc}") from None
+        if not accepted:
+            raise self.dead_end(f"token {token} refused: {self.ll.get_error() or 'no reason'}")
+
+    def dead_end(self, why: str) -> ConstraintViolation:
+        """The error of this row's grammar having no way on (see :class:`ConstraintViolation`).
+
+        Only the first line of llguidance's reason: the rest is a dump of its parser state.
+        """
+        why = why.split("\n", 1)[0]
+        return ConstraintViolation(
+            f"the {self.constraint.kind} constraint {self.constraint.name!r} reached a state "
+            f"with no way to finish ({why}); its schema may admit no finite value, such as a "
+            "required property that requires its own object again")
 
 
 def mask_words(vocab: int) -> int:
@@ -159,13 +179,27 @@ class BatchMasks:
                 matcher.consume(tokens[i])
             except ConstraintViolation as exc:
                 refused.append((i, exc))
+        self._drop(refused)
+        try:
+            fill_masks(self._targets, self.bitmask)
+        except ValueError:  # a grammar whose parser gave up: find its row, keep the others
+            broken = []
+            for i, matcher in self._rows:
+                try:
+                    fill_masks([(matcher.ll, i)], self.bitmask)
+                except ValueError as exc:
+                    broken.append((i, matcher.dead_end(str(exc))))
+            self._drop(broken)
+            refused += broken
+        return refused
+
+    def _drop(self, refused: list[tuple[int, ConstraintViolation]]) -> None:
+        """Rows whose grammar failed leave the masks; their rows allow every token."""
         if refused:
             gone = {i for i, _ in refused}
             self._rows = [(i, m) for i, m in self._rows if i not in gone]
             self._targets = [(ll, i) for ll, i in self._targets if i not in gone]
             self.bitmask[sorted(gone)] = -1
-        fill_masks(self._targets, self.bitmask)
-        return refused
 
 
 class _Compiler:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from server.engine.call_health import CallHealth
+from server.engine.constraints import ConstraintViolation
 from server.engine.kv_memory import memory_snapshot
 from server.engine.protocol import (
     Admitted,
@@ -162,6 +163,10 @@ class EngineSteps:
             reset_random_state()  # a failure inside a compiled sampler poisons it
         for failure in out.failed:
             state, exc = running[failure.owner], failure.error
+            if isinstance(exc, ConstraintViolation):  # the request's schema, not the model
+                self.end([state], FinishReason.ERROR, Reason.INVALID_VALUE, str(exc),
+                         held=failure.held)
+                continue
             log.error("model error in request %s: %s: %s", state.request_id,
                       type(exc).__name__, exc)
             self.end([state], FinishReason.ERROR, Reason.MODEL_ERROR,

@@ -183,3 +183,28 @@ def test_an_integer_longer_than_sixteen_digits_is_refused(tokenizer):
     assert walks('{"n": ' + "9" * 15 + "}")
     assert walks('{"n": -9007199254740991}')
     assert not walks('{"n": ' + "9" * 17)
+
+
+# An object whose required "a" is the object again: no finite document exists. llguidance
+# lets its "{" through and its parser gives up at the next token.
+ENDLESS = _schema_format({"type": "object", "properties": {"a": {"$ref": "#"}},
+                          "required": ["a"]})
+
+
+def test_a_schema_with_no_finite_value_is_a_client_error(live_server):
+    import httpx
+
+    url = live_server.base_url + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+            "response_format": ENDLESS}
+    resp = httpx.post(url, json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "invalid_value" and "no way to finish" in err["message"]
+    assert "<state>" not in err["message"]  # llguidance's parser dump stays out
+    streamed = httpx.post(url, json={**body, "stream": True}, timeout=60).text
+    assert '"code":"invalid_value"' in streamed and streamed.endswith("data: [DONE]\n\n")
+    ok = httpx.post(url, json={**body, "response_format": {"type": "json_object"}}, timeout=60)
+    assert ok.status_code == 200
+    metrics = live_server.wait_idle()
+    assert metrics["veloxquant_block_pool_blocks_in_use"] == 0
