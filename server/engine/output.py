@@ -58,7 +58,8 @@ class OutputProcessor:
         if token in state.eos_ids:
             state.finish = FinishReason.STOP
             state.ended_on_eos = True
-            return None
+            held = state.stop.held_records()  # their text comes with the final flush
+            return TokenEvent("", token, held) if held else None
         params = state.request.params
         logprob = None
         if params.logprobs and logprobs is not None:
@@ -67,12 +68,13 @@ class OutputProcessor:
         if not state.detokenizer.tokens:
             prime(state.detokenizer, self.primer)
         state.detokenizer.add_token(token)
-        text, hit = state.stop.feed(state.detokenizer.last_segment)
+        text, hit, records = state.stop.feed_token(state.detokenizer.last_segment, logprob)
         if hit:
             state.finish = FinishReason.STOP
         elif state.generated >= state.max_tokens:
             state.finish = FinishReason.LENGTH
-        return TokenEvent(text, token, logprob)
+            records += state.stop.held_records()  # their text comes with the final flush
+        return TokenEvent(text, token, records)
 
     @staticmethod
     def final_text(state: RequestState) -> str:
@@ -161,13 +163,48 @@ class StopMatcher:
                        fed: "D!"    -> stop; output so far "the " (stop excluded)
     """
 
-    __slots__ = ("_stops", "_hold", "_pending")
+    __slots__ = ("_stops", "_hold", "_pending", "_records")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
         # Longest proper prefix of a stop string that may be pending at the end of the text.
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
+        # Log-probability records of tokens whose text is still held, each with where its
+        # text starts and ends relative to the held text (a start < 0: partly sent).
+        self._records: list[tuple[TokenLogprob, int, int]] = []
+
+    def feed_token(self, text: str, record: TokenLogprob | None
+                   ) -> tuple[str, bool, tuple[TokenLogprob, ...]]:
+        """:meth:`feed` one token's text, keeping its log-probability record in step.
+
+        A record goes out with the event that releases the last of its token's
+        text, and a token whose text lies wholly in a matched stop string (or
+        after it) is never reported: joined, the records' tokens are the text.
+
+        Returns:
+            (text safe to emit, stop string hit, records to send with it).
+        """
+        if record is None and not self._records:
+            return (*self.feed(text), ())
+        start = len(self._pending)
+        if record is not None:
+            self._records.append((record, start, start + len(text)))
+        out, hit = self.feed(text)
+        sent = len(out)
+        if hit:  # what started before the stop string was (partly) sent; the rest is dropped
+            done = tuple(r for r, begin, _ in self._records if begin < sent)
+            self._records = []
+            return out, True, done
+        done = tuple(r for r, _, end in self._records if end <= sent)
+        self._records = [(r, begin - sent, end - sent) for r, begin, end in self._records
+                         if end > sent]
+        return out, False, done
+
+    def held_records(self) -> tuple[TokenLogprob, ...]:
+        """Records still held, released with the held text at the end (no stop string hit)."""
+        done, self._records = tuple(r for r, _, _ in self._records), []
+        return done
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, stop string hit)."""

@@ -183,11 +183,16 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """New output text (possibly empty while a stop string is being matched)."""
+    """New output text (possibly empty while a stop string is being matched).
+
+    ``logprobs``: the records of the tokens whose text this event completes, in
+    order (none while a token's text is held back; several when held text is
+    released; empty when the client asked for none).
+    """
 
     text: str
     token_id: int
-    logprob: TokenLogprob | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,7 +152,7 @@ class EngineSteps:
                 continue
             event = self.output.accept(state, sampled.token, sampled.logprobs)
             generated.append(state)
-            if event is not None and (event.text or event.logprob is not None):
+            if event is not None and (event.text or event.logprobs):
                 self._events.add(state.request.channel, event)
             if state.finish is not None:
                 done.append(state)

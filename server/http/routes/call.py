@@ -164,6 +164,6 @@ class GenerationCall:
             out.text_parts.append(event.text)
             if isinstance(event, Finished):
                 out.finished = event
-            elif event.logprob is not None:
-                out.logprobs.append(event.logprob)
+            else:
+                out.logprobs += event.logprobs
         return out

@@ -135,15 +135,18 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
     templates = [FrameTemplate(delta(i, {"content": TEXT_MARK}, None))
                  for i in range(len(fanout.calls))]
 
+    # Log-probability entries of text held back (a possible tool call): they go out with it.
+    pending: list[list[dict[str, Any]]] = [[] for _ in fanout.calls]
+
     def on_token(i: int, event: TokenEvent) -> dict[str, Any] | bytes | None:
+        if want_logprobs:
+            pending[i] += [chat_entry(r) for r in event.logprobs]
         text = event.text if held[i] is None else held[i].feed(event.text)
-        logprobs = None
-        if want_logprobs and event.logprob is not None and text == event.text:
-            logprobs = {"content": [chat_entry(event.logprob)]}
-        if not text and logprobs is None and held[i] is not None:
-            return None  # held back: it may be part of a tool call
-        if logprobs is not None:
-            return delta(i, {"content": text}, None, logprobs)
+        if not text and (held[i] is not None or not pending[i]):
+            return None  # nothing to send yet (held back: it may be part of a tool call)
+        if pending[i]:
+            entries, pending[i] = pending[i], []
+            return delta(i, {"content": text}, None, {"content": entries})
         return templates[i].frame(text)
 
     def on_finish(i: int, event: Finished) -> list[dict[str, Any]]:
@@ -154,7 +157,9 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         now = stream.feed(event.text)
         rest, calls = stream.finish()
         rest = now + rest
-        chunks = [delta(i, {"content": rest}, None)] if rest else []
+        entries, pending[i] = pending[i], []
+        logprobs = {"content": entries} if entries else None
+        chunks = [delta(i, {"content": rest}, None, logprobs)] if rest or entries else []
         chunks += [delta(i, {"tool_calls": [{"index": k, **call}]}, None)
                    for k, call in enumerate(calls)]
         return chunks + [delta(i, {}, _calls_finish(tools) if calls else event.reason.value)]

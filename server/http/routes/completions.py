@@ -195,8 +195,8 @@ class _Answer:
             j, TEXT_MARK, None, None)]}) for j in range(len(fanout.calls))]
 
         def on_token(j: int, event: TokenEvent) -> dict[str, Any] | bytes:
-            if self.want_logprobs and event.logprob is not None:
-                logprobs = self.legacy[j].chunk([event.logprob])
+            if self.want_logprobs and event.logprobs:
+                logprobs = self.legacy[j].chunk(list(event.logprobs))
                 return {**self.base, "choices": [self._choice(j, event.text, logprobs, None)]}
             return templates[j].frame(event.text)
 

@@ -200,8 +200,8 @@ async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
     try:
         async for _, item in fanout.events():
             if isinstance(item, TokenEvent):
-                if want_logprobs and item.logprob is not None:
-                    pending.append(chat_entry(item.logprob))
+                if want_logprobs:
+                    pending += [chat_entry(r) for r in item.logprobs]
                 text = item.text if held is None else held.feed(item.text)
                 if text:
                     yield b"".join(delta(text))
