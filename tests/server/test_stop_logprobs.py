@@ -83,3 +83,20 @@ def test_a_stop_string_cuts_the_logprobs_with_the_text(live_server: LiveServer, 
     assert _text(stopped, chat) == text[:cut]
     assert _tokens(stopped, chat) == want
     assert _streamed(live_server, path, body, chat) == (text[:cut], want)
+
+
+PICK = {"type": "function", "function": {
+    "name": "pick", "parameters": {"type": "object",
+                                   "properties": {"op": {"enum": ["add", "sub"]}},
+                                   "required": ["op"], "additionalProperties": False}}}
+
+
+def test_a_streamed_tool_call_keeps_its_logprobs(live_server: LiveServer):
+    """Text held back as a possible call sends its entries when it is released or at the end."""
+    body = {"messages": [{"role": "user", "content": "Pick"}], "tools": [PICK],
+            "tool_choice": "required", "logprobs": True, "max_tokens": 40, "seed": 3}
+    path = "/v1/chat/completions"
+    whole = httpx.post(live_server.base_url + path, json=body, timeout=60).json()
+    assert whole["choices"][0]["message"]["tool_calls"]
+    tokens = _tokens(whole, chat=True)
+    assert tokens and _streamed(live_server, path, body, chat=True)[1] == tokens
