@@ -208,3 +208,21 @@ def test_a_schema_with_no_finite_value_is_a_client_error(live_server):
     assert ok.status_code == 200
     metrics = live_server.wait_idle()
     assert metrics["veloxquant_block_pool_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("path,fields", [
+    ("/v1/chat/completions", {"response_format": _schema_format()}),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+])
+def test_stop_strings_are_refused_on_constrained_output(live_server, path, fields):
+    """A stop string would cut the document and call that a normal stop."""
+    import httpx
+
+    base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    body = {**base, **fields, "max_tokens": 4, "stop": ["color"]}
+    resp = httpx.post(live_server.base_url + path, json=body, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop", resp.text
+    del body["stop"]
+    assert httpx.post(live_server.base_url + path, json=body, timeout=60).status_code == 200

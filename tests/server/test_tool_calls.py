@@ -59,6 +59,9 @@ def auto(parallel: bool | None = None):
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], None,
      "tools[0].function.parameters"),
     ([WEATHER, WEATHER], None, "tools"),
+    # Arguments are an object: a forced call with an array of them was never read as a call.
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+     "required", "tools[0].function.parameters"),
     (TOOLS, "sometimes", "tool_choice"),
     (None, "required", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),

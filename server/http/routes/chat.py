@@ -29,7 +29,7 @@ from server.http.routes.params import (
     resolve_params,
 )
 from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
-from server.http.routes.structured import output_constraint
+from server.http.routes.structured import output_constraint, refuse_stop
 from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.schemas import ChatCompletionRequest, ChatMessage
 from server.http.schemas.refusals import refuse_unsupported
@@ -58,6 +58,7 @@ async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engi
                         tools: ToolPlan) -> SamplingParams:
     """Add the output's grammar, and with ``parallel_tool_calls: false`` stop after one call."""
     constraint = await output_constraint(engine, body.response_format, tools)
+    refuse_stop(constraint, params.stop)
     stop = params.stop
     if tools.mode == "auto" and not tools.parallel:
         stop += (TOOL_CALL_CLOSE,)
@@ -84,14 +85,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = get_engine(request)
     check_model(body.model, engine)
     refuse_unsupported(body)
+    body.check_logprobs()
     check_stream_options(body)
     settings = request.app.state.settings
     check_choices(body.n, 1, settings)
     tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    params = resolve_params(body, settings, max_tokens, logprobs=body.logprobs,
-                            top_logprobs=body.top_logprobs or 0)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = resolve_params(body, settings, getattr(body, field), logprobs=body.logprobs,
+                            top_logprobs=body.top_logprobs or 0, max_tokens_field=field)
     prompt, rid = chat_prompt(body.messages, tools), new_id("chatcmpl")
     params = await with_grammar(params, body, engine, tools)
     fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),

@@ -55,12 +55,16 @@ def resolve_params(
     *,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:
     """Apply server defaults and limits to the request's sampling fields.
 
     The seed (int64) becomes MLX's unsigned 64-bit key as ``seed mod 2**64``
     (-1 is key 2**64 - 1): one key per seed, and ``mx.random.key`` never sees
     a negative number, which it refuses.
+
+    ``max_tokens_field`` is the request field ``max_tokens`` came from, named
+    when it is over the cap (chat's ``max_completion_tokens``).
 
     Raises:
         InvalidRequestError: Too many/long stop strings, max_tokens over the
@@ -76,9 +80,9 @@ def resolve_params(
                                   "characters", param="stop")
     max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
     if max_tokens > limits.max_tokens_cap:
-        raise InvalidRequestError(f"max_tokens={max_tokens} is over this server's cap of "
-                                  f"{limits.max_tokens_cap} (limits.max_tokens_cap)",
-                                  param="max_tokens")
+        raise InvalidRequestError(f"{max_tokens_field}={max_tokens} is over this server's cap "
+                                  f"of {limits.max_tokens_cap} (limits.max_tokens_cap)",
+                                  param=max_tokens_field)
     bias = [(_token_id(key), float(value)) for key, value in (body.logit_bias or {}).items()]
 
     def pick(value, default):

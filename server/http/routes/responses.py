@@ -61,7 +61,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     try:
         tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         params = resolve_params(chat, request.app.state.settings, chat.max_completion_tokens,
-                                logprobs=chat.logprobs, top_logprobs=chat.top_logprobs or 0)
+                                logprobs=chat.logprobs, top_logprobs=chat.top_logprobs or 0,
+                                max_tokens_field="max_output_tokens")
         params = await with_grammar(params, chat, engine, tools)
         fanout = Fanout([GenerationCall(request, engine, chat_prompt(chat.messages, tools),
                                         params, rid)])

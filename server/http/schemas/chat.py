@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
+from server.http.errors import InvalidRequestError
 from server.http.schemas.common import OpenAIModel, SamplingFields
 
 
@@ -98,8 +99,11 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
+    def check_logprobs(self) -> None:
+        """``top_logprobs`` needs ``logprobs: true`` (a 400 naming it, as OpenAI answers).
+
+        Not a model validator: its error would name the whole body, not the field.
+        """
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
-        return self
+            raise InvalidRequestError("top_logprobs requires logprobs: true",
+                                      param="top_logprobs")

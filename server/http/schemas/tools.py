@@ -100,6 +100,12 @@ def _function(i: int, tool: Any) -> Function:
     if not isinstance(parameters, dict):
         raise InvalidRequestError(f"{where}.function.parameters must be a JSON Schema object",
                                   param=f"{where}.function.parameters")
+    if parameters.get("type", "object") != "object":
+        # A call's arguments are a JSON object (OpenAI's rule too); a forced call with other
+        # arguments was generated, then not recognised as a call.
+        raise InvalidRequestError(f"{where}.function.parameters must describe an object "
+                                  f"(\"type\": \"object\"), not {parameters['type']!r}",
+                                  param=f"{where}.function.parameters")
     return Function(name, description, parameters)
 
 
