@@ -125,7 +125,7 @@ class ModelRunner:
         ``prefix``: the cached blocks it starts on (acquired at admission) and
         its prompt's block keys, when prefix caching is on.
         """
-        processors = build_logits_processors(params)
+        processors = build_logits_processors(params, len(prompt_ids))
         row = Row(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
                   greedy=params.temperature == 0.0 and not processors, params=params,
                   shared=batchable(params))

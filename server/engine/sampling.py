@@ -74,14 +74,45 @@ def reset_random_state() -> None:
     mx.random.seed(secrets.randbits(63))
 
 
-def build_logits_processors(params: SamplingParams) -> list[Callable]:
-    """mlx-lm logits processors for penalties and logit bias (empty when unused)."""
-    return make_logits_processors(
+def build_logits_processors(params: SamplingParams, prompt_tokens: int = 0) -> list[Callable]:
+    """Logits processors for penalties and logit bias (empty when unused).
+
+    ``logit_bias`` and ``repetition_penalty`` are mlx-lm's (the latter over the
+    last 20 tokens, prompt included, as mlx-lm and its server apply it).
+    ``presence_penalty`` and ``frequency_penalty`` are OpenAI's: over every token
+    generated so far and none of the prompt's ``prompt_tokens`` (mlx-lm's count
+    the prompt and only the last 20 tokens, so a greedy ``frequency_penalty: -2``
+    repeated a prompt word as its first token).
+    """
+    processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
     )
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(_output_penalty(params.presence_penalty or 0.0,
+                                          params.frequency_penalty or 0.0, prompt_tokens))
+    return processors
+
+
+def _output_penalty(presence: float, frequency: float, prompt_tokens: int) -> Callable:
+    """OpenAI's penalties: ``logit - frequency * count - presence * (count > 0)``.
+
+    ``count`` is how often a token was generated; it is kept per request and
+    grows by the tokens the history gained since the last call (one a step).
+    """
+    counts: mx.array | None = None
+    seen = prompt_tokens
+
+    def penalise(tokens: mx.array, logits: mx.array) -> mx.array:
+        nonlocal counts, seen
+        if counts is None:
+            counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+        if tokens.size > seen:
+            counts = counts.at[tokens[seen:]].add(1.0)
+            seen = tokens.size
+        return logits - (frequency * counts + presence * (counts > 0)).astype(logits.dtype)
+
+    return penalise
 
 
 def batchable(params: SamplingParams) -> bool:

@@ -22,6 +22,7 @@ from server.engine.sampling import (
     _keep_top_k,
     _keep_top_p,
     batchable,
+    build_logits_processors,
     sample_batch,
 )
 
@@ -93,3 +94,33 @@ def test_seeded_rows_and_rows_with_processors_sample_alone():
     assert not batchable(SamplingParams(max_tokens=1, temperature=1.0, seed=5))
     assert not batchable(SamplingParams(max_tokens=1, presence_penalty=0.5))
     assert not batchable(SamplingParams(max_tokens=1, logit_bias=((3, 5.0),)))
+
+
+def test_presence_and_frequency_penalties_count_only_generated_tokens():
+    """OpenAI's rule: every generated token so far, none of the prompt, no window."""
+    params = SamplingParams(max_tokens=64, presence_penalty=0.5, frequency_penalty=1.0)
+    (penalty,) = build_logits_processors(params, prompt_tokens=2)
+    logits = mx.zeros((1, 10))
+    prompt = [5, 6]
+    assert (penalty(mx.array(prompt), logits) == 0).all()  # nothing generated yet
+    generated = [7] + [9] * 30 + [7, 8]  # token 7 first seen 32 tokens ago
+    history = prompt
+    for token in generated:  # one call a step, as the runner makes them
+        history = history + [token]
+        out = penalty(mx.array(history), logits)
+    expect = [0.0] * 10
+    expect[7], expect[8], expect[9] = -(2 * 1.0 + 0.5), -(1.0 + 0.5), -(30 * 1.0 + 0.5)
+    assert out[0].tolist() == expect
+
+
+def test_a_negative_frequency_penalty_leaves_the_first_token_alone(live_server):
+    """The prompt is not counted: greedy's first token is the unpenalised one."""
+    import httpx
+
+    body = {"prompt": "once upon a time there was a time", "max_tokens": 3, "temperature": 0}
+    url = live_server.base_url + "/v1/completions"
+    free = httpx.post(url, json={**body, "logprobs": 1}, timeout=60).json()
+    boosted = httpx.post(url, json={**body, "logprobs": 1, "frequency_penalty": -2.0},
+                         timeout=60).json()
+    first = [r["choices"][0]["logprobs"]["tokens"][0] for r in (free, boosted)]
+    assert first[0] == first[1]
