@@ -162,6 +162,12 @@ class KVCache(ABC):
 
     def append(self, k: object, v: object) -> None:
         """Append keys and values for the same tokens (shapes must match)."""
+        keys, values = self._paired_rows(k, v)
+        self.append_key(keys)
+        self.append_value(values)
+
+    def _paired_rows(self, k: object, v: object) -> tuple[mx.array, mx.array]:
+        """``append``'s arguments as rows, checked to be the same number of tokens."""
         keys = as_rows(k, self.head_dim, "key")
         values = as_rows(v, self.head_dim, "value")
         if keys.shape[0] != values.shape[0]:
@@ -169,8 +175,7 @@ class KVCache(ABC):
                 f"append got {keys.shape[0]} key row(s) but {values.shape[0]} value row(s); "
                 "pass the same tokens' keys and values, or use append_key/append_value"
             )
-        self.append_key(keys)
-        self.append_value(values)
+        return keys, values
 
     def key_scores(self, queries: mx.array) -> mx.array:
         """Estimated raw inner products ``queries @ K^T``, shape ``(q, n_keys)``."""

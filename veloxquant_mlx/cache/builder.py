@@ -15,6 +15,11 @@ from typing import ClassVar
 from veloxquant_mlx.cache.base import KVCache
 
 
+def _whole(value: object) -> bool:
+    """An int and not a bool (``bits=True`` is not a bit count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Everything needed to build one head's compressed cache.
@@ -53,12 +58,12 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         cls = KVCacheFactory.method_class(self.method)
-        if not isinstance(self.head_dim, int) or self.head_dim < 4:
+        if not _whole(self.head_dim) or self.head_dim < 4:
             raise ValueError(f"head_dim must be an int >= 4, got {self.head_dim!r}")
         lo, hi = cls.bits_range
         if self.bits is None:
             object.__setattr__(self, "bits", cls.default_bits)
-        elif not isinstance(self.bits, int) or not lo <= self.bits <= hi:
+        elif not _whole(self.bits) or not lo <= self.bits <= hi:
             raise ValueError(
                 f"bits={self.bits!r} is out of range for method {self.method!r}; "
                 f"valid choices: {list(range(lo, hi + 1))}"
@@ -71,6 +76,12 @@ class KVCacheConfig:
             )
 
     def _check_knobs(self) -> None:
+        # Counts first: a float group_size would only fail later, inside MLX.
+        for name in ("group_size", "residual_length", "calibration_tokens", "outlier_channels"):
+            if not _whole(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.rank is not None and not _whole(self.rank):
+            raise ValueError(f"rank must be an int or None, got {self.rank!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.residual_length < 0:

@@ -24,6 +24,7 @@ Invariants (checked by the stateful tests):
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -44,14 +45,34 @@ from veloxquant_mlx.memory.records import (
 __all__ = ["AllocationStats", "Block", "BlockPoolAllocator", "PoolConfig"]
 
 
-def _bad_argument(n_tokens: object, owner: object) -> Exception:
-    """The typed error for a bad ``n_tokens`` or ``owner`` (kept off the hot path)."""
+def _as_count(n_tokens: object) -> int:
+    """``n_tokens`` as a plain int, or the typed error (kept off the hot path).
+
+    An int subclass (an ``IntEnum`` member, say) is an int, as PoolConfig
+    accepts it; it is converted so the pool only ever stores plain ints.
+    """
+    return int(check_count("n_tokens", n_tokens, 1))
+
+
+def _as_owner(owner: object) -> int:
+    """``owner`` as a plain int, or the typed error (see :func:`_as_count`)."""
+    return int(check_count("owner", owner, -(2**63)))
+
+
+def _blocks_memory_holds() -> int:
+    """Most blocks this machine's RAM could hold (0: RAM size unknown, no limit).
+
+    Counted at 100 bytes a block, below what a block and its index entries
+    really take (about 200), so growth is refused only when it cannot succeed.
+    """
     try:
-        check_count("n_tokens", n_tokens, 1)
-        check_count("owner", owner, -(2**63))
-    except (PoolArgumentError, PoolArgumentTypeError) as err:
-        return err
-    raise AssertionError("_bad_argument called with valid arguments")
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 0
+    return max(ram, 0) // 100
+
+
+_BLOCKS_MEMORY_HOLDS = _blocks_memory_holds()
 
 
 class _Stream:
@@ -77,6 +98,9 @@ class BlockPoolAllocator:
     """
 
     def __init__(self, config: PoolConfig | None = None) -> None:
+        if config is not None and not isinstance(config, PoolConfig):
+            raise PoolArgumentTypeError(
+                f"config must be a PoolConfig, got {type(config).__name__}")
         self.config = config if config is not None else PoolConfig()
         self._lock = threading.Lock()
         # Bound once: calling a stored method skips a method look-up per call.
@@ -113,16 +137,25 @@ class BlockPoolAllocator:
     # -- internal helpers (call with the lock held) -------------------------
 
     def _add_fresh(self, stream: _Stream, count: int) -> None:
-        """Create ``count`` new blocks at the bottom of ``stream``'s stack."""
-        new = []
-        for block_id in range(self._next_id + count - 1, self._next_id - 1, -1):
-            block = Block(block_id, stream.name)
-            block._pool = self
-            block._home = stream.stack
-            self._blocks[block_id] = block
-            new.append(block)  # highest id first: the lowest ends nearest the top
+        """Create ``count`` new blocks at the bottom of ``stream``'s stack, or none.
+
+        All-or-nothing: if memory runs out part way, the blocks made so far are
+        dropped again (none stays in ``_blocks`` unreachable from a stack).
+        """
+        new: list[Block] = []
+        try:
+            for block_id in range(self._next_id + count - 1, self._next_id - 1, -1):
+                block = Block(block_id, stream.name)
+                block._pool = self
+                block._home = stream.stack
+                self._blocks[block_id] = block
+                new.append(block)  # highest id first: the lowest ends nearest the top
+            stream.stack[:0] = new
+        except BaseException:
+            for block in new:
+                del self._blocks[block.block_id]
+            raise
         self._next_id += count
-        stream.stack[:0] = new
         stream.n_fresh += count
 
     def _count(self, owner: int, stream: str, delta: int) -> None:
@@ -160,18 +193,31 @@ class BlockPoolAllocator:
         c = self.stats
         free = len(stream.stack)
         gap = needed - free
-        cap = self.config.max_blocks
-        if self.config.grow_on_exhaustion and (cap is None or c.n_blocks + gap <= cap):
-            self._add_fresh(stream, gap)
-            c.n_blocks += gap
-            c.n_grown += gap
+        detail = self._grow(stream, gap) if self.config.grow_on_exhaustion else ""
+        if detail is None:
             return
         c.n_exhausted += 1  # failed allocate() calls, not blocks (the seed page's definition)
         self._record(c)
-        detail = ""
-        if self.config.grow_on_exhaustion:
-            detail = f"growing by {gap} would pass max_blocks={cap}"
         raise BlockPoolExhaustedError(stream.name, needed, free, detail)
+
+    def _grow(self, stream: _Stream, gap: int) -> str | None:
+        """Add ``gap`` blocks to ``stream``: None once done, else why not (nothing added)."""
+        c = self.stats
+        cap = self.config.max_blocks
+        if cap is not None and c.n_blocks + gap > cap:
+            return f"growing by {gap} would pass max_blocks={cap}"
+        # Checked up front: making blocks one by one until memory runs out
+        # would take minutes (max_blocks=None means unbounded, not infinite).
+        if 0 < _BLOCKS_MEMORY_HOLDS < c.n_blocks + gap:
+            return (f"growing by {gap} blocks needs more memory than this machine has; "
+                    "ask for fewer tokens or set max_blocks")
+        try:
+            self._add_fresh(stream, gap)
+        except MemoryError:
+            return f"ran out of memory growing by {gap} blocks"
+        c.n_blocks += gap
+        c.n_grown += gap
+        return None
 
     def _set_used(self, block: Block, value: object) -> None:
         """Back end of ``Block.n_used = value``: keep the partial count exact."""
@@ -236,8 +282,10 @@ class BlockPoolAllocator:
         """
         # Arguments are typed ``object`` and narrowed here, so that a compiled
         # build reports bad input with our typed errors, not a generic one.
-        if type(n_tokens) is not int or type(owner) is not int or n_tokens <= 0:
-            raise _bad_argument(n_tokens, owner)
+        if type(n_tokens) is not int or n_tokens <= 0:
+            n_tokens = _as_count(n_tokens)
+        if type(owner) is not int:
+            owner = _as_owner(owner)
         if type(format) is not str:
             raise PoolArgumentTypeError(f"format must be a str, got {type(format).__name__}")
         if type(stream) is not str:
@@ -294,6 +342,7 @@ class BlockPoolAllocator:
             block.ever_allocated = True
             st.n_fresh -= 1
         block.owner = owner
+        block.checkouts += 1
         block.format = format
         block._n_used = n_used
         if n_used != self._block_size:
@@ -326,6 +375,7 @@ class BlockPoolAllocator:
         bs = self._block_size
         for block in taken:
             block.owner = owner
+            block.checkouts += 1
             block.format = format
             block._n_used = bs
             owned[block._key] = block
@@ -356,7 +406,11 @@ class BlockPoolAllocator:
         Raises:
             ForeignBlockError: A block is not one of this pool's live blocks;
                 nothing is freed in that case.
+            PoolArgumentTypeError: ``blocks`` is one block, or not a collection.
         """
+        if isinstance(blocks, Block) or not hasattr(blocks, "__iter__"):
+            raise PoolArgumentTypeError(
+                f"free() takes a list of blocks, got {type(blocks).__name__}")
         self._acquire()
         try:
             checked = [self._live_block(block, "free") for block in blocks]
@@ -416,7 +470,7 @@ class BlockPoolAllocator:
             Nothing moves when any of these is raised.
         """
         if type(owner) is not int:
-            raise _bad_argument(1, owner)
+            owner = _as_owner(owner)
         self._acquire()
         try:
             checked: list[Block] = []
@@ -458,7 +512,7 @@ class BlockPoolAllocator:
                 and not yet released.
         """
         if type(owner) is not int:
-            raise _bad_argument(1, owner)
+            owner = _as_owner(owner)
         self._acquire()
         try:
             if owner in self._owned and owner not in self._released:

@@ -8,8 +8,10 @@ was reused by a new request, which gets a new lease) do nothing.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.exceptions import VeloxQuantError
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
 
 class OwnerLease:
@@ -56,3 +58,25 @@ def release_lease(lease: OwnerLease) -> bool:
                 del _LEASES[id(lease.pool)]
     lease.pool.free_all(lease.owner)
     return True
+
+
+def require_owned(blocks: Sequence[Block], owner: int, start: int = 0) -> None:
+    """Raise unless ``blocks[start:]`` are all still checked out to ``owner``.
+
+    ``pool.free_all(owner)`` called behind a cache's back returns its blocks,
+    and the pool may already have handed them to another request: a cache
+    checks the blocks it is about to change or free, so it never touches
+    another owner's.
+
+    Raises:
+        VeloxQuantError: Naming the first block that changed hands.
+    """
+    for i in range(start, len(blocks)):
+        block = blocks[i]
+        if block.owner != owner:
+            raise VeloxQuantError(
+                f"block {block.block_id} of this cache no longer belongs to owner {owner} "
+                f"(now {block.owner!r}): pool.free_all({owner}) was called while the cache "
+                "was in use. Use cache.release() when a request ends, and build new caches "
+                "for the next one"
+            )

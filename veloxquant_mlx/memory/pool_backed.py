@@ -40,14 +40,17 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
-from veloxquant_mlx.exceptions import VeloxQuantError
+from veloxquant_mlx.exceptions import PoolArgumentTypeError, VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.memory.leases import OwnerLease, lease_for, release_lease
+from veloxquant_mlx.memory.leases import OwnerLease, lease_for, release_lease, require_owned
+from veloxquant_mlx.memory.pool_config import check_count
 from veloxquant_mlx.memory.pool_kv_common import (
     DEFAULT_BUFFER_STEP,
     ContiguousKVBuffer,
     allocate_kv,
+    check_kv_input,
     check_positive,
+    check_trim,
     format_of,
     free_past,
     mark_used,
@@ -120,6 +123,8 @@ class PoolBackedKVCache(ContiguousKVBuffer):
 
         Raises:
             VeloxQuantError: If the cache is already attached.
+            PoolArgumentTypeError: If ``pool`` is not a ``BlockPoolAllocator``
+                or ``owner`` is not an int.
             BlockPoolExhaustedError: If the pool cannot cover the cache's tokens.
         """
         if self.pool is not None:
@@ -127,13 +132,17 @@ class PoolBackedKVCache(ContiguousKVBuffer):
                 "this PoolBackedKVCache is already attached to a pool; "
                 "build a new cache for another request"
             )
+        if not isinstance(pool, BlockPoolAllocator):
+            raise PoolArgumentTypeError(
+                f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
+        check_count("owner", owner, -(2**63))  # now, not at the first update
         self.step = check_positive("step", step if step is not None else pool.config.block_size)
         self.pool = pool
         self.owner = owner
         self._block_size = pool.config.block_size
         self._lease = lease_for(pool, owner)
         try:
-            self._account(self.offset)
+            self._account(self.offset, self._dtype())
         except BaseException:
             # Stay detached so the caller can attach to a roomier pool.
             self.pool = self.owner = self.step = self._lease = None
@@ -151,16 +160,22 @@ class PoolBackedKVCache(ContiguousKVBuffer):
                 "build_pooled_caches() for a new request"
             )
 
-    def _account(self, end: int) -> None:
+    def _dtype(self) -> mx.Dtype:
+        """The dtype new blocks are tagged with (float16 while empty)."""
+        return self.keys.dtype if self.keys is not None else mx.float16
+
+    def _account(self, end: int, dtype: mx.Dtype) -> None:
         """Hold blocks for exactly the tokens ``[0, end)`` plus growth slack.
 
         Allocates in ``step`` chunks when ``end`` passes the held tokens and
         frees whole blocks past ``end`` (after a trim). Raises before changing
-        anything if the pool is exhausted.
+        anything if the pool is exhausted or took the blocks back.
         """
         bs = self._block_size
+        require_owned(self._k_blocks, self.owner)
+        require_owned(self._v_blocks, self.owner)
         if end > len(self._k_blocks) * bs:
-            self._grow_to(end, self.keys.dtype if self.keys is not None else mx.float16)
+            self._grow_to(end, dtype)
         else:
             free_past(self.pool, self._k_blocks, self._v_blocks, -(-end // bs))
         mark_used(self._k_blocks, self._v_blocks, 0, end, bs)
@@ -202,18 +217,30 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         Raises:
             BlockPoolExhaustedError: The pool cannot cover the new tokens; the
                 cache is left unchanged.
-            VeloxQuantError: The cache is detached or was released.
+            PoolArgumentTypeError: ``keys``/``values`` are not ``mx.array``s.
+            PoolArgumentError: They are not 4-D with the same token count.
+            VeloxQuantError: The cache is detached or was released, or its
+                blocks were freed behind its back (``pool.free_all(owner)``).
         """
         lease = self._lease
         if lease is None or lease.released:
             self._require_live()
+        check_kv_input(keys, values)
         prev = self.offset
         end = prev + keys.shape[2]
         bs = self._block_size
         k_blocks = self._k_blocks
-        if end > len(k_blocks) * bs:
+        # Only the blocks from the current one on are changed below.
+        require_owned(k_blocks, self.owner, prev // bs)
+        require_owned(self._v_blocks, self.owner, prev // bs)
+        held = len(k_blocks)
+        if end > held * bs:
             self._grow_to(end, keys.dtype)
-        self._write_columns(prev, end, keys, values, self.buffer_step)
+        try:
+            self._write_columns(prev, end, keys, values, self.buffer_step)
+        except BaseException:
+            free_past(self.pool, k_blocks, self._v_blocks, held)  # what this call took
+            raise
         self.offset = end
         last = (end - 1) // bs
         if prev // bs == last and last + 1 == len(k_blocks):
@@ -242,12 +269,13 @@ class PoolBackedKVCache(ContiguousKVBuffer):
     @state.setter
     def state(self, v) -> None:
         keys, values, offset = v
+        offset = int(offset) if keys is not None else 0
         if self._lease is not None:
             self._require_live()
+            # Account first: an exhausted pool must leave the old state in place.
+            self._account(offset, keys.dtype if keys is not None else mx.float16)
         self.keys, self.values = keys, values
-        self.offset = int(offset) if keys is not None else 0
-        if self._lease is not None:
-            self._account(self.offset)
+        self.offset = offset
 
     @property
     def meta_state(self) -> tuple[str, str]:
@@ -257,8 +285,11 @@ class PoolBackedKVCache(ContiguousKVBuffer):
     @meta_state.setter
     def meta_state(self, v) -> None:
         step, buffer_step = (int(x) for x in v)
+        buffer_step = check_positive("buffer_step", buffer_step)
+        if self.pool is not None:  # attached: growth needs a real step ("0" means none)
+            step = check_positive("step", step)
         self.step = step or None
-        self.buffer_step = check_positive("buffer_step", buffer_step)
+        self.buffer_step = buffer_step
 
     @classmethod
     def from_state(cls, state, meta_state=None) -> PoolBackedKVCache:
@@ -278,13 +309,16 @@ class PoolBackedKVCache(ContiguousKVBuffer):
 
         Returns:
             The number of tokens trimmed.
+
+        Raises:
+            PoolArgumentTypeError: ``n`` is not an integer.
+            PoolArgumentError: ``n`` is negative.
         """
-        n = min(self.offset, n)
+        n = min(self.offset, check_trim(n))
         if n and self._lease is not None:
             self._require_live()
+            self._account(self.offset - n, self._dtype())
         self.offset -= n
-        if n and self._lease is not None:
-            self._account(self.offset)
         return n
 
     def size(self) -> int:

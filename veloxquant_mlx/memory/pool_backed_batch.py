@@ -38,14 +38,16 @@ import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
-from veloxquant_mlx.exceptions import VeloxQuantError
+from veloxquant_mlx.exceptions import PoolArgumentError, VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.pool_backed import PoolBackedKVCache
 from veloxquant_mlx.memory.pool_kv_common import (
     DEFAULT_BUFFER_STEP,
     ContiguousKVBuffer,
     allocate_kv,
+    check_kv_input,
     check_positive,
+    check_trim,
     format_of,
     free_past,
     mark_used,
@@ -178,7 +180,14 @@ class PoolBackedBatchKVCache(ContiguousKVBuffer):
 
         Raises:
             BlockPoolExhaustedError: A row's growth does not fit; nothing changed.
+            PoolArgumentTypeError, PoolArgumentError: Input that cannot be
+                written (not ``mx.array``s, not ``(B, H, n, D)`` with one row
+                per owner); nothing changed.
         """
+        check_kv_input(keys, values)
+        if keys.shape[0] != len(self.rows):
+            raise PoolArgumentError(
+                f"keys have {keys.shape[0]} row(s) but this batch cache has {len(self.rows)}")
         prev, n = self._idx, keys.shape[2]
         self._idx = prev + n
         try:
@@ -237,10 +246,19 @@ class PoolBackedBatchKVCache(ContiguousKVBuffer):
                                   left_padding=self.left_padding)
 
     def filter(self, batch_indices) -> None:
-        """Keep only the rows ``batch_indices`` (in that order); free the others' blocks."""
+        """Keep only the rows ``batch_indices`` (in that order); free the others' blocks.
+
+        Raises:
+            PoolArgumentError: An index is out of range or listed twice (a row
+                and its blocks cannot be in the batch twice); nothing changed.
+        """
         keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
                                  else batch_indices)]
         kept = set(keep)
+        # Checked before any block is freed: a bad index must not cost rows their blocks.
+        if len(kept) != len(keep) or not all(0 <= i < len(self.rows) for i in keep):
+            raise PoolArgumentError(
+                f"filter() takes distinct row indices in [0, {len(self.rows)}), got {keep}")
         self._free_rows([r for i, r in enumerate(self.rows) if i not in kept])
         self.rows = [self.rows[i] for i in keep]
         self._lp = [self._lp[i] for i in keep]
@@ -268,8 +286,13 @@ class PoolBackedBatchKVCache(ContiguousKVBuffer):
 
         Raises:
             VeloxQuantError: ``other`` is not a batch cache of the same pool,
-                or either cache has a prefill pending ``finalize``.
+                is this cache itself, or either cache has a prefill pending
+                ``finalize``.
         """
+        if other is self:
+            raise VeloxQuantError(
+                "a batch cache cannot extend itself (its rows would be emptied); "
+                "extend it with another request's cache")
         if not isinstance(other, PoolBackedBatchKVCache) or other.pool is not self.pool:
             raise VeloxQuantError(
                 "extend() takes a PoolBackedBatchKVCache of the same pool; build the "
@@ -355,8 +378,13 @@ class PoolBackedBatchKVCache(ContiguousKVBuffer):
             "and join them with extend()")
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` columns of every row; frees the blocks no row needs."""
-        n = min(self._idx, n)
+        """Forget the last ``n`` columns of every row; frees the blocks no row needs.
+
+        Raises:
+            PoolArgumentTypeError: ``n`` is not an integer.
+            PoolArgumentError: ``n`` is negative.
+        """
+        n = min(self._idx, check_trim(n))
         self._idx -= n
         self.offset = self.offset - n
         for i, row in enumerate(self.rows):

@@ -10,9 +10,12 @@ the paired allocation, the ``n_used`` bookkeeping and the model check.
 
 from __future__ import annotations
 
+import operator
+
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
+from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
 DEFAULT_BUFFER_STEP = 256
@@ -35,6 +38,40 @@ def check_positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def check_kv_input(keys: object, values: object) -> None:
+    """Refuse ``update_and_fetch`` input that cannot be written, before anything changes.
+
+    Raises:
+        PoolArgumentTypeError: ``keys`` or ``values`` is not an ``mx.array``.
+        PoolArgumentError: They are not ``(B, H, n, D)`` arrays of the same ``n``.
+    """
+    if type(keys) is not mx.array or type(values) is not mx.array:
+        raise PoolArgumentTypeError(
+            f"keys and values must be mx.arrays, got {type(keys).__name__} and "
+            f"{type(values).__name__}; convert with mx.array(...)")
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[2] != values.shape[2]:
+        raise PoolArgumentError(
+            f"keys and values must be (B, n_kv_heads, n, head_dim) with the same n, got "
+            f"{tuple(keys.shape)} and {tuple(values.shape)}")
+
+
+def check_trim(n: object) -> int:
+    """``trim``'s token count as an int (numpy ints included).
+
+    Raises:
+        PoolArgumentTypeError: ``n`` is not an integer (``2.5``, ``"1"``).
+        PoolArgumentError: ``n`` is negative (trimming cannot add tokens).
+    """
+    try:
+        count = operator.index(n)
+    except TypeError:
+        raise PoolArgumentTypeError(
+            f"trim() takes a whole number of tokens, got {type(n).__name__}") from None
+    if count < 0:
+        raise PoolArgumentError(f"trim() takes a token count >= 0, got {count}")
+    return count
 
 
 def require_plain_kv_model(model, cache_name: str, advice: str) -> None:

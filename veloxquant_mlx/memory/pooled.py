@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import KVCache
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.memory.leases import require_owned
 from veloxquant_mlx.memory.records import Block
 
 
@@ -114,42 +115,60 @@ class PooledKVCache(KVCache):
         """Whether :meth:`release` has been called."""
         return self._released
 
+    def append(self, k: object, v: object) -> None:
+        """Keys and values of the same tokens, all-or-nothing: the blocks of both
+        streams are checked out before either is stored."""
+        keys, values = self._paired_rows(k, v)
+
+        def write() -> None:
+            self.inner.append_key(keys)
+            self.inner.append_value(values)
+
+        self._account({"k": keys.shape[0], "v": values.shape[0]}, write)
+
     def _append_keys(self, keys: mx.array) -> None:
-        self._account("k", keys.shape[0], lambda: self.inner.append_key(keys))
+        self._account({"k": keys.shape[0]}, lambda: self.inner.append_key(keys))
 
     def _append_values(self, values: mx.array) -> None:
-        self._account("v", values.shape[0], lambda: self.inner.append_value(values))
+        self._account({"v": values.shape[0]}, lambda: self.inner.append_value(values))
 
-    def _account(self, stream: str, n_tokens: int, write: Callable[[], None]) -> None:
-        """Fill the last block, allocate the overflow, then let ``write`` store the rows.
+    def _account(self, tokens: dict[str, int], write: Callable[[], None]) -> None:
+        """Fill each stream's last block, allocate the overflow, then let ``write`` store.
 
-        Allocation happens before the write so that an exhausted pool leaves
-        the inner cache untouched (the pool is all-or-nothing too).
+        Every stream's allocation happens before the write, so that an
+        exhausted pool leaves the inner cache untouched (the pool is
+        all-or-nothing too).
         """
         if self._released:
             raise ValueError(
                 f"PooledKVCache for owner {self.owner} was released; its blocks are back in "
                 "the pool. Build a new cache (new owner id) for the next request"
             )
-        held = self._blocks[stream]
-        last = held[-1] if held else None
-        room = self.pool.config.block_size - last.n_used if last is not None else 0
-        fill = min(room, n_tokens)
-        overflow = n_tokens - fill
-        new = (
-            self.pool.allocate(stream, overflow, self.owner, format=self._format)
-            if overflow
-            else []
-        )
+        bs = self.pool.config.block_size
+        plans = []  # (held, last block, rows filled in it, new blocks) per stream
         try:
+            for stream, n_tokens in tokens.items():
+                held = self._blocks[stream]
+                require_owned(held[-1:], self.owner)
+                last = held[-1] if held else None
+                fill = min(bs - last.n_used if last is not None else 0, n_tokens)
+                plans.append((held, last, fill, []))
+                if n_tokens > fill:
+                    plans[-1][3].extend(self.pool.allocate(stream, n_tokens - fill, self.owner,
+                                                           format=self._format))
             write()
         except BaseException:
-            if new:
-                self.pool.free(new)
-                # Freeing an owner's last blocks deactivates it; keep our claim.
-                if self.owner not in self.pool.active_owners():
-                    self.pool.register_owner(self.owner)
+            self._give_back([block for plan in plans for block in plan[3]])
             raise
-        if fill:
-            last.n_used = last.n_used + fill
-        held.extend(new)
+        for held, last, fill, new in plans:
+            if fill:
+                last.n_used = last.n_used + fill
+            held.extend(new)
+
+    def _give_back(self, new: list[Block]) -> None:
+        """Free blocks a failed append took, keeping this cache's claim on its owner id."""
+        if new:
+            self.pool.free(new)
+            # Freeing an owner's last blocks deactivates it; keep our claim.
+            if self.owner not in self.pool.active_owners():
+                self.pool.register_owner(self.owner)

@@ -6,13 +6,16 @@ mutation rules. Kept apart so the allocator module stays about allocation.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
+from veloxquant_mlx.exceptions import PoolArgumentError
 from veloxquant_mlx.memory.pool_config import SHARED_STREAM
 
 if TYPE_CHECKING:
     from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _NO_HOME: list[Block] = []  # never appended to: only pool-made blocks are freed
 
 
@@ -23,11 +26,13 @@ class Block:
     place. ``owner`` is None while the block is free. ``n_used`` (token slots
     filled) is set by ``allocate()`` and kept current by whoever writes into
     the block; assigning it keeps the pool's fragmentation count in step.
+    ``checkouts`` counts the times the pool handed the block out (a transfer
+    is not one): storage compares it to tell a new owner from the last one.
     """
 
     __slots__ = (
         "block_id", "stream", "format", "_n_used", "owner", "ever_allocated", "_pool", "_key",
-        "_home",
+        "_home", "checkouts",
     )
 
     def __init__(
@@ -48,6 +53,7 @@ class Block:
         self._n_used = n_used
         self.owner = owner
         self.ever_allocated = ever_allocated
+        self.checkouts = 0
         self._pool: BlockPoolAllocator | None = None
         # The pool's free stack this block returns to; set by the pool. Shared
         # placeholder until then: one list per block would double the objects
@@ -177,7 +183,16 @@ class AllocationStats:
         return out
 
     def to_prometheus(self, prefix: str = "veloxquant_block_pool") -> str:
-        """Render the stats as Prometheus text exposition (newline-terminated)."""
+        """Render the stats as Prometheus text exposition (newline-terminated).
+
+        Raises:
+            PoolArgumentError: ``prefix`` is not a valid metric name (scrapers
+                would reject the whole page).
+        """
+        if not isinstance(prefix, str) or _METRIC_NAME.fullmatch(prefix) is None:
+            raise PoolArgumentError(
+                f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
+                f"got {prefix!r}")
         rows = (
             ("blocks_in_use", "gauge", "Blocks currently checked out", self.blocks_in_use()),
             ("blocks_total", "gauge", "Blocks the pool manages", self.n_blocks),

@@ -24,10 +24,12 @@ uint32     uint32        packed words (as ``mx.quantize`` produces)
 =========  ============  =====================================================
 
 Blocks are reused in place: a recycled block keeps its buffer and a write
-overwrites the old rows. Rows beyond what the current owner wrote are NOT
-zeroed, which is why :meth:`MLXBlockStorage.read` only returns the block's
-live rows (``block.n_used``). A buffer is re-made only when the block's
-format tag changes.
+overwrites the old rows. The first time the storage sees a block in a new
+checkout (``block.checkouts`` moved on: the pool handed it out again), it
+zeroes the buffer in place, so :meth:`MLXBlockStorage.read` (the block's
+``block.n_used`` rows) never shows a previous owner's rows, even though
+``allocate()`` marks the rows as used before anything is written. A buffer is
+re-made only when the block's format tag changes.
 
 Not thread-safe: one generation thread owns the storage, as it owns the model.
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from veloxquant_mlx.exceptions import ForeignBlockError, PoolArgumentTypeError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
 FORMAT_DTYPES: dict[str, mx.Dtype] = {
@@ -80,17 +83,23 @@ class MLXBlockStorage:
         * a buffer exists only for block ids that were written or read;
         * a buffer's dtype is ``dtype_for(format)`` of the format it was made
           for, and it is re-made only when the block's format tag changes;
-        * after ``write(block, offset, values)``, ``block.n_used >= offset + len(values)``.
+        * after ``write(block, offset, values)`` of n >= 1 rows,
+          ``block.n_used >= offset + n``;
+        * ``read`` never returns rows written under an earlier checkout of the block.
 
     Args:
         pool: The pool whose blocks this storage backs.
         head_dim: Width of one token slot (columns of every buffer).
 
     Raises:
+        PoolArgumentTypeError: If ``pool`` is not a ``BlockPoolAllocator``.
         ValueError: If ``head_dim < 1``.
     """
 
     def __init__(self, pool: BlockPoolAllocator, head_dim: int) -> None:
+        if not isinstance(pool, BlockPoolAllocator):
+            raise PoolArgumentTypeError(
+                f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         self.pool = pool
@@ -98,14 +107,24 @@ class MLXBlockStorage:
         self.block_size = pool.config.block_size
         self._buffers: dict[int, mx.array] = {}
         self._formats: dict[int, str] = {}
+        self._checkouts: dict[int, int] = {}  # block id -> checkout its rows belong to
 
     def _buffer(self, block: Block) -> mx.array:
-        """The block's buffer, made (or re-made on a format change) if needed."""
-        buffer = self._buffers.get(block.block_id)
-        if buffer is None or self._formats[block.block_id] != block.format:
+        """The block's buffer, made (or re-made on a format change) if needed.
+
+        A block handed out again since the storage last saw it has its old
+        rows zeroed in place: ``allocate()`` marks them used, and they belong
+        to the previous owner.
+        """
+        key = block.block_id
+        buffer = self._buffers.get(key)
+        if buffer is None or self._formats[key] != block.format:
             buffer = mx.zeros((self.block_size, self.head_dim), dtype=dtype_for(block.format))
-            self._buffers[block.block_id] = buffer
-            self._formats[block.block_id] = block.format
+            self._buffers[key] = buffer
+            self._formats[key] = block.format
+        elif self._checkouts[key] != block.checkouts:
+            buffer[:] = 0
+        self._checkouts[key] = block.checkouts
         return buffer
 
     def write(self, block: Block, offset: int, values: mx.array) -> None:
@@ -117,10 +136,19 @@ class MLXBlockStorage:
             values: Array of shape ``(n, head_dim)`` and the block format's dtype.
 
         Raises:
+            ForeignBlockError: If ``block`` is not one of this pool's blocks.
+            PoolArgumentTypeError: If ``offset`` is not an int.
             TypeError: If ``values`` is not an ``mx.array``.
             ValueError: If the block is free, the shape or dtype is wrong, or
                 ``offset + n`` passes ``block_size``.
         """
+        if not isinstance(block, Block) or block._pool is not self.pool:
+            # Buffers are keyed by id: another pool's block would overwrite ours.
+            raise ForeignBlockError(
+                f"{block!r} is not a block of this storage's pool (or was retired); "
+                "write each pool's blocks into that pool's storage")
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise PoolArgumentTypeError(f"offset must be an int, got {type(offset).__name__}")
         if block.owner is None:
             raise ValueError(
                 f"block {block.block_id} is free; allocate it from the pool before writing"
@@ -146,7 +174,8 @@ class MLXBlockStorage:
         buffer = self._buffer(block)
         # Slice assignment updates the same array object: no new buffer per write.
         buffer[offset : offset + n] = values
-        if offset + n > block.n_used:
+        # A 0-row write stores nothing, so it claims no rows either.
+        if n and offset + n > block.n_used:
             block.n_used = offset + n
 
     def read(self, block: Block) -> mx.array:
@@ -156,7 +185,8 @@ class MLXBlockStorage:
             block: Any block of the pool.
 
         Returns:
-            Array of shape ``(block.n_used, head_dim)``.
+            Array of shape ``(block.n_used, head_dim)``; rows the current owner
+            has not written are zeros.
         """
         return self._buffer(block)[: block.n_used]
 
@@ -183,3 +213,4 @@ class MLXBlockStorage:
             )
         self._buffers.pop(block.block_id, None)
         self._formats.pop(block.block_id, None)
+        self._checkouts.pop(block.block_id, None)
