@@ -217,7 +217,8 @@ def _http_message(request: Request, status: int, detail: Any) -> str:
         return "request body is not valid JSON (it must be UTF-8 encoded JSON)"
     if status == 404:
         return (f"no route {request.method} {request.url.path}; see GET /v1/models, "
-                "POST /v1/completions, POST /v1/chat/completions")
+                "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, "
+                "POST /tokenize")
     if status == 405:
         return f"method {request.method} is not allowed on {request.url.path}"
     return str(detail)

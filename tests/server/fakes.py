@@ -31,7 +31,8 @@ class FakeEngine:
     Prompt keywords: ``REJECT429``, ``REJECT400``, ``FAIL`` (model error after
     one token), ``SILENT`` (admitted, then never answers: for disconnect tests),
     ``SCRIPT:`` (the rest of the prompt is the answer, sent 3 characters per
-    token, finishing with ``stop``).
+    token, finishing with ``stop``), ``SCRIPTCUT:`` (the same, finishing with
+    ``length``: max_tokens cut it).
     """
 
     def __init__(self, ready: bool = True) -> None:
@@ -85,13 +86,14 @@ class FakeEngine:
         put(Admitted(owner=1, prompt_tokens=3, reserved_blocks=2))
         if "SILENT" in text:
             return
-        if "SCRIPT:" in text:
-            script = text.split("SCRIPT:", 1)[1]
-            pieces = [script[i:i + 3] for i in range(0, len(script), 3)]
-            for k, piece in enumerate(pieces):
-                put(TokenEvent(piece, k))
-            put(Finished(FinishReason.STOP, Usage(3, len(pieces), 2)))
-            return
+        for mark, reason in (("SCRIPT:", FinishReason.STOP), ("SCRIPTCUT:", FinishReason.LENGTH)):
+            if mark in text:
+                script = text.split(mark, 1)[1]
+                pieces = [script[i:i + 3] for i in range(0, len(script), 3)]
+                for k, piece in enumerate(pieces):
+                    put(TokenEvent(piece, k))
+                put(Finished(reason, Usage(3, len(pieces), 2)))
+                return
         put(TokenEvent("Hello", 1))
         if "FAIL" in text:
             put(Failed(Reason.MODEL_ERROR, "RuntimeError: injected", Usage(3, 1, 2)))

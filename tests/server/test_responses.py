@@ -127,6 +127,7 @@ def test_logprobs_when_included(client: openai.OpenAI):
                                   include=["message.output_text.logprobs"], top_logprobs=2)
     entries = out.output[0].content[0].logprobs
     assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
+    assert out.top_logprobs == 2
     assert "".join(e.token for e in entries) == out.output_text
     plain = client.responses.create(model="default", input="x", max_output_tokens=3)
     assert plain.output[0].content[0].logprobs == []
@@ -153,6 +154,12 @@ def test_logprobs_when_included(client: openai.OpenAI):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      400, "text.format"),
     ({"stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
+    ({"text": {"format": "text"}}, 400, "text.format"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, 400, "moderation"),
+    ({"context_management": [{"type": "compaction"}]}, 400, "context_management"),
+    ({"image": {"context_compression": "enabled"}}, 400, "image"),
+    ({"access_programs": {"cyber": "standard"}}, 400, "access_programs"),
+    ({"background_options": {"completion_window": "2h"}}, 400, "background_options"),
     ({"temperature": 3}, 400, "temperature"),
     ({"model": "gpt-4o"}, 404, "model"),
 ])
@@ -163,6 +170,49 @@ def test_refusals_name_the_responses_field(live_server: LiveServer, fields, stat
     assert err["param"] == param, err
     if param == "max_output_tokens":
         assert err["message"].startswith("max_output_tokens=10000000 is over")
+
+
+def test_every_field_of_the_openai_request_is_declared():
+    """Each is honoured, a hint without effect, or refused: none is silently dropped.
+
+    A new ``openai`` release with a new Responses field fails here until it is handled.
+    """
+    import typing
+
+    import openai.types.responses.response_create_params as params
+
+    from server.http.schemas.responses import ResponsesRequest
+
+    fields = set()
+    for cls in (params.ResponseCreateParamsBase, params.ResponseCreateParamsStreaming):
+        fields |= set(typing.get_type_hints(cls))
+    assert fields <= set(ResponsesRequest.model_fields)
+
+
+def test_messages_speak_of_the_responses_shapes(live_server: LiveServer):
+    url = live_server.base_url + "/v1/responses"
+    bad_choice = httpx.post(url, json={"input": "x", "tools": [PICK],
+                                       "tool_choice": {"type": "tool"}}).json()["error"]
+    assert '{"type": "function", "name": ...}' in bad_choice["message"]
+    bad_name = httpx.post(url, json={"input": "x", "tools": [
+        {"type": "function", "name": "a b"}]}).json()["error"]
+    assert bad_name["param"] == "tools[0].name" and "tools[0].name must" in bad_name["message"]
+    bad_schema = httpx.post(url, json={"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": 5}}}).json()["error"]
+    assert "text.format.schema must" in bad_schema["message"], bad_schema
+
+
+def test_a_tool_with_null_parameters_is_a_function_without_any(client: openai.OpenAI):
+    """SDKs send ``parameters: null`` for a function that takes no arguments."""
+    now = {"type": "function", "name": "now", "parameters": None, "description": None}
+    out = client.responses.create(model="default", input="Time?", tools=[now],
+                                  tool_choice="required", max_output_tokens=20)
+    assert out.output[-1].type == "function_call" and out.output[-1].name == "now"
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Time?"}], max_tokens=20,
+        tools=[{"type": "function", "function": {"name": "now", "parameters": None}}],
+        tool_choice="required")
+    assert chat.choices[0].message.tool_calls[0].function.name == "now"
 
 
 # -- scripted answers (fake engine) ---------------------------------------------------------
@@ -206,6 +256,22 @@ def _events(resp: httpx.Response) -> list[dict]:
         assert event["type"] == kind[7:]
         events.append(event)
     return events
+
+
+def test_calls_before_a_cut_still_make_the_response_incomplete(fake):
+    """max_output_tokens ran out after one call: a later one may be lost, so incomplete."""
+    _, client = fake
+    body = {"input": "SCRIPTCUT:" + TWO_CALLS[:-40], "tools": [WEATHER, PICK]}
+    out = client.post("/v1/responses", json=body).json()
+    assert out["status"] == "incomplete"
+    assert out["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [o["type"] for o in out["output"]] == ["message", "function_call"]
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "SCRIPTCUT:" + TWO_CALLS[:-40]}],
+        "tools": [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                  for t in (WEATHER, PICK)]}).json()
+    assert chat["choices"][0]["finish_reason"] == "length"
+    assert len(chat["choices"][0]["message"]["tool_calls"]) == 1
 
 
 def test_streamed_calls_hold_back_their_text(fake):

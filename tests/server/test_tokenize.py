@@ -96,3 +96,13 @@ def test_a_too_long_prompt_is_counted_not_refused(tiny_model_path):
         ran = post(server, "/v1/completions", {"prompt": "word " * 40}, headers=auth)
         assert_openai_error(ran, 400)
         assert str(out["count"]) in ran.json()["error"]["message"]
+
+
+def test_tool_choice_shapes_the_count_as_in_chat(live_server: LiveServer):
+    """tool_choice "none" offers no tool, so the tools cost nothing, as on chat."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "none"}
+    out = post(live_server, "/tokenize", body).json()
+    ran = post(live_server, "/v1/chat/completions", {**body, "max_tokens": 1}).json()
+    assert out["count"] == ran["usage"]["prompt_tokens"]
+    assert out["count"] == post(live_server, "/tokenize", {"messages": messages}).json()["count"]

@@ -65,18 +65,22 @@ async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engi
     return dataclasses.replace(params, constraint=constraint, stop=stop)
 
 
-def _calls_finish(tools: ToolPlan) -> str:
+def _finish(tools: ToolPlan, finish: str) -> str:
     """The finish reason of an answer with calls: ``tool_calls``, but ``stop`` for a call the
-    request named in ``tool_choice``, as OpenAI's API answers (streamed or not)."""
+    request named in ``tool_choice``, as OpenAI's API answers (streamed or not); ``length``
+    when ``max_tokens`` cut the answer (a later call may have been lost)."""
+    if finish == "length":
+        return finish
     return "stop" if tools.mode == "named" else "tool_calls"
 
 
 def _message(text: str, finish: str, tools: ToolPlan) -> tuple[dict[str, Any], str]:
-    """The assistant message of one choice and its finish reason (see :func:`_calls_finish`)."""
+    """The assistant message of one choice and its finish reason (see :func:`_finish`)."""
     content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
     if not calls:
         return {"role": "assistant", "content": text}, finish
-    return {"role": "assistant", "content": content, "tool_calls": calls}, _calls_finish(tools)
+    return {"role": "assistant", "content": content, "tool_calls": calls}, \
+        _finish(tools, finish)
 
 
 @router.post("/v1/chat/completions")
@@ -163,7 +167,8 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         chunks = [delta(i, {"content": rest}, None, logprobs)] if rest or entries else []
         chunks += [delta(i, {"tool_calls": [{"index": k, **call}]}, None)
                    for k, call in enumerate(calls)]
-        return chunks + [delta(i, {}, _calls_finish(tools) if calls else event.reason.value)]
+        finish = _finish(tools, event.reason.value) if calls else event.reason.value
+        return chunks + [delta(i, {}, finish)]
 
     def last() -> list[dict[str, Any]]:
         return [{**base, "choices": [], "usage": usage.as_dict()}] if include_usage else []

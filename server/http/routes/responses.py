@@ -95,7 +95,8 @@ class ResponseShape:
             "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": temperature, "top_p": top_p, "parallel_tool_calls": tools.parallel,
+            "temperature": temperature, "top_p": top_p, "top_logprobs": body.top_logprobs or 0,
+            "parallel_tool_calls": tools.parallel,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": {"format": (body.text or {}).get("format")
                                                 or {"type": "text"}},
@@ -124,9 +125,9 @@ class ResponseShape:
         return items + [self.call_item(call) for call in calls]
 
     def response(self, output: list[dict[str, Any]], finished: Finished) -> dict[str, Any]:
-        """The finished response: ``incomplete`` when it ran out of ``max_output_tokens``."""
-        cut = finished.reason is FinishReason.LENGTH and \
-            not any(item["type"] == "function_call" for item in output)
+        """The finished response: ``incomplete`` when it ran out of ``max_output_tokens``
+        (calls parsed before the cut included: a later one may have been lost)."""
+        cut = finished.reason is FinishReason.LENGTH
         for item in output:
             if cut and item["type"] == "message":
                 item["status"] = "incomplete"

@@ -36,7 +36,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     engine = get_engine(request)
     check_model(body.model, engine)
     if body.messages is not None:
-        prompt = chat_prompt(body.messages, tool_plan(body.tools, None, None))
+        prompt = chat_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None))
     else:
         prompt = body.prompt
     try:

@@ -56,12 +56,15 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    # No effect on a self-hosted, stateless server by definition.
+    # No effect on a self-hosted, stateless server by definition (storage, metadata, cache
+    # and billing hints, as on chat).
     store: bool | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None
     stream_options: dict[str, Any] | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: refused
@@ -74,6 +77,11 @@ class ResponsesRequest(OpenAIModel):
     prompt: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     max_tool_calls: int | None = None
+    moderation: dict[str, Any] | None = None
+    context_management: list[Any] | None = None
+    image: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    background_options: dict[str, Any] | None = None
 
     @property
     def logprobs(self) -> bool:
@@ -102,6 +110,18 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise _unsupported("reasoning", "the served model has no reasoning mode")
     if body.max_tool_calls is not None:
         raise _unsupported("max_tool_calls", "use parallel_tool_calls: false for one call")
+    if body.moderation is not None:
+        raise _unsupported("moderation", "this server runs no moderation model")
+    if body.context_management is not None:
+        raise _unsupported("context_management", "this server keeps no context between "
+                                                 "requests; send what the model should see")
+    if body.image is not None:
+        raise _unsupported("image", "this server generates text only")
+    if body.access_programs is not None:
+        raise _unsupported("access_programs", "there are no access programs here")
+    if body.background_options is not None:
+        raise _unsupported("background_options", "responses are answered while the request "
+                                                 "is open")
     for i, entry in enumerate(body.include or ()):
         if entry != LOGPROBS and entry not in _NOTHING_TO_INCLUDE:
             raise _unsupported(f"include[{i}]", f"{entry!r} is nothing this server outputs")
@@ -186,7 +206,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise _unsupported(f"tools[{i}]", f"tool type {kind!r} does not run here; only "
                                               "function tools do")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        function = {k: tool[k] for k in ("name", "description", "parameters")
+                    if tool.get(k) is not None}  # null: not given (SDKs send it)
         out.append({"type": "function", "function": function})
     return out
 
@@ -200,7 +221,10 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``."""
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidRequestError("text.format must be an object such as {\"type\": \"text\"}",
+                                  param="text.format")
+    if fmt is None or fmt.get("type") != "json_schema":
         return fmt
     schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": schema}
@@ -251,7 +275,11 @@ def in_responses_terms(exc: APIError) -> APIError:
             exc.param = head + ("." + rest if rest else "")
         else:
             exc.param = RESPONSES_PARAMS.get(head, head) + dot + rest
-    for chat_name in ("max_tokens", "response_format"):
-        name = RESPONSES_PARAMS[chat_name]
-        exc.message = re.sub(rf"\b{chat_name}\b", name, exc.message)
+    message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", exc.message)
+    message = message.replace('{"type": "function", "function": {"name": ...}}',
+                              '{"type": "function", "name": ...}')
+    message = re.sub(r"\bresponse_format\.json_schema\.(\w+)", r"text.format.\1", message)
+    message = re.sub(r"\bresponse_format\b", "text.format", message)
+    message = re.sub(r"\bshorten the messages\b", "shorten the input", message)
+    exc.message = message
     return exc

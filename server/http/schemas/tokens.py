@@ -25,13 +25,16 @@ class TokenizeRequest(OpenAIModel):
                                                 "takes it.")
     tools: list[dict[str, Any]] | None = Field(
         default=None, description="With messages: the tools offered, rendered into the prompt.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None, description="With tools, as chat takes it: \"none\" offers none, a "
+                                  "named function only that one.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("tools go with messages, not with prompt")
+        if (self.tools is not None or self.tool_choice is not None) and self.messages is None:
+            raise ValueError("tools and tool_choice go with messages, not with prompt")
         return self
 
 

@@ -93,7 +93,9 @@ def _function(i: int, tool: Any) -> Function:
         raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, "
                                   f"'_' or '-'; got {name!r}", param=f"{where}.function.name")
     description = spec.get("description") or ""
-    parameters = spec.get("parameters", _EMPTY_PARAMETERS)
+    parameters = spec.get("parameters")
+    if parameters is None:  # left out, or null as SDKs send it for a function without any
+        parameters = _EMPTY_PARAMETERS
     if not isinstance(description, str):
         raise InvalidRequestError(f"{where}.function.description must be a string",
                                   param=f"{where}.function.description")
