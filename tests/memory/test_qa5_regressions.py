@@ -289,3 +289,18 @@ def test_pool_backed_cache_refuses_bad_constructor_arguments(pool, owner):
     with pytest.raises(PoolArgumentTypeError):
         PoolBackedKVCache(real if pool == "ok" else pool, owner)
     assert held(real) == {}
+
+
+def test_batch_cache_after_free_all_raises_and_leaves_the_new_owner_alone():
+    pool = pool_of(n_blocks=64)
+    batch = PoolBackedBatchKVCache(pool, owners=[1, 2])
+    batch.update_and_fetch(ones(6, batch=2), ones(6, batch=2))
+    pool.free_all(1)
+    other = PoolBackedKVCache(pool, owner=3)
+    other.update_and_fetch(ones(6), ones(6))  # takes row 1's recycled blocks
+    before = [blk.n_used for blk in pool.blocks_for(3)]
+    with pytest.raises(VeloxQuantError, match="no longer belongs to owner 1"):
+        batch.update_and_fetch(ones(1, batch=2), ones(1, batch=2))
+    assert [blk.n_used for blk in pool.blocks_for(3)] == before
+    batch.release()  # frees row 2's blocks, never owner 3's
+    assert held(pool) == {3: 4}

@@ -40,6 +40,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from veloxquant_mlx.exceptions import PoolArgumentError, VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.leases import require_owned
 from veloxquant_mlx.memory.pool_backed import PoolBackedKVCache
 from veloxquant_mlx.memory.pool_kv_common import (
     DEFAULT_BUFFER_STEP,
@@ -131,6 +132,9 @@ class PoolBackedBatchKVCache(ContiguousKVBuffer):
         """
         bs, pool = self._bs, self.pool
         fmt = format_of(dtype)
+        for row in self.rows:  # the blocks this call marks: never another owner's
+            require_owned(row.k, row.owner, row.tokens // bs)
+            require_owned(row.v, row.owner, row.tokens // bs)
         taken: list[tuple[RowBlocks, int]] = []
         try:
             for i, row in enumerate(self.rows):
@@ -159,7 +163,9 @@ class PoolBackedBatchKVCache(ContiguousKVBuffer):
         row.tokens = tokens
 
     def _free_rows(self, rows: Sequence[RowBlocks]) -> None:
-        blocks = [b for row in rows for b in (*row.k, *row.v)]
+        # Only blocks still checked out to the row's owner: after a pool.free_all(owner)
+        # behind this cache's back the pool may have handed them to another request.
+        blocks = [b for row in rows for b in (*row.k, *row.v) if b.owner == row.owner]
         if blocks:
             self.pool.free(blocks)
         for row in rows:
