@@ -25,11 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from server.engine.intake import RequestRejected, tokenize_prompt, vocab_size
 from server.engine.kv_memory import KVMemory
 from server.engine.output import OutputProcessor
 from server.engine.prefix import PromptPrefixes
 from server.engine.preparer import Prepared, PromptPreparer
-from server.engine.protocol import FinishReason, GenerationRequest, Reason, Rejected
+from server.engine.protocol import (
+    ChatPrompt,
+    FinishReason,
+    GenerationRequest,
+    Reason,
+    Rejected,
+)
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.scoring import ScoringJob, new_job
@@ -182,6 +189,25 @@ class Engine:
                             "(distributed.ranks > 1)")
         return new_job(loaded, self.settings.limits.max_prompt_tokens,
                        self.settings.batch.prefill_chunk_size, prompt, top_n)
+
+    def tokenize(self, prompt: str | ChatPrompt) -> list[int] | Rejected:
+        """The ids a generation request with ``prompt`` would run on, or why not.
+
+        Blocks (a long prompt takes about a second): call it from a worker thread.
+        """
+        try:
+            return tokenize_prompt(self.loaded, prompt)
+        except RequestRejected as exc:
+            return exc.event
+
+    def detokenize(self, ids: list[int]) -> str | Rejected:
+        """The text ``ids`` decode to, or a refusal naming an id outside the vocabulary."""
+        vocab = vocab_size(self.loaded)
+        bad = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
+        if bad is not None:
+            return Rejected(Reason.INVALID_VALUE, f"token id {bad} is not in this model's "
+                            f"vocabulary (0..{vocab - 1})", "tokens")
+        return self.loaded.tokenizer.decode(ids)
 
     def shrink(self, stream: str, target_free: int,
                force: bool = False) -> concurrent.futures.Future:

@@ -3,7 +3,7 @@
 Clients count a prompt's tokens before they send it (to fit
 ``limits.max_prompt_tokens``, or to budget ``max_tokens``), and map ids back
 to text. The ids are exactly those a generation request would run on: the
-same code tokenizes both (:func:`server.engine.intake.tokenize_prompt`). The
+same code tokenizes both (``Engine.tokenize``). The
 shape is vLLM's (``count``, ``tokens``; ``prompt`` back from ids); llama.cpp's
 server has the same two routes.
 
@@ -19,8 +19,8 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from server.engine.intake import RequestRejected, tokenize_prompt, vocab_size
-from server.http.errors import InvalidRequestError, engine_error
+from server.engine.protocol import Rejected
+from server.http.errors import engine_error
 from server.http.routes.call import get_engine
 from server.http.routes.chat import chat_prompt
 from server.http.routes.params import check_model
@@ -39,10 +39,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         prompt = chat_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None))
     else:
         prompt = body.prompt
-    try:
-        ids = await asyncio.to_thread(tokenize_prompt, engine.loaded, prompt)
-    except RequestRejected as exc:
-        raise engine_error(exc.event) from None
+    ids = await asyncio.to_thread(engine.tokenize, prompt)
+    if isinstance(ids, Rejected):
+        raise engine_error(ids)
     limit = request.app.state.settings.limits.max_prompt_tokens
     return JSONResponse({"count": len(ids), "tokens": ids, "max_prompt_tokens": limit})
 
@@ -52,10 +51,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     """The text the ids decode to (special tokens included, as the vocabulary writes them)."""
     engine = get_engine(request)
     check_model(body.model, engine)
-    vocab = vocab_size(engine.loaded)
-    bad = next((t for t in body.tokens if vocab is not None and not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is not in this model's vocabulary "
-                                  f"(0..{vocab - 1})", param="tokens")
-    text = await asyncio.to_thread(engine.loaded.tokenizer.decode, body.tokens)
+    text = await asyncio.to_thread(engine.detokenize, body.tokens)
+    if isinstance(text, Rejected):
+        raise engine_error(text)
     return JSONResponse({"prompt": text})
