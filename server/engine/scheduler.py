@@ -173,7 +173,8 @@ class Scheduler:
         Never below what running requests reserved and do not hold yet.
 
         Returns:
-            ``(retired, kept_free)``: blocks retired, free blocks left per stream.
+            ``(retired, kept_free)``: blocks retired, and per stream the free blocks
+            left, counting cached blocks no request references (as admission does).
 
         Raises:
             ShrinkRefused: It would leave no room for one maximal request and
@@ -195,11 +196,18 @@ class Scheduler:
                 "shrink refused: the pool could no longer hold one maximal request "
                 f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}; keep more "
                 "free blocks, lower those limits, or pass \"force\": true")
-        if any(evictable.values()):
-            self.prefixes.evict(evictable)
-        retired = sum(self.pool.shrink(s, floors[s]) for s in targets)
-        self.capacity_changed()
-        return retired, {s: self.pool.n_free(s) for s in targets}
+        # Evict only what the free blocks cannot cover: the rest of the cache stays warm (a
+        # shrink that retired nothing, or a few blocks, emptied it).
+        short = {s: retiring[s] - self.pool.n_free(s) for s in targets}
+        if any(n > 0 for n in short.values()):
+            self.prefixes.evict(short)
+        retired = sum(self.pool.shrink(s, self.pool.n_free(s) - retiring[s]) for s in targets)
+        if retired:  # nothing retired: capacity, and so /health, stay as they were
+            self.capacity_changed()
+        left = {s: self.pool.n_free(s) for s in targets}
+        if self.prefixes is not None:
+            left = {s: n + self.prefixes.evictable(s) for s, n in left.items()}
+        return retired, left
 
     def stream_capacity(self, stream: str) -> int:
         """Blocks ``stream`` manages now: free plus held by anyone."""

@@ -294,20 +294,43 @@ def warm_small_pool(tiny_model_path):
         yield live, live.wait_idle()
 
 
-def test_shrink_evicts_cached_blocks_before_retiring(tiny_model_path):
+def shrink(live, target_free: int, force: bool = False) -> dict:
+    r = httpx.post(live.base_url + "/admin/shrink", headers=ADMIN,
+                   json={"stream": "kv", "target_free": target_free, "force": force})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_shrink_counts_cached_blocks_as_free_and_keeps_them_when_it_can(tiny_model_path):
     with warm_small_pool(tiny_model_path) as (live, m):
         cached = int(m["veloxquant_block_pool_cached_blocks"])
         assert cached == 6 * 4 * 2  # 6 full prompt positions x 4 layers x (k, v)
-        r = httpx.post(live.base_url + "/admin/shrink", headers=ADMIN,
-                       json={"stream": "kv", "target_free": 200})
-        assert r.status_code == 200, r.text
-        # Each stream had 512 - 24 free; evicting first frees all 512, 312 retire per stream.
-        assert r.json()["retired"] == 2 * 312
-        assert r.json()["kept_free"] == {"k": 200, "v": 200}
+        # Each stream has 512 - 24 free and 24 cached: 312 retire from the free ones alone.
+        out = shrink(live, 200)
+        assert out["retired"] == 2 * 312
+        assert out["kept_free"] == {"k": 200, "v": 200}  # 176 free + 24 cached each
         after = live.metrics()
-        assert after["veloxquant_block_pool_cached_blocks"] == 0
-        assert after["veloxquant_block_pool_evictions_total"] == cached
+        assert after["veloxquant_block_pool_cached_blocks"] == cached  # still warm
+        assert after["veloxquant_block_pool_evictions_total"] == 0
         assert after["veloxquant_block_pool_blocks_total"] == 400
+        # A shrink that retires nothing changes nothing, /health included.
+        health = httpx.get(live.base_url + "/health").json()["status"]
+        assert shrink(live, 10**6)["retired"] == 0
+        assert live.metrics()["veloxquant_block_pool_cached_blocks"] == cached
+        assert httpx.get(live.base_url + "/health").json()["status"] == health
+        assert_accounted(live)
+
+
+def test_shrink_evicts_only_the_cached_blocks_it_must(tiny_model_path):
+    with warm_small_pool(tiny_model_path) as (live, m):
+        # 10 free per stream asked: 488 free cover 478 retirements; the 24 cached blocks
+        # would have to give 14, and eviction frees whole prompt positions (4 a stream).
+        out = shrink(live, 10, force=True)
+        assert out["retired"] == 2 * (488 + 24 - 10)
+        assert out["kept_free"] == {"k": 10, "v": 10}
+        after = live.metrics()
+        assert after["veloxquant_block_pool_evictions_total"] == 2 * 16
+        assert after["veloxquant_block_pool_cached_blocks"] == 2 * 8
         assert_accounted(live)
 
 

@@ -98,7 +98,8 @@ async def admin_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
     """Retire free blocks; blocks running requests hold or reserved are never touched.
 
     409 when the pool could no longer hold one maximal request, unless ``force``.
-    ``kept_free`` is what each stream has free afterwards.
+    ``kept_free`` is what each stream has free afterwards, counting cached blocks no
+    request references (admission evicts them when it needs the room).
     """
     engine = request.app.state.engine
     if not engine.is_ready:
