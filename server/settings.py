@@ -269,7 +269,17 @@ def _describe(error: Mapping[str, Any]) -> str:
             return f"config key {key!r}: unknown section (known: {', '.join(SECTIONS)})"
         known = ", ".join(SECTIONS[loc[0]].model_fields)
         return f"config key {key!r}: unknown key (known in [{loc[0]}]: {known})"
-    return f"config key {key!r}: {error['msg']} (got {error['input']!r})"
+    problem = error["msg"].removeprefix("Value error, ")  # pydantic's wording for a ValueError
+    return f"config key {key!r}{_env_source(loc)}: {problem} (got {error['input']!r})"
+
+
+def _env_source(loc: list[str]) -> str:
+    """`` (from env NAME)`` when the value of config key ``loc`` came from the environment."""
+    request = _LOADING.get()
+    if request is None or len(loc) != 2:
+        return ""
+    name = f"{ENV_PREFIX}{loc[0]}_{loc[1]}".upper()
+    return f" (from env {name})" if name in request.env else ""
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

@@ -96,6 +96,15 @@ def test_bad_env_names_the_key(env, key):
     assert key in str(info.value)
 
 
+def test_an_impossible_env_value_names_its_variable():
+    """A value that parses but a check refuses still says it came from the environment."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(env={"VELOXQUANT_KV_GROUP_SIZE": "48"})
+    message = str(info.value)
+    assert message.startswith("config key 'kv.group_size' (from env VELOXQUANT_KV_GROUP_SIZE):")
+    assert "Value error" not in message
+
+
 def test_every_key_reads_its_single_underscore_env_name():
     env = {"VELOXQUANT_MODEL_MAX_DEQUANTIZED_BYTES": "1048576", "VELOXQUANT_MODEL_PRESET": "tiny",
            "VELOXQUANT_POOL_N_BLOCKS": "100", "VELOXQUANT_SERVER_LOG_LEVEL": "debug",
