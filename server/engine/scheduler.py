@@ -196,9 +196,10 @@ class Scheduler:
                 "shrink refused: the pool could no longer hold one maximal request "
                 f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}; keep more "
                 "free blocks, lower those limits, or pass \"force\": true")
-        # Evict only what the free blocks cannot cover: the rest of the cache stays warm (a
-        # shrink that retired nothing, or a few blocks, emptied it).
-        short = {s: retiring[s] - self.pool.n_free(s) for s in targets}
+        # Evict only what the free blocks cannot cover, the retirements and the running
+        # requests' outstanding reservations (their growth takes free blocks, it does not
+        # evict): the rest of the cache stays warm (any shrink used to empty it).
+        short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
         if any(n > 0 for n in short.values()):
             self.prefixes.evict(short)
         retired = sum(self.pool.shrink(s, self.pool.n_free(s) - retiring[s]) for s in targets)
