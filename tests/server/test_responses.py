@@ -208,6 +208,7 @@ def test_a_tool_with_null_parameters_is_a_function_without_any(client: openai.Op
     out = client.responses.create(model="default", input="Time?", tools=[now],
                                   tool_choice="required", max_output_tokens=20)
     assert out.output[-1].type == "function_call" and out.output[-1].name == "now"
+    assert json.loads(out.output[-1].arguments) == {}  # no parameters: no arguments
     chat = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "Time?"}], max_tokens=20,
         tools=[{"type": "function", "function": {"name": "now", "parameters": None}}],

@@ -21,7 +21,10 @@ from server.http.errors import InvalidRequestError
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# A function declared without parameters takes none (OpenAI's reading): its arguments are {}.
+# An open object would let a forced call's arguments run on with made-up keys.
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                     "additionalProperties": False}
 
 
 @dataclass(frozen=True, slots=True)
