@@ -95,33 +95,31 @@ def _unsupported(param: str, why: str) -> InvalidRequestError:
                                param=param, code="unsupported_parameter")
 
 
+_STATELESS = "this server does not store responses; send the whole conversation as input"
+_OPEN_ONLY = "responses are answered while the request is open"
+# Fields refused when set (not null; ``background`` also passes as false), and why.
+_REFUSED = (
+    ("previous_response_id", _STATELESS),
+    ("conversation", _STATELESS),
+    ("background", _OPEN_ONLY),
+    ("background_options", _OPEN_ONLY),
+    ("prompt", "there are no stored prompt templates here"),
+    ("reasoning", "the served model has no reasoning mode"),
+    ("max_tool_calls", "use parallel_tool_calls: false for one call"),
+    ("moderation", "this server runs no moderation model"),
+    ("context_management", "this server keeps no context between requests; send what the "
+                           "model should see"),
+    ("image", "this server generates text only"),
+    ("access_programs", "there are no access programs here"),
+)
+
+
 def refuse_unsupported(body: ResponsesRequest) -> None:
     """400 naming the first field set that this server cannot honour."""
-    stateless = "this server does not store responses; send the whole conversation as input"
-    if body.previous_response_id is not None:
-        raise _unsupported("previous_response_id", stateless)
-    if body.conversation is not None:
-        raise _unsupported("conversation", stateless)
-    if body.background:
-        raise _unsupported("background", "responses are answered while the request is open")
-    if body.prompt is not None:
-        raise _unsupported("prompt", "there are no stored prompt templates here")
-    if body.reasoning is not None:
-        raise _unsupported("reasoning", "the served model has no reasoning mode")
-    if body.max_tool_calls is not None:
-        raise _unsupported("max_tool_calls", "use parallel_tool_calls: false for one call")
-    if body.moderation is not None:
-        raise _unsupported("moderation", "this server runs no moderation model")
-    if body.context_management is not None:
-        raise _unsupported("context_management", "this server keeps no context between "
-                                                 "requests; send what the model should see")
-    if body.image is not None:
-        raise _unsupported("image", "this server generates text only")
-    if body.access_programs is not None:
-        raise _unsupported("access_programs", "there are no access programs here")
-    if body.background_options is not None:
-        raise _unsupported("background_options", "responses are answered while the request "
-                                                 "is open")
+    for field, why in _REFUSED:
+        value = getattr(body, field)
+        if value is not None and value is not False:
+            raise _unsupported(field, why)
     for i, entry in enumerate(body.include or ()):
         if entry != LOGPROBS and entry not in _NOTHING_TO_INCLUDE:
             raise _unsupported(f"include[{i}]", f"{entry!r} is nothing this server outputs")
