@@ -175,8 +175,7 @@ async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
     sent: list[str] = []  # message text streamed so far
     logprobs: list[dict[str, Any]] = []  # of the text streamed so far
     pending: list[dict[str, Any]] = []  # of tokens whose text is held back
-    mid = shape.message_id
-    where = {"item_id": mid, "output_index": 0, "content_index": 0}
+    where = {"item_id": shape.message_id, "output_index": 0, "content_index": 0}
     yield event("response.created", response=shape.base)
     yield event("response.in_progress", response=shape.base)
 
@@ -186,7 +185,7 @@ async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
             return []
         return [event("response.output_item.added", output_index=0,
                       item=shape.message("", "in_progress", [])),
-                event("response.content_part.added", **{k: where[k] for k in where},
+                event("response.content_part.added", **where,
                       part={"type": "output_text", "text": "", "annotations": [],
                             "logprobs": []})]
 
