@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.intake import RequestRejected, tokenize_prompt, vocab_size
+from server.engine.intake import RequestRejected, out_of_vocab, tokenize_prompt, vocab_size
 from server.engine.kv_memory import KVMemory
 from server.engine.output import OutputProcessor
 from server.engine.prefix import PromptPrefixes
@@ -202,11 +202,10 @@ class Engine:
 
     def detokenize(self, ids: list[int]) -> str | Rejected:
         """The text ``ids`` decode to, or a refusal naming an id outside the vocabulary."""
-        vocab = vocab_size(self.loaded)
-        bad = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
+        bad = out_of_vocab(self.loaded, ids)
         if bad is not None:
             return Rejected(Reason.INVALID_VALUE, f"token id {bad} is not in this model's "
-                            f"vocabulary (0..{vocab - 1})", "tokens")
+                            f"vocabulary (0..{vocab_size(self.loaded) - 1})", "tokens")
         return self.loaded.tokenizer.decode(ids)
 
     def shrink(self, stream: str, target_free: int,

@@ -23,6 +23,13 @@ def vocab_size(loaded: LoadedModel) -> int | None:
     return getattr(getattr(loaded.model, "args", None), "vocab_size", None)
 
 
+def out_of_vocab(loaded: LoadedModel, ids: list[int]) -> int | None:
+    """The first of ``ids`` outside the model's vocabulary, or None (also when its size is
+    unknown)."""
+    vocab = vocab_size(loaded)
+    return None if vocab is None else next((t for t in ids if not 0 <= t < vocab), None)
+
+
 def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -> list[int]:
     """Prompt ids for text, token ids or chat messages (rendered with the chat template).
 
@@ -35,9 +42,8 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
             return render_ids(tokenizer, prompt)
         if isinstance(prompt, str):
             return list(tokenizer.encode(prompt))
-        vocab = vocab_size(loaded)
-        if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if out_of_vocab(loaded, prompt) is not None:
+            raise ValueError(f"prompt token ids must be in 0..{vocab_size(loaded) - 1}")
         return list(prompt)
     except Exception as exc:
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
