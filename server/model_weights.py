@@ -73,9 +73,10 @@ def float32_bytes(model: Any) -> int:
     elements = sum(v.size for _, v in tree_flatten(model.parameters()))
     for _, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            # Swap the packed words, scales and biases for the logical weight.
+            # Swap the packed words, scales and biases for the logical weight
+            # (a row is one bit stream: 5 or 6 bits do not divide a word).
             rows, words = module.weight.shape
-            elements += rows * words * (32 // module.bits)
+            elements += rows * words * 32 // module.bits
             elements -= module.weight.size + module.scales.size
             elements -= module.biases.size if module.biases is not None else 0
     return elements * FLOAT32_BYTES

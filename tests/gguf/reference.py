@@ -1,12 +1,12 @@
-"""An independent float64 NumPy forward pass of a GGUF llama/qwen2 model.
+"""An independent float64 NumPy forward pass of a GGUF llama/qwen2/qwen3 model.
 
 It reads the file with ``gguf.GGUFReader``, dequantizes with
 ``gguf.quants.dequantize`` and runs the weights *as stored in the GGUF*, with
 RoPE applied the way llama.cpp does: adjacent pairs (2i, 2i+1) for llama
 ("normal" mode, matching llama.cpp's permuted q/k rows) and halves (i, i+d/2)
-for qwen2 ("neox" mode). Nothing here shares code with the converter, so a
-wrong rename, un-permute or dequantization in the converter shows up as a
-logits mismatch.
+for qwen2 and qwen3 ("neox" mode; qwen3 first normalises each head of q and
+k). Nothing here shares code with the converter, so a wrong rename, un-permute
+or dequantization in the converter shows up as a logits mismatch.
 """
 
 from __future__ import annotations
@@ -48,13 +48,17 @@ class ReferenceModel:
     def _rms_norm(self, x: np.ndarray, name: str) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.w(name)
 
+    def _head_norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """qwen3: RMSNorm over each head's features (x: (T, heads, d)), if the file has it."""
+        return self._rms_norm(x, name) if self.has(name) else x
+
     def _rope(self, x: np.ndarray) -> np.ndarray:
-        """x: (T, heads, d). llama: adjacent pairs; qwen2: NeoX halves."""
+        """x: (T, heads, d). llama: adjacent pairs; qwen2/qwen3: NeoX halves."""
         n_tok, _, d = x.shape
         freqs = self.rope_base ** (-np.arange(0, d, 2) / d)  # (d/2,)
         angle = np.arange(n_tok)[:, None] * freqs[None, :]
         cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-        if self.arch == "qwen2":
+        if self.arch in ("qwen2", "qwen3"):
             x0, x1 = x[..., : d // 2], x[..., d // 2 :]
             return np.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
         x0, x1 = x[..., 0::2], x[..., 1::2]
@@ -74,6 +78,8 @@ class ReferenceModel:
         q = self._proj(h, f"blk.{i}.attn_q").reshape(n_tok, self.n_head, -1)
         k = self._proj(h, f"blk.{i}.attn_k").reshape(n_tok, self.n_kv, -1)
         v = self._proj(h, f"blk.{i}.attn_v").reshape(n_tok, self.n_kv, -1)
+        q = self._head_norm(q, f"blk.{i}.attn_q_norm.weight")
+        k = self._head_norm(k, f"blk.{i}.attn_k_norm.weight")
         q, k = self._rope(q), self._rope(k)
         group = self.n_head // self.n_kv
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 from tokenizers import pre_tokenizers
 
 Q = gguf.GGMLQuantizationType
 
 HIDDEN, FFN, N_LAYERS, N_HEAD, N_HEAD_KV = 64, 128, 2, 4, 2
-HEAD_DIM = HIDDEN // N_HEAD
+# K-quant blocks hold 256 values of a row, so files using them are this wide.
+K_HIDDEN, K_FFN = 256, 512
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["<tool>"]
@@ -55,33 +56,75 @@ class Spec:
     arch: str = "llama"
     tied: bool = True
     tokenizer_model: str = "gpt2"
+    hidden: int = HIDDEN
+    ffn: int = FFN
+    head_dim: int | None = None  # None: hidden / heads (and no key_length key written)
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // N_HEAD
 
 
-def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, type_name: str) -> None:
-    """Write ``data`` (float32) as ggml type ``type_name``."""
+# Byte offsets of the float16 ``d`` (and ``dmin``) fields in each K-quant block,
+# and the ``dmin / d`` ratio that centres its values near zero.
+_K_FIELDS = {"Q2_K": (84, 80, 82, 1.5), "Q3_K": (110, 108, None, 0.0),
+             "Q4_K": (144, 0, 2, 7.5), "Q5_K": (176, 0, 2, 15.5),
+             "Q6_K": (210, 208, None, 0.0)}  # fmt: skip
+
+
+def _random_k_blocks(rows: int, cols: int, type_name: str, std: float,
+                     rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks whose values have about ``std`` spread.
+
+    ``gguf`` cannot quantize to the K types, so codes and sub-block scales are
+    random bytes; the values are linear in the block's ``d`` and ``dmin``, so
+    both are set to one, measured, and rescaled.
+    """
+    size, d_at, dmin_at, centre = _K_FIELDS[type_name]
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+
+    def set_scale(c: float) -> None:
+        blocks[:, d_at:d_at + 2] = np.frombuffer(np.float16(c).tobytes(), np.uint8)
+        if dmin_at is not None:
+            blocks[:, dmin_at:dmin_at + 2] = np.frombuffer(np.float16(c * centre).tobytes(),
+                                                           np.uint8)
+
+    set_scale(1.0)
+    spread = dequantize(blocks, Q[type_name]).std()
+    set_scale(std / spread)
+    return blocks.reshape(rows, -1)
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, type_name: str,
+                rng: np.random.Generator) -> None:
+    """Write ``data`` (float32) as ggml type ``type_name`` (K types: random, same spread)."""
     if type_name == "F32":
         writer.add_tensor(name, data.astype(np.float32))
     elif type_name == "F16":
         writer.add_tensor(name, data.astype(np.float16))
+    elif type_name in _K_FIELDS:
+        blocks = _random_k_blocks(*data.shape, type_name, float(data.std()), rng)
+        writer.add_tensor(name, blocks, raw_dtype=Q[type_name])
     else:
         writer.add_tensor(name, quantize(data, Q[type_name]), raw_dtype=Q[type_name])
 
 
 def _matrices(vocab: int, spec: Spec) -> dict[str, tuple[int, int]]:
     """Name -> (rows, cols) of every matrix in the model."""
-    shapes = {"token_embd.weight": (vocab, HIDDEN)}
+    hidden, ffn = spec.hidden, spec.ffn
+    shapes = {"token_embd.weight": (vocab, hidden)}
     if not spec.tied:
-        shapes["output.weight"] = (vocab, HIDDEN)
-    kv = N_HEAD_KV * HEAD_DIM
+        shapes["output.weight"] = (vocab, hidden)
+    q, kv = N_HEAD * spec.head_size, N_HEAD_KV * spec.head_size
     for i in range(N_LAYERS):
         shapes |= {
-            f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN),
-            f"blk.{i}.attn_k.weight": (kv, HIDDEN),
-            f"blk.{i}.attn_v.weight": (kv, HIDDEN),
-            f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
-            f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN),
-            f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
-            f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
+            f"blk.{i}.attn_q.weight": (q, hidden),
+            f"blk.{i}.attn_k.weight": (kv, hidden),
+            f"blk.{i}.attn_v.weight": (kv, hidden),
+            f"blk.{i}.attn_output.weight": (hidden, q),
+            f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+            f"blk.{i}.ffn_up.weight": (ffn, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ffn),
         }
     return shapes
 
@@ -89,10 +132,13 @@ def _matrices(vocab: int, spec: Spec) -> dict[str, tuple[int, int]]:
 def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types, merges) -> None:
     writer.add_block_count(N_LAYERS)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.ffn)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
+    if spec.head_dim:
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(len(vocab))
@@ -109,7 +155,7 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types
 
 
 def write_model(path: Path, spec: Spec, seed: int = 0) -> Path:
-    """Write a 2-layer model (hidden 64, 4 heads / 2 KV heads) to ``path``."""
+    """Write a 2-layer model (hidden ``spec.hidden``, 4 heads / 2 KV heads) to ``path``."""
     rng = np.random.default_rng(seed)
     vocab, types, merges = vocabulary()
     writer = gguf.GGUFWriter(str(path), spec.arch)
@@ -117,15 +163,19 @@ def write_model(path: Path, spec: Spec, seed: int = 0) -> Path:
     for name, (rows, cols) in _matrices(len(vocab), spec).items():
         scale = 1.0 if name == "token_embd.weight" else cols**-0.5
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
-        _add_tensor(writer, name, data, spec.overrides.get(name, spec.default_type))
+        _add_tensor(writer, name, data, spec.overrides.get(name, spec.default_type), rng)
     norms = ["output_norm.weight"]
     norms += [f"blk.{i}.{n}.weight" for i in range(N_LAYERS) for n in ("attn_norm", "ffn_norm")]
     for name in norms:
-        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(spec.hidden)).astype(np.float32))
+    if spec.arch == "qwen3":  # RMSNorm weights over each head of q and k
+        for name in [f"blk.{i}.attn_{p}_norm.weight" for i in range(N_LAYERS) for p in "qk"]:
+            norm = 1.0 + 0.1 * rng.standard_normal(spec.head_size)
+            writer.add_tensor(name, norm.astype(np.float32))
     if spec.arch == "qwen2":
-        kv_rows = N_HEAD_KV * HEAD_DIM
+        kv_rows = N_HEAD_KV * spec.head_size
         for i in range(N_LAYERS):
-            for proj, rows in (("q", HIDDEN), ("k", kv_rows), ("v", kv_rows)):
+            for proj, rows in (("q", spec.hidden), ("k", kv_rows), ("v", kv_rows)):
                 bias = (0.5 * rng.standard_normal(rows)).astype(np.float32)
                 writer.add_tensor(f"blk.{i}.attn_{proj}.bias", bias)
     writer.write_header_to_file()
@@ -172,4 +222,22 @@ VARIANTS = {
         tied=False,
     ),
     "qwen2-Q8_0": Spec("Q8_0", arch="qwen2"),
+    # Qwen3's heads are wider than hidden / heads (e.g. 0.6B: 16 x 128 over 1024).
+    "qwen3-Q4_K": Spec("Q4_K", arch="qwen3", hidden=K_HIDDEN, ffn=K_FFN, head_dim=128),
+    "Q5_0": Spec("Q5_0"),
+    "Q5_1": Spec("Q5_1"),
+    **{kind: Spec(kind, hidden=K_HIDDEN, ffn=K_FFN)
+       for kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")},
+    # Laid out as llama.cpp's Q4_K_M: Q4_K, Q6_K for the output and some value
+    # and down projections; plus a Q5_0 matrix (its fallback type) and float norms.
+    "Q4_K_M": Spec(
+        "Q4_K",
+        overrides={
+            "output.weight": "Q6_K",
+            "blk.0.attn_v.weight": "Q6_K",
+            "blk.0.ffn_down.weight": "Q6_K",
+            "blk.1.ffn_down.weight": "Q5_0",
+        },
+        tied=False, hidden=K_HIDDEN, ffn=K_FFN,
+    ),
 }

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf.quants import quantize
 
 from tests.gguf import synth
 from veloxquant_mlx.exceptions import VeloxQuantError
 from veloxquant_mlx.gguf import GGUFError, convert_gguf
 
-SUPPORTED = "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+SUPPORTED = "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K"
 
 
 def _f32(rows: int, cols: int) -> np.ndarray:
@@ -67,13 +66,16 @@ def _case(name: str, tmp: Path) -> tuple[Path, str]:
         return _truncated(tmp, 300), "file is truncated at byte 300 of at least"
     if name in ("gpt2", "bert"):
         path = _with_tokens(tmp / f"{name}.gguf", name, embd)
-        return path, f"architecture '{name}' is not supported (supported: llama, qwen2)"
-    if name in ("Q6_K", "Q5_0"):
-        data = quantize(_f32(64, 256), synth.Q.Q5_0) if name == "Q5_0" else None
-        data = np.zeros((64, 210), np.uint8) if data is None else data
+        return path, f"architecture '{name}' is not supported (supported: llama, qwen2, qwen3)"
+    if name in ("IQ4_XS", "IQ4_NL"):  # importance-matrix types: no decoder
+        data = np.zeros((64, 136 if name == "IQ4_XS" else 144), np.uint8)
         tensors = {**embd, "blk.0.ffn_down.weight": (data, name)}
         path = _with_tokens(tmp / f"{name}.gguf", "llama", tensors)
         return path, f"tensor 'blk.0.ffn_down.weight' has type {name}; {SUPPORTED}"
+    if name == "q-norm-in-llama":  # a qwen3 tensor in a file that says llama
+        tensors = {**embd, "blk.0.attn_q_norm.weight": (np.ones(16, np.float32), "F32")}
+        path = _with_tokens(tmp / "qnorm.gguf", "llama", tensors)
+        return path, "'blk.0.attn_q_norm.weight' is a head norm that mlx-lm llama has no place"
     if name == "unknown-tensor":
         extra = {**embd, "rope_freqs.weight": (_f32(1, 32), "F32")}
         path = _with_tokens(tmp / "extra.gguf", "llama", extra)
@@ -89,7 +91,7 @@ def _case(name: str, tmp: Path) -> tuple[Path, str]:
 
 CASES = [
     "not-gguf", "empty", "missing", "truncated-data", "truncated-header", "gpt2", "bert",
-    "Q6_K", "Q5_0", "unknown-tensor", "sentencepiece", "fails-mid-build",
+    "IQ4_XS", "IQ4_NL", "q-norm-in-llama", "unknown-tensor", "sentencepiece", "fails-mid-build",
 ]  # fmt: skip
 
 

@@ -69,14 +69,16 @@ _TABLE = [
 
 GGML_TYPES: dict[int, GGMLType] = {row[0]: GGMLType(*row) for row in _TABLE}
 
-# What convert_gguf accepts. The quantized three map exactly onto MLX affine
-# quantization with group size 32 (mx.load does that repacking); the float
-# ones are kept as float tensors.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# What convert_gguf accepts: the float types, kept as float tensors, and the
+# block types that veloxquant_mlx.gguf.blocks decodes (exact MLX affine
+# quantization with group size 32 where ggml's layout allows, else float32).
 FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = FLOAT_TYPES + ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                 "Q6_K", "Q3_K", "Q2_K")
 
-# Bits of the MLX affine quantization each quantized GGUF type becomes.
-QUANT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+# Bits of the MLX affine quantization each quantized GGUF type becomes; the
+# block types missing here (16 values a scale) become float32 matrices.
+QUANT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
 
-# GGUF quantization blocks are 32 values along a row, so MLX groups are too.
+# Affine groups run 32 values along a row, as ggml's blocks (or their sub-blocks) do.
 GROUP_SIZE = 32

@@ -9,6 +9,9 @@ Supported architectures (``general.architecture``):
 * ``qwen2`` -> mlx-lm ``qwen2``: the same tensors plus q/k/v biases. llama.cpp
   runs Qwen2 with NeoX-style (rotate-half) RoPE and does *not* permute q/k, so
   the rows are already in the layout mlx-lm expects.
+* ``qwen3`` -> mlx-lm ``qwen3``: no biases, but an RMSNorm over each head of
+  q and k before RoPE (``attn_q_norm``/``attn_k_norm``); rows not permuted, as
+  for qwen2, and the head size need not be ``embedding_length / head_count``.
 
 Anything else (gpt2, bert, phi3, gemma, ...) has different tensors or blocks and
 is refused up front.
@@ -31,16 +34,19 @@ class ArchSpec:
         permuted_qk: Whether llama.cpp stored q/k rows permuted for
             interleaved RoPE (so they must be un-permuted).
         qkv_bias: Whether q/k/v projections carry a ``.bias`` tensor.
+        head_norms: Whether each block normalises q and k per head.
     """
 
     model_type: str
     permuted_qk: bool
     qkv_bias: bool
+    head_norms: bool = False
 
 
 ARCHITECTURES = {
     "llama": ArchSpec(model_type="llama", permuted_qk=True, qkv_bias=False),
     "qwen2": ArchSpec(model_type="qwen2", permuted_qk=False, qkv_bias=True),
+    "qwen3": ArchSpec(model_type="qwen3", permuted_qk=False, qkv_bias=False, head_norms=True),
 }
 
 _TOP_LEVEL = {
@@ -58,7 +64,10 @@ _PER_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+_HEAD_NORMS = ("attn_q_norm", "attn_k_norm")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 # .weight/.bias come from the GGUF file; .scales/.biases are the extra arrays
 # mx.load emits for quantized weights. All follow their module's new name.
@@ -97,6 +106,8 @@ def tensor_problem(gguf_name: str, spec: ArchSpec) -> str | None:
     new_name = rename(gguf_name)
     if new_name is None or gguf_name.endswith((".scales", ".biases")):
         return f"tensor {gguf_name!r} has no mlx-lm counterpart (unsupported layout)"
+    if not spec.head_norms and gguf_name.rsplit(".", 2)[-2] in _HEAD_NORMS:
+        return f"tensor {gguf_name!r} is a head norm that mlx-lm {spec.model_type} has no place for"
     if gguf_name.endswith(".bias"):
         is_qkv = new_name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj")
         if not (spec.qkv_bias and is_qkv):

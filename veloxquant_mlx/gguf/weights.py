@@ -1,4 +1,4 @@
-"""Load GGUF tensors with MLX, rename them for mlx-lm, and save safetensors."""
+"""Read GGUF tensors, rename them for mlx-lm, and save safetensors."""
 
 from __future__ import annotations
 
@@ -7,38 +7,49 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .blocks import decode_tensor
 from .errors import GGUFError
 from .header import GGUFHeader, TensorInfo
 from .layout import ArchSpec, rename, unpermute_rows
 
+_FLOAT_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
-def _read_bf16(path: Path, info: TensorInfo) -> mx.array:
-    """A BF16 tensor read straight from the file.
 
-    mx.load converts BF16 GGUF tensors to float16, which overflows above
-    65504 and flushes tiny values; reading the raw 16-bit words keeps the
-    values exact.
+def _read_float(path: Path, info: TensorInfo) -> mx.array:
+    """An F32/F16/BF16 tensor as stored.
+
+    BF16 is read as its raw 16-bit words and viewed as bfloat16, so every value
+    stays exact (mx.load's GGUF reader turned BF16 into float16, which overflows
+    above 65504 and flushes tiny values).
     """
-    raw = np.fromfile(path, dtype="<u2", count=info.nbytes // 2, offset=info.offset)
-    return mx.array(raw.reshape(info.shape)).view(mx.bfloat16)
+    kind = info.ggml_type.name
+    count = int(np.prod(info.shape, dtype=np.int64))
+    raw = np.fromfile(path, dtype=_FLOAT_DTYPES[kind], count=count, offset=info.offset)
+    array = mx.array(raw.reshape(info.shape))
+    return array.view(mx.bfloat16) if kind == "BF16" else array
 
 
 def load_gguf_tensors(header: GGUFHeader) -> dict[str, mx.array]:
-    """All tensors of a validated file, keyed by their GGUF (mx.load) names.
+    """All tensors of a validated file, keyed by their GGUF names.
 
-    Q4_0/Q4_1/Q8_0 weights arrive as MLX affine triples: ``X.weight`` (packed
-    uint32), ``X.scales`` and ``X.biases`` (float16), group size 32.
+    Quantized weights with an exact MLX layout arrive as affine triples
+    (``X.weight`` packed uint32, ``X.scales``, ``X.biases``; group size 32), the
+    others (Q2_K, Q3_K, Q6_K) as float32 ``X.weight``: see :mod:`.blocks`.
 
     Raises:
-        GGUFError: MLX could not read the file.
+        GGUFError: A tensor could not be read.
     """
-    try:
-        tensors = mx.load(str(header.path))
-    except (RuntimeError, ValueError) as exc:
-        raise GGUFError(header.path, f"MLX could not read the tensors ({exc})") from exc
+    tensors: dict[str, mx.array] = {}
     for info in header.tensors:
-        if info.ggml_type.name == "BF16":
-            tensors[info.name] = _read_bf16(header.path, info)
+        try:
+            if info.ggml_type.name in _FLOAT_DTYPES:
+                tensors[info.name] = _read_float(header.path, info)
+                continue
+            base = info.name.removesuffix(".weight")
+            for key, value in decode_tensor(header.path, info).items():
+                tensors[info.name if key == "weight" else f"{base}.{key}"] = mx.array(value)
+        except (OSError, ValueError) as exc:
+            raise GGUFError(header.path, f"tensor {info.name!r} could not be read ({exc})") from exc
     return tensors
 
 
@@ -68,7 +79,7 @@ def to_mlx_lm(
     out: dict[str, mx.array] = {}
     for name, array in tensors.items():
         new_name = rename(name)
-        if new_name is None:  # validated already; only reachable if mx.load adds keys
+        if new_name is None:  # validated already
             raise GGUFError(header.path, f"tensor {name!r} has no mlx-lm counterpart")
         module = new_name.rsplit(".", 1)[0]
         for proj, n_head in heads.items():
