@@ -59,6 +59,8 @@ class Spec:
     hidden: int = HIDDEN
     ffn: int = FFN
     head_dim: int | None = None  # None: hidden / heads (and no key_length key written)
+    # A SentencePiece vocabulary instead of the BPE one: (pieces, token types, scores).
+    spm: tuple[list[str], list[int], list[float]] | None = None
 
     @property
     def head_size(self) -> int:
@@ -129,7 +131,8 @@ def _matrices(vocab: int, spec: Spec) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types, merges) -> None:
+def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types, merges,
+                    scores) -> None:
     writer.add_block_count(N_LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(spec.hidden)
@@ -146,10 +149,16 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocab)
     writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    if scores is None:
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(2)
+        writer.add_pad_token_id(0)
+    else:  # SentencePiece's default ids: <unk> 0, <s> 1, </s> 2
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHATML)
 
@@ -158,8 +167,11 @@ def write_model(path: Path, spec: Spec, seed: int = 0) -> Path:
     """Write a 2-layer model (hidden ``spec.hidden``, 4 heads / 2 KV heads) to ``path``."""
     rng = np.random.default_rng(seed)
     vocab, types, merges = vocabulary()
+    scores = None
+    if spec.spm is not None:
+        vocab, types, scores = spec.spm
     writer = gguf.GGUFWriter(str(path), spec.arch)
-    _write_metadata(writer, spec, vocab, types, merges)
+    _write_metadata(writer, spec, vocab, types, merges, scores)
     for name, (rows, cols) in _matrices(len(vocab), spec).items():
         scale = 1.0 if name == "token_embd.weight" else cols**-0.5
         data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)

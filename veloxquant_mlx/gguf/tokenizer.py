@@ -1,8 +1,10 @@
 """Rebuild a Hugging Face ``tokenizers`` tokenizer from GGUF vocabulary metadata.
 
-Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``, used by
-Llama 3, Qwen2, SmolLM, StarCoder, ...) are rebuilt; :mod:`.validate` refuses
-SentencePiece ones before we get here.
+Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: Llama 3,
+Qwen2/3, SmolLM, StarCoder, ...) are rebuilt from their merges here;
+SentencePiece ones (``"llama"``: Llama 2, Mistral, TinyLlama, ...) from their
+scores by :mod:`.spm`. Added tokens, BOS/EOS and the config files are common
+to both.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from .config import meta
 from .errors import GGUFError
 from .header import GGUFHeader
+from .spm import build_spm_tokenizer
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 2, 3, 4
@@ -102,38 +105,46 @@ def _added_tokens(tokens: list[str], types: list[int]) -> tuple[list[AddedToken]
 
 
 def _post_processor(
-    tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool
-) -> processors.PostProcessor:
+    tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool,
+    byte_level: bool,
+) -> processors.PostProcessor | None:
     """Adds BOS/EOS on encode when the GGUF asks for it."""
     first = [(tokens[bos], bos)] if add_bos and bos is not None else []
     last = [(tokens[eos], eos)] if add_eos and eos is not None else []
     if not first and not last:
-        return processors.ByteLevel(trim_offsets=False)
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
     single = " ".join([*(t for t, _ in first), "$A:0", *(t for t, _ in last)])
     pair = " ".join([single, *(f"{t}:1" for t, _ in first), "$B:1", *(f"{t}:1" for t, _ in last)])
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=first + last)
 
 
 def build_tokenizer(header: GGUFHeader) -> Tokenizer:
-    """The byte-level BPE tokenizer described by the file's metadata."""
+    """The tokenizer described by the file's metadata (byte-level BPE or SentencePiece)."""
     tokens = list(meta(header, "tokenizer.ggml.tokens"))
     types = list(meta(header, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    pre = meta(header, "tokenizer.ggml.pre", None)
-    # llama.cpp takes a whole word straight from the vocabulary before merging
-    # for Llama 3; HF expresses the same with ignore_merges.
-    tokenizer = Tokenizer(_bpe_model(header, tokens, ignore_merges=pre == "llama-bpe"))
-    tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
-    tokenizer.decoder = decoders.ByteLevel()
+    byte_level = meta(header, "tokenizer.ggml.model") != "llama"
+    if byte_level:
+        pre = meta(header, "tokenizer.ggml.pre", None)
+        # llama.cpp takes a whole word straight from the vocabulary before merging
+        # for Llama 3; HF expresses the same with ignore_merges.
+        tokenizer = Tokenizer(_bpe_model(header, tokens, ignore_merges=pre == "llama-bpe"))
+        tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        tokenizer = build_spm_tokenizer(header, tokens, types)
     special, plain = _added_tokens(tokens, types)
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(plain)  # add_special_tokens would force special=True
-    tokenizer.post_processor = _post_processor(
+    post = _post_processor(
         tokens,
         _token_id(header, "bos", len(tokens)),
         _token_id(header, "eos", len(tokens)),
         bool(meta(header, "tokenizer.ggml.add_bos_token", False)),
         bool(meta(header, "tokenizer.ggml.add_eos_token", False)),
+        byte_level,
     )
+    if post is not None:
+        tokenizer.post_processor = post
     return tokenizer
 
 

@@ -14,7 +14,8 @@ from .ggml_types import SUPPORTED_TYPES
 from .header import GGUFHeader, read_header
 from .layout import ARCHITECTURES, ArchSpec, tensor_problem
 
-SUPPORTED_TOKENIZERS = ("gpt2",)
+# gpt2: byte-level BPE with merges; llama: SentencePiece pieces with scores.
+SUPPORTED_TOKENIZERS = ("gpt2", "llama")
 
 
 def arch_spec(header: GGUFHeader) -> ArchSpec:
@@ -60,25 +61,22 @@ def check_tokenizer(header: GGUFHeader) -> None:
     """The vocabulary must be one we can rebuild as a ``tokenizers`` tokenizer.
 
     Raises:
-        GGUFError: No vocabulary, or a SentencePiece/other vocabulary.
+        GGUFError: No vocabulary, another kind of vocabulary, or one missing
+            its merges (BPE) or scores (SentencePiece).
     """
     model = header.metadata.get("tokenizer.ggml.model")
     if model is None or "tokenizer.ggml.tokens" not in header.metadata:
         raise GGUFError(header.path, "metadata has no tokenizer (tokenizer.ggml.model/tokens)")
-    if model == "llama":
-        raise GGUFError(
-            header.path,
-            "tokenizer 'llama' (SentencePiece) vocabularies are not supported yet; "
-            "only byte-level BPE ('gpt2') tokenizers can be converted",
-        )
     if model not in SUPPORTED_TOKENIZERS:
         raise GGUFError(
             header.path,
             f"tokenizer model {model!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_TOKENIZERS)})",
         )
-    if "tokenizer.ggml.merges" not in header.metadata:
+    if model == "gpt2" and "tokenizer.ggml.merges" not in header.metadata:
         raise GGUFError(header.path, "BPE tokenizer has no tokenizer.ggml.merges")
+    if model == "llama" and "tokenizer.ggml.scores" not in header.metadata:
+        raise GGUFError(header.path, "SentencePiece tokenizer has no tokenizer.ggml.scores")
 
 
 def tensor_type_counts(header: GGUFHeader) -> dict[str, int]:

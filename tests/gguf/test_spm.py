@@ -1,0 +1,143 @@
+"""SentencePiece vocabularies from GGUF metadata tokenize as SentencePiece itself does.
+
+The reference is the ``sentencepiece`` library with a BPE model trained here
+the way Llama's and Mistral's were set up (byte fallback, no normalization,
+a dummy space prefix), written into a GGUF file the way llama.cpp's converter
+writes one: each piece, its score and its type.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+
+import mlx_lm
+import pytest
+import sentencepiece as spm
+
+from tests.gguf import synth
+from veloxquant_mlx.gguf import convert_gguf
+from veloxquant_mlx.gguf.spm import spm_merges
+
+TEXTS = [
+    "Hello world",
+    "  two leading spaces and  a double space",
+    "Line one\nLine two\n\n\tTabbed",
+    "Numbers 3.14159 and 2024-12-02",
+    "naïve café, façade; Übermaß",
+    "数据 and emoji 🎉🚀 fall back to bytes",
+    "",
+    " ",
+]
+
+
+def _corpus() -> list[str]:
+    """Training text: docstrings of a few standard-library modules (fixed per Python)."""
+    import collections
+    import json as json_module
+    import string
+    import textwrap
+
+    lines = []
+    for module in (collections, json_module, string, textwrap):
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj)
+            if doc:
+                lines += [line for line in doc.splitlines() if line.strip()]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def processor() -> spm.SentencePieceProcessor:
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_corpus()), model_writer=model, model_type="bpe",
+        vocab_size=700, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
+        user_defined_symbols=["<tool>"], minloglevel=2, num_threads=1)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def _token_type(sp: spm.SentencePieceProcessor, i: int) -> int:
+    """llama.cpp's token type of piece ``i`` (its converter reads the same flags)."""
+    if sp.is_unknown(i):
+        return 2
+    if sp.is_control(i):
+        return 3
+    if sp.is_byte(i):
+        return 6
+    if sp.is_unused(i):
+        return 5
+    return 4 if sp.id_to_piece(i) == "<tool>" else 1
+
+
+@pytest.fixture(scope="module")
+def spm_folder(processor, tmp_path_factory):
+    n = processor.get_piece_size()
+    pieces = [processor.id_to_piece(i) for i in range(n)]
+    vocab = (pieces, [_token_type(processor, i) for i in range(n)],
+             [processor.get_score(i) for i in range(n)])
+    folder = tmp_path_factory.mktemp("spm")
+    path = synth.write_model(folder / "spm.gguf",
+                             synth.Spec("Q8_0", tokenizer_model="llama", spm=vocab))
+    return convert_gguf(path, folder / "cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(spm_folder):
+    return mlx_lm.load(str(spm_folder))[1]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_equal_sentencepiece(tokenizer, processor, text):
+    assert tokenizer.encode(text, add_special_tokens=False) == processor.encode(text)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decoding_gives_the_text_back(tokenizer, processor, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == processor.decode(ids)
+    if not text.startswith(" "):  # SentencePiece drops the one space it added
+        assert tokenizer.decode(ids) == text
+
+
+def test_added_pieces_split_the_text_as_llama_cpp_does(tokenizer, processor):
+    """llama.cpp tokenizes the text on each side of an added piece on its own, and
+    puts the space prefix in front of each (SentencePiece itself does not)."""
+    tool = processor.piece_to_id("<tool>")
+    ids = tokenizer.encode("user-defined <tool> stays whole", add_special_tokens=False)
+    assert ids == [*processor.encode("user-defined "), tool, *processor.encode(" stays whole")]
+
+
+def test_bos_and_special_pieces(tokenizer, processor):
+    ids = tokenizer.encode("Hello")
+    assert ids == [1, *processor.encode("Hello")]  # add_bos_token: <s> first
+    assert tokenizer.bos_token == "<s>" and tokenizer.eos_token_ids == {2}
+    text = "</s>"
+    assert tokenizer.encode(text, add_special_tokens=False) == [2]  # control piece, whole
+
+
+def test_streamed_text_uses_sentencepiece_detokenizer(tokenizer, processor):
+    text = "Streamed naïve 🎉 text\nwith two lines"
+    detokenizer = tokenizer.detokenizer
+    assert type(detokenizer).__name__ == "SPMStreamingDetokenizer"
+    detokenizer.reset()
+    for token in processor.encode(text):
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text == text
+
+
+def test_merges_rank_by_score_and_skip_control_pieces():
+    pieces = ["<unk>", "<s>", "a", "b", "c", "ab", "bc", "abc", "<0x41>"]
+    types = [2, 3, 1, 1, 1, 1, 1, 1, 6]
+    scores = [0.0, 0.0, -5.0, -5.0, -5.0, -2.0, -1.0, -3.0, 0.0]
+    merges = spm_merges(pieces, scores, types)
+    # bc (-1) before ab (-2) before abc's two splits (-3), left part's id breaking the tie.
+    assert merges == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
+
+
+def test_generation_config_names_bos_and_eos(spm_folder):
+    generation = json.loads((spm_folder / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
