@@ -6,14 +6,16 @@ Usage::
     folder = convert_gguf("model.Q4_0.gguf", cache_root)
     model, tokenizer = mlx_lm.load(str(folder))
 
-Supported: architectures ``llama`` and ``qwen2``; tensor types F32, F16,
-BF16, Q8_0, Q4_0, Q4_1; byte-level BPE (``gpt2``) vocabularies. Anything else
-raises :class:`GGUFError` before a file is written.
+Supported: architectures ``llama``, ``qwen2`` and ``qwen3``; tensor types
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to Q6_K;
+byte-level BPE (``gpt2``) and SentencePiece (``llama``) vocabularies. Anything
+else raises :class:`GGUFError` before a file is written.
 
 Modules: :mod:`.header` parses the header, :mod:`.validate` checks it,
-:mod:`.config` writes config.json, :mod:`.weights` loads/renames tensors,
-:mod:`.tokenizer` rebuilds the tokenizer, :mod:`.cache` builds folders
-atomically, :mod:`.convert` ties them together.
+:mod:`.config` writes config.json, :mod:`.weights` reads/renames tensors,
+:mod:`.blocks` decodes quantized blocks, :mod:`.tokenizer` (and :mod:`.spm`)
+rebuild the tokenizer, :mod:`.cache` builds folders atomically,
+:mod:`.convert` ties them together.
 """
 
 from __future__ import annotations

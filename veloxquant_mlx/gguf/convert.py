@@ -41,8 +41,10 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     """Convert a GGUF model to an mlx-lm folder, cached by file content.
 
     The folder is ``cache_root/gguf/<sha256[:16]>-v<converter version>``;
-    when it exists it is returned at once. Quantized weights stay quantized (Q4_0/Q4_1 as 4-bit,
-    Q8_0 as 8-bit MLX affine, group size 32). ``mlx_lm.load(str(folder))``
+    when it exists it is returned at once. Quantized weights stay quantized where
+    MLX's affine layout holds them exactly (Q8_0, Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K;
+    group size 32) and become float32 otherwise (Q6_K, Q3_K, Q2_K): see
+    :mod:`.blocks`. ``mlx_lm.load(str(folder))``
     loads the result.
 
     Args:

@@ -1,9 +1,10 @@
 """A small pure-Python reader for the GGUF header (metadata and tensor infos).
 
 ``mx.load`` reads GGUF too, but when a file is damaged it either crashes with
-an opaque message or, worse, reads garbage. Parsing the header ourselves first
-lets every problem be reported as a :class:`GGUFError` that says what is wrong
-and where. Only the header is read; tensor data is left to ``mx.load``.
+an opaque message or, worse, reads garbage, and it knows few block types.
+Parsing the header ourselves first lets every problem be reported as a
+:class:`GGUFError` that says what is wrong and where. Only the header is read
+here; :mod:`.weights` and :mod:`.blocks` read the tensor data.
 
 Layout (GGUF v2/v3, little-endian): magic ``GGUF``, uint32 version, uint64
 tensor count, uint64 metadata count, the metadata key/values, the tensor infos

@@ -70,7 +70,7 @@ _PER_BLOCK = {
 _HEAD_NORMS = ("attn_q_norm", "attn_k_norm")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 # .weight/.bias come from the GGUF file; .scales/.biases are the extra arrays
-# mx.load emits for quantized weights. All follow their module's new name.
+# the block decoder emits for quantized weights. All follow their module's new name.
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
@@ -89,7 +89,7 @@ def module_name(gguf_module: str) -> str | None:
 
 
 def rename(gguf_name: str) -> str | None:
-    """The mlx-lm name of a GGUF (or mx.load) tensor key, or None if unknown.
+    """The mlx-lm name of a GGUF tensor key (or a decoded part's), or None if unknown.
 
     Args:
         gguf_name: ``"blk.0.ffn_down.scales"`` and the like.
