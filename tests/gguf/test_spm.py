@@ -141,3 +141,15 @@ def test_merges_rank_by_score_and_skip_control_pieces():
 def test_generation_config_names_bos_and_eos(spm_folder):
     generation = json.loads((spm_folder / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+
+
+@pytest.mark.parametrize("text", ["Hello world", "naïve 🎉 数据\n\ttabs"])
+def test_each_tokens_bytes_join_to_the_text(tokenizer, text):
+    """Chat logprobs' ``bytes``: "▁" is a space, ``<0xNN>`` pieces are that byte."""
+    from server.engine.token_bytes import TokenBytes
+
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not text.isascii():
+        assert any(tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
+    assert b"".join(token_bytes(i) for i in ids) == (" " + text).encode()
