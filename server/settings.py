@@ -309,6 +309,8 @@ def load_settings(
             value, with the key named in the message.
     """
     path = Path(config_path) if config_path is not None else DEFAULT_CONFIG_PATH
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     token = _LOADING.set(_LoadRequest(path, os.environ if env is None else env))
@@ -316,6 +318,12 @@ def load_settings(
         return Settings(**{name: dict(values) for name, values in (overrides or {}).items()})
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte "
+                          f"{exc.start}: {exc.object[exc.start:exc.start + 1]!r})") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: "
+                          f"{exc.strerror or exc}") from None
     except ValidationError as exc:
         raise _config_error(exc) from None
     finally:

@@ -35,7 +35,8 @@ class _FieldProblem(ValueError):
 class _Section(BaseModel):
     # strict: a TOML `1` is not a bool and `"8"` is not an int (env strings are
     # parsed by the env source before validation); ints still pass as floats.
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    # No inf/nan: an infinite timeout or limit would switch its bound off unnoticed.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 _ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+")

@@ -206,6 +206,19 @@ def test_missing_and_invalid_files(tmp_path):
         load_settings(tmp_path / "nope.toml", env={})
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(write(tmp_path, "[pool\n"), env={})
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"\xff\xfe[pool]\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0: b'\\xff'\)"):
+        load_settings(latin1, env={})
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_settings(tmp_path, env={})
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_infinite_or_nan_floats_are_refused(value):
+    """An infinite queue timeout would switch the bound off without a word."""
+    with pytest.raises(ConfigError, match="limits.queue_timeout_s"):
+        load_settings(env={"VELOXQUANT_LIMITS_QUEUE_TIMEOUT_S": value})
 
 
 def test_cli_flags(monkeypatch):
