@@ -53,15 +53,17 @@ class PromptPreparer:
         metrics: Where refusals are recorded.
         deliver: Called on a worker thread with each :class:`Prepared` request
             (the engine puts it on its inbox).
+        max_batch_size: Requests the engine runs at once (``batch.max_batch_size``).
     """
 
     def __init__(self, loaded: LoadedModel, limits: LimitsSection, metrics: ServerMetrics,
-                 deliver: Callable[[Prepared], None]) -> None:
+                 deliver: Callable[[Prepared], None], max_batch_size: int = 0) -> None:
         self.loaded = loaded
         self.max_prompt_tokens = limits.max_prompt_tokens
-        # Requests being prepared at once, beyond which new ones are refused: the waiting
-        # queue's bound plus a batch of head room, as these may all be admitted right after.
-        self.max_pending = limits.max_queue + 2 * WORKERS
+        # Requests being prepared at once, beyond which new ones are refused: what an idle
+        # server takes from one burst (a batch that starts, then the waiting queue's bound),
+        # and at least the workers' head room.
+        self.max_pending = limits.max_queue + max(max_batch_size, 2 * WORKERS)
         self.metrics = metrics
         self.deliver = deliver
         per_token = max_bytes_per_token(loaded.tokenizer)

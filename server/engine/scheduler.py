@@ -90,10 +90,14 @@ class Scheduler:
         request, prompt_ids = prepared.request, prepared.prompt_ids
         try:
             need = self._check_size(request, prompt_ids)
-            if len(self.waiting) >= self.limits.max_queue and not self._queue_fits_now(need):
+            # The queue's bound counts requests that will really wait: a burst the
+            # engine takes in before its next admission starts partly at once.
+            starting = self._starts_next([*(p.reservation for p in self.waiting), need])
+            behind = len(self.waiting) - starting
+            if behind >= self.limits.max_queue:
                 raise RequestRejected(Rejected(
-                    Reason.QUEUE_FULL, f"server busy: {len(self.waiting)} requests already "
-                    f"wait for KV capacity (limits.max_queue={self.limits.max_queue}); "
+                    Reason.QUEUE_FULL, f"server busy: {behind} requests already wait for "
+                    f"a batch slot or KV capacity (limits.max_queue={self.limits.max_queue}); "
                     "retry later"))
         except RequestRejected as exc:
             self.reject(request, exc.event)
@@ -344,21 +348,27 @@ class Scheduler:
     def _fits_now(self, need: Reservation) -> bool:
         return self.planner.fits_now(need, self.outstanding())
 
-    def _queue_fits_now(self, need: Reservation) -> bool:
-        """Whether every waiting request and then this one could all be admitted now.
+    def _starts_next(self, queue: list[Reservation]) -> int:
+        """How many of ``queue`` (in order) the next admission would start.
 
-        A full queue still takes a request that would run at the next step. Asking
-        whether it fits alone was not enough: admission is first come first served,
-        so the requests ahead take the room first (a burst into an idle pool, or small
-        requests behind a large one that waits, grew the queue past its bound).
+        Admission is first come first served: it starts requests while there is a
+        batch slot and all of them so far fit the pool together, and stops at the
+        first that does not. Prefix-cache hits are not counted, so this can only
+        under-count (a request judged waiting may start).
         """
-        if len(self.running) + len(self.waiting) >= self.max_batch_size:
-            return False
-        total = dict(need.per_stream)
-        for pending in self.waiting:
-            for stream, blocks in pending.reservation.per_stream.items():
+        slots = max(self.max_batch_size - len(self.running), 0)
+        if not slots:
+            return 0
+        outstanding = self.outstanding()
+        total: dict[str, int] = {}
+        started = 0
+        for reservation in queue[:slots]:
+            for stream, blocks in reservation.per_stream.items():
                 total[stream] = total.get(stream, 0) + blocks
-        return self.planner.fits_now(Reservation(total), self.outstanding())
+            if not self.planner.fits_now(Reservation(dict(total)), outstanding):
+                break
+            started += 1
+        return started
 
     def reject_waiting(self, event: Rejected) -> None:
         """Answer every waiting request with ``event`` (the engine is stopping)."""

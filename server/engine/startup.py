@@ -148,7 +148,8 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
         runner = LeaderRunner(runner, RankLink(group))
     parts = EngineParts(loaded, pool, kv, prefixes, scheduler, runner,
                         OutputProcessor(loaded.tokenizer),
-                        PromptPreparer(loaded, settings.limits, metrics, deliver))
+                        PromptPreparer(loaded, settings.limits, metrics, deliver,
+                                       settings.batch.max_batch_size))
     # The one start-up line that says what the server computes with.
     log.info("model %s loaded (%d layers; %s); backend: %s; decode: %s", loaded.name,
              loaded.n_layers, loaded.weights or "weights as stored",
