@@ -182,6 +182,7 @@ class LimitsSection(_Section):
     max_stop_length: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=1048576, ge=1024)
     stream_stall_timeout_s: float = Field(default=30.0, gt=0)
+    engine_stall_timeout_s: float = Field(default=120.0, gt=0)
     max_concurrent_per_client: int = Field(default=0, ge=0)  # 0 = no cap
     max_choices: int = Field(default=16, ge=1)  # n x prompts of one request
 

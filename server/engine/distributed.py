@@ -253,11 +253,26 @@ class LeaderRunner:
 
     def prefill(self, budget: int, hook: RowHook | None = None) -> RunOutput:
         self.flush(("prefill", budget))
-        return self._runner.prefill(budget, None)
+        return self._checked(self._runner.prefill(budget, None))
 
     def decode(self, hook: RowHook | None = None) -> RunOutput:
         self.flush(("decode",))
-        return self._runner.decode(None)
+        return self._checked(self._runner.decode(None))
+
+    def _checked(self, out: RunOutput) -> RunOutput:
+        """``out``, unless one of its model calls raised: then the ring is lost.
+
+        A model call holds the ranks' all-sums. One that raised on rank 0 (a peer
+        gone: "[ring] connection to a peer was lost", or any failure part-way)
+        leaves the ranks at different points of their sequence of collectives, and
+        the next exchange would wait forever for a partner. So it ends the engine
+        (its requests get 503, ``/health`` 503) instead of failing rows one by one.
+        """
+        if out.call_error is not None:
+            self._lost = True
+            raise DistributedError(f"lost the other ranks: a model call failed on rank 0 "
+                                   f"({out.call_error})") from out.call_error
+        return out
 
     def close(self) -> None:
         if self._lost:  # MLX work waiting on a dead peer never finishes: do not wait for it

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -253,6 +254,21 @@ class Engine:
     def failing(self) -> str | None:
         """Why the model's calls keep failing (several in a row, none run since), else None."""
         return self.steps.health.failing if self.steps is not None else None
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the engine looks hung (one step past ``limits.engine_stall_timeout_s``), else None.
+
+        The engine thread cannot be interrupted inside a device call, so this is
+        what a supervisor can see: ``/health`` answers 503 and new requests get
+        503 at once rather than waiting on a thread that may never come back.
+        """
+        since = self.steps.busy_since if self.steps is not None else None
+        limit = self.settings.limits.engine_stall_timeout_s
+        if since is None or (busy := time.monotonic() - since) <= limit:
+            return None
+        return (f"the engine has been in one step for {busy:.0f} s (limits."
+                f"engine_stall_timeout_s={limit:g}): the device or a peer rank stopped answering")
 
     @property
     def degraded(self) -> str | None:

@@ -69,6 +69,9 @@ class EngineSteps:
         # Token and end events, sent together (a channel's in the order they came).
         self._events = EventBatch()
         self.health = CallHealth()  # model calls failing in a row: /health
+        # When the step running now began (None between steps): a step that never
+        # ends (a hung device, a peer rank gone inside a collective) shows on /health.
+        self.busy_since: float | None = None
         self.events_at_submit = events_at_submit
         if events_at_submit:
             self.runner.before_submit = self._events.send
@@ -87,6 +90,13 @@ class EngineSteps:
         by default (:func:`server.engine.startup.events_at_submit`); off, every
         batch of events is sent as soon as it is complete.
         """
+        self.busy_since = time.monotonic()
+        try:
+            self._step()
+        finally:
+            self.busy_since = None
+
+    def _step(self) -> None:
         clock = self.clock
         clock.start()
         runner = self.runner

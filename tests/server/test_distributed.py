@@ -135,7 +135,10 @@ def test_a_split_that_cannot_be_made_stops_start_up_with_exit_2(tiny_model_path,
 def _follower_pid(rank0: int) -> int:
     """The rank-1 process rank 0 started (its child with MLX_RANK=1)."""
     for child in Path(f"/proc/{rank0}/task/{rank0}/children").read_text().split():
-        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # a short-lived child that has exited since
         if b"MLX_RANK=1" in environ:
             return int(child)
     raise AssertionError("rank 0 has no rank-1 child")
@@ -161,6 +164,38 @@ def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path
         pool = httpx.get(base + "/admin/pool", timeout=30,
                          headers={"Authorization": f"Bearer {ADMIN}"})
         assert pool.status_code == 503 and "ranks did not answer" in pool.text
+        server.terminate()
+        assert server.wait(60) == 0
+    assert "lost the other ranks" in server.log()
+
+
+def test_a_rank_lost_mid_generation_ends_the_engine_not_hangs_it(tiny_model_path, tmp_path):
+    """The peer dies inside a model call: its all-sums raise on rank 0, and the next
+    exchange must not be made (it would wait for the dead peer forever)."""
+    import os
+    import signal
+
+    server = ServerProcess(tmp_path / "lost-mid.log",
+                           ["--model", str(tiny_model_path), "--distributed", "2"],
+                           {"VELOXQUANT_ADMIN_TOKEN": ADMIN}, startup_timeout_s=180)
+    with server:
+        base = server.base_url
+        body = {"prompt": "x", "max_tokens": 1500, "temperature": 0, "stream": True,
+                "logit_bias": NO_EOS}
+        frames = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line)
+                if len(frames) == 3:  # generating: kill the peer under the running steps
+                    os.kill(_follower_pid(server.pid), signal.SIGKILL)
+        error = json.loads(frames[-2].removeprefix("data: "))  # last frame is [DONE]
+        assert error["error"]["code"] in ("shutting_down", "unavailable"), frames[-2]
+        start = time.monotonic()
+        r = httpx.post(base + "/v1/completions", timeout=30,
+                       json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and time.monotonic() - start < 10, r.text
+        assert httpx.get(base + "/health", timeout=10).status_code == 503
         server.terminate()
         assert server.wait(60) == 0
     assert "lost the other ranks" in server.log()

@@ -47,6 +47,8 @@ def get_engine(request: Request) -> Any:
     engine = request.app.state.engine
     if not engine.is_ready:
         raise UnavailableError("the model is not loaded yet (or failed to load); see GET /health")
+    if stalled := getattr(engine, "stalled", None):  # it would wait on a hung engine
+        raise UnavailableError(stalled)
     return engine
 
 

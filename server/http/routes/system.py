@@ -24,13 +24,17 @@ async def health(request: Request) -> JSONResponse:
     ``status`` is ``degraded`` (still 200: smaller requests are served) with a
     ``reason`` after a forced shrink left the pool unable to hold one maximal request.
     503 too while the model's calls keep failing (several in a row, none run since:
-    :mod:`server.engine.call_health`), so a supervisor restarts a broken device.
+    :mod:`server.engine.call_health`), or while one engine step has run past
+    ``limits.engine_stall_timeout_s``, so a supervisor restarts a broken device.
     """
     engine = request.app.state.engine
     failing = getattr(engine, "failing", None)
     if engine.is_ready and failing:
         return error_response(UnavailableError(f"model calls are failing: {failing}"),
                               request.app.state.settings)
+    stalled = getattr(engine, "stalled", None)
+    if engine.is_ready and stalled:
+        return error_response(UnavailableError(stalled), request.app.state.settings)
     if engine.is_ready:
         running, waiting = engine.queue_depths()
         body = {"status": "ok", "model": engine.model_name, "running": running,
