@@ -66,6 +66,20 @@ def events_at_submit(settings: Settings) -> bool:
     return bool(choice)
 
 
+def _warn_if_default_requests_never_fit(scheduler: Scheduler, default_max_tokens: int) -> None:
+    """Say at start-up when a one-token prompt with the default ``max_tokens`` cannot fit.
+
+    Such a server answers 400 to every request that leaves ``max_tokens`` out; that
+    is a sizing mistake worth one line in the log before the first client meets it.
+    """
+    n_tokens = 1 + default_max_tokens
+    why = scheduler.planner.never_fits(scheduler.planner.reservation(n_tokens), n_tokens)
+    if why is not None:
+        log.warning("the KV pool cannot hold a request that leaves max_tokens out "
+                    "(limits.default_max_tokens=%d): every such request gets 400 (%s)",
+                    default_max_tokens, why)
+
+
 def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
     """Whether compiled decode runs q/k/v and gate/up as one matmul each.
 
@@ -137,6 +151,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
         prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),
                                   pool.config.block_size)
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
+    _warn_if_default_requests_never_fit(scheduler, settings.limits.default_max_tokens)
     batch = settings.batch
     runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,
                          prefixes, batch.kv_write_back, batch.compile_decode,

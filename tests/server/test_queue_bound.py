@@ -5,6 +5,8 @@ admits any, so a burst into an idle server is in the waiting list all at once.
 Those the next admission starts (a batch slot each, room in the pool for all
 of them in order) are not waiting for anything; counting them refused a burst
 of 70 with 65 answered on an idle default server (32 slots, 64 queue places).
+Also: a pool too small for any request that leaves ``max_tokens`` out is named
+at start-up.
 """
 
 from __future__ import annotations
@@ -71,3 +73,18 @@ def test_requests_the_pool_cannot_hold_yet_count_as_waiting(tiny_model):
 def test_no_queue_still_takes_what_starts_at_once(tiny_model):
     scheduler = _scheduler(tiny_model[1], max_batch=3, max_queue=0)
     assert _refused(_burst(scheduler, 5)) == ["r3", "r4"]
+
+
+def test_a_pool_too_small_for_default_requests_is_named_at_start_up(tiny_model, caplog):
+    from server.engine.startup import _warn_if_default_requests_never_fit
+
+    # 2 layers x ceil(257 / 16) = 34 blocks a stream: 20 blocks (10 a stream) are too few.
+    with caplog.at_level("WARNING", logger="veloxquant.server"):
+        _warn_if_default_requests_never_fit(_scheduler(tiny_model[1], 4, 4, n_blocks=20), 256)
+    [record] = caplog.records
+    assert "cannot hold a request that leaves max_tokens out" in record.getMessage()
+    assert "limits.default_max_tokens=256" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="veloxquant.server"):
+        _warn_if_default_requests_never_fit(_scheduler(tiny_model[1], 4, 4, n_blocks=80), 256)
+    assert not caplog.records
