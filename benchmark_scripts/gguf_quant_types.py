@@ -60,6 +60,7 @@ def served_speed(path: Path, home: Path, requests: int = 4, max_tokens: int = 64
     import httpx
     from server_process import ServerProcess
 
+    home.mkdir(parents=True, exist_ok=True)
     body = {"prompt": "Write a short story about a lighthouse keeper.", "max_tokens": max_tokens,
             "temperature": 0, "stream": True,
             "logit_bias": {"0": -100, "2": -100}}  # no end token: max_tokens each
