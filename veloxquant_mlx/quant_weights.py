@@ -1,12 +1,14 @@
 """Quantized copies of dequantized weights, for small products on the CPU (Linux x86-64).
 
-On MLX's CPU backend a 4- or 8-bit model is dequantized to float32 so that its matmuls
+On MLX's CPU backend a quantized model is dequantized to float32 so that its matmuls
 run on OpenBLAS (``server/model_weights.py``). Decode then streams 4 bytes a weight from
 memory where the checkpoint needed ~0.6 (4-bit) or ~1.1 (8-bit). This module hands each
 dequantized weight's codes to the preloaded BLAS forward (``veloxquant_mlx/quant_matmul.c``),
 keyed by the float32 buffer's address; products of at most ``max_rows`` rows against
 that weight (decode steps) are then computed from the codes, with the rows quantized to
 int8 per group of 32 as llama.cpp does. Larger products (prefill) stay on OpenBLAS.
+The kernel reads 4- or 8-bit codes; 2, 3, 5 and 6-bit ones are widened to 8 bits
+(the same numbers, a byte each).
 
 The copy holds the checkpoint's own codes, scales and biases, so the weights are
 exactly the ones the float32 copy was made from; only the activations are rounded
@@ -52,7 +54,7 @@ class QuantizedParts:
         scales: One scale per group of ``group_size`` columns (rows x cols/group_size).
         biases: One bias per group: w = scale * code + bias.
         group_size: Columns a scale covers (a multiple of 32).
-        bits: 4 or 8.
+        bits: 4 or 8 (other widths arrive widened to 8).
     """
 
     packed: np.ndarray
@@ -109,8 +111,30 @@ def kernel_groups(parts: QuantizedParts) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(scales), np.ascontiguousarray(biases)
 
 
+def widen_to_8_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    """MLX words of ``bits``-bit codes -> words of the same codes, one byte each.
+
+    MLX stores a row as one little-endian bit stream (value j at bits ``j * bits``);
+    a byte per code is the 8-bit layout, so with the same scales and biases the
+    weights are unchanged: 2, 3, 5 and 6-bit layers (Q5_0, Q5_1, Q5_K from GGUF)
+    can use the 8-bit kernel, reading 1 byte a weight instead of float32's 4.
+    """
+    rows = packed.shape[0]
+    stream = np.unpackbits(np.ascontiguousarray(packed, "<u4").view(np.uint8).reshape(rows, -1),
+                           axis=1, bitorder="little")
+    planes = stream.reshape(rows, -1, bits)
+    codes = np.zeros(planes.shape[:2], np.uint8)
+    for bit in range(bits):
+        codes |= planes[:, :, bit] << bit
+    return codes.view(np.uint32)
+
+
 def capture_quantized_layers(model: Any) -> dict[str, QuantizedParts]:
-    """Every 4- or 8-bit affine layer's packed parts, by path (call before dequantizing)."""
+    """Every affine layer's packed parts, by path (call before dequantizing).
+
+    4- and 8-bit codes are kept as stored; other widths are widened to 8 bits
+    (:func:`widen_to_8_bits`), which the kernel serves too.
+    """
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -118,12 +142,14 @@ def capture_quantized_layers(model: Any) -> dict[str, QuantizedParts]:
     for path, module in model.named_modules():
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
-        if (module.bits not in (4, 8) or getattr(module, "mode", "affine") != "affine"
+        if (module.bits not in (2, 3, 4, 5, 6, 8) or getattr(module, "mode", "affine") != "affine"
                 or module.group_size % GROUP or module.biases is None):
             continue
         scales, biases = (np.array(v.astype(mx.float32)) for v in (module.scales, module.biases))
-        parts[path] = QuantizedParts(np.array(module.weight), scales, biases,
-                                     module.group_size, module.bits)
+        packed, bits = np.array(module.weight), module.bits
+        if bits not in (4, 8):
+            packed, bits = widen_to_8_bits(packed, bits), 8
+        parts[path] = QuantizedParts(packed, scales, biases, module.group_size, bits)
     return parts
 
 
