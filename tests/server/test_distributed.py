@@ -132,16 +132,31 @@ def test_a_split_that_cannot_be_made_stops_start_up_with_exit_2(tiny_model_path,
     assert "4 attention heads and 2 KV heads do not divide among 3 ranks" in done.stderr
 
 
-def _follower_pid(rank0: int) -> int:
-    """The rank-1 process rank 0 started (its child with MLX_RANK=1)."""
-    for child in Path(f"/proc/{rank0}/task/{rank0}/children").read_text().split():
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of any of its threads, recursively)."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            for child in map(int, children.read_text().split()):
+                found += [child, *_descendants(child)]
         except (ProcessLookupError, FileNotFoundError):
-            continue  # a short-lived child that has exited since
-        if b"MLX_RANK=1" in environ:
-            return int(child)
-    raise AssertionError("rank 0 has no rank-1 child")
+            continue  # a thread or child that has exited since
+    return found
+
+
+def _follower_pid(rank0: int) -> int:
+    """The rank-1 process below the server's process (MLX_RANK=1 in its environment)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for pid in _descendants(rank0):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+            if b"MLX_RANK=1" in environ:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no rank-1 process below {rank0}")
 
 
 def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path, tmp_path):
@@ -185,8 +200,9 @@ def test_a_rank_lost_mid_generation_ends_the_engine_not_hangs_it(tiny_model_path
         frames = []
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as stream:
             for line in stream.iter_lines():
-                if line.startswith("data: "):
-                    frames.append(line)
+                if not line.startswith("data: "):
+                    continue  # the blank lines between events
+                frames.append(line)
                 if len(frames) == 3:  # generating: kill the peer under the running steps
                     os.kill(_follower_pid(server.pid), signal.SIGKILL)
         error = json.loads(frames[-2].removeprefix("data: "))  # last frame is [DONE]
