@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -27,11 +26,10 @@ class OutputProcessor:
     """Turns each sampled token of a request into the event its client gets.
 
     Args:
-        tokenizer: The model's tokenizer (``decode`` for log-probability texts).
+        tokenizer: The model's tokenizer (each token's text and bytes for log-probabilities).
     """
 
     def __init__(self, tokenizer: Any) -> None:
-        self.decode: Callable[[list[int]], str] = tokenizer.decode
         self.token_bytes = TokenBytes(tokenizer)
         self.primer = primer_token(tokenizer)
 
@@ -63,8 +61,7 @@ class OutputProcessor:
         params = state.request.params
         logprob = None
         if params.logprobs and logprobs is not None:
-            logprob = token_logprob(logprobs, token, params.top_logprobs, self.decode,
-                                    self.token_bytes)
+            logprob = token_logprob(logprobs, token, params.top_logprobs, self.token_bytes)
         if not state.detokenizer.tokens:
             prime(state.detokenizer, self.primer)
         state.detokenizer.add_token(token)
@@ -121,8 +118,7 @@ def prime(detokenizer: Any, primer: int | None) -> None:
 
 
 def token_logprob(
-    logprobs: mx.array, token_id: int, top_n: int, decode: Callable[[list[int]], str],
-    token_bytes: Callable[[int], bytes],
+    logprobs: mx.array, token_id: int, top_n: int, token_bytes: TokenBytes,
 ) -> TokenLogprob:
     """Log-probability of the chosen token and the ``top_n`` best alternatives.
 
@@ -130,8 +126,7 @@ def token_logprob(
         logprobs: Normalized log-probabilities over the vocabulary ``(vocab,)``.
         token_id: The sampled token.
         top_n: How many alternatives to report (0 for none).
-        decode: Token ids to text.
-        token_bytes: A token id's own bytes (:class:`~server.engine.token_bytes.TokenBytes`).
+        token_bytes: A token id's own bytes, and its text (:meth:`TokenBytes.text`).
     """
     chosen = logprobs[token_id].item()
     top: tuple[TopLogprob, ...] = ()
@@ -139,9 +134,9 @@ def token_logprob(
         ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
         values = logprobs[ids]
         pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
-        top = tuple(TopLogprob(decode([i]), finite_logprob(v), int(i), token_bytes(int(i)))
-                    for i, v in pairs)
-    return TokenLogprob(decode([token_id]), finite_logprob(chosen), token_id, top,
+        top = tuple(TopLogprob(token_bytes.text(int(i)), finite_logprob(v), int(i),
+                               token_bytes(int(i))) for i, v in pairs)
+    return TokenLogprob(token_bytes.text(token_id), finite_logprob(chosen), token_id, top,
                         token_bytes(token_id))
 
 

@@ -67,6 +67,18 @@ class TokenBytes:
                     return raw
         return self._decode([token_id]).encode("utf-8", "replace")
 
+    def text(self, token_id: int) -> str:
+        """Token ``id``'s text as the log-probability ``token`` strings show it.
+
+        The tokenizer's own ``decode([id])``, except for SentencePiece (byte
+        fallback) vocabularies, whose decoder strips the first space of a text:
+        alone, "▁Paris" would read "Paris", and the tokens' strings would no
+        longer join to the text they make. Their bytes are the token's own.
+        """
+        if self._scheme == "byte_fallback" and token_id not in self._special:
+            return self(token_id).decode("utf-8", "replace")
+        return self._decode([token_id])
+
     def _from_piece(self, piece: str) -> bytes | None:
         if self._scheme == "byte_level":
             alphabet = byte_level_alphabet()

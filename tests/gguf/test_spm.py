@@ -153,3 +153,14 @@ def test_each_tokens_bytes_join_to_the_text(tokenizer, text):
     if not text.isascii():
         assert any(tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
     assert b"".join(token_bytes(i) for i in ids) == (" " + text).encode()
+
+
+def test_logprob_token_strings_keep_the_pieces_spaces(tokenizer):
+    """Each token's string in log-probabilities joins to the text (decode([id]) alone
+    strips a SentencePiece piece's leading space)."""
+    from server.engine.token_bytes import TokenBytes
+
+    token_bytes = TokenBytes(tokenizer)
+    ids = tokenizer.encode("Hello big world", add_special_tokens=False)
+    assert "".join(token_bytes.text(i) for i in ids) == " Hello big world"
+    assert token_bytes.text(1) == tokenizer.decode([1]) == "<s>"  # specials: their text
