@@ -84,15 +84,69 @@ def _case(name: str, tmp: Path) -> tuple[Path, str]:
         path = synth.write_model(tmp / "spm.gguf", synth.Spec("Q8_0", tokenizer_model="llama"))
         return path, "SentencePiece tokenizer has no tokenizer.ggml.scores"
     if name == "fails-mid-build":  # passes the header checks, fails building config.json
-        path = _with_tokens(tmp / "nohparams.gguf", "llama", embd)
+        block = {f"blk.0.{part}.weight": (_f32(64, 64), "F32") for part in (
+            "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+        block |= {f"blk.0.{n}.weight": (np.ones(64, np.float32), "F32")
+                  for n in ("attn_norm", "ffn_norm")}
+        path = _with_tokens(tmp / "nohparams.gguf", "llama", {**embd, **block},
+                            **{"llama.block_count": 1})
         return path, "required metadata key 'llama.embedding_length' is missing"
+    if name == "missing-block-tensor":
+        path = synth.write_model(tmp / "full.gguf", synth.Spec("Q8_0"))
+        return _without(path, tmp / "noup.gguf", "blk.1.ffn_up.weight"), \
+            "required tensor 'blk.1.ffn_up.weight' is missing"
+    if name == "qwen3-without-head-norms":
+        path = synth.write_model(tmp / "q3.gguf", synth.Spec("Q8_0", arch="qwen3"))
+        return _without(path, tmp / "q3-nonorm.gguf", "blk.0.attn_k_norm.weight"), \
+            "required tensor 'blk.0.attn_k_norm.weight' is missing"
+    if name == "wrong-head-norm-size":  # passes the header checks; mlx-lm's model refuses it
+        path = synth.write_model(tmp / "q3.gguf", synth.Spec("Q8_0", arch="qwen3"))
+        return _with_wrong_norm(path, tmp / "q3-badnorm.gguf"), \
+            "ValueError: Expected shape (16,) but received shape (7,) for parameter " \
+            "model.layers.0.self_attn.q_norm.weight"
     raise AssertionError(name)
+
+
+def _rewrite(src: Path, dst: Path, change) -> Path:
+    """``src`` written again to ``dst`` with ``change(name, array) -> array | None`` applied
+    to every tensor (None drops it); metadata copied as it is."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    for tensor in reader.tensors:
+        data = change(tensor.name, tensor.data)
+        if data is not None:
+            f32 = tensor.tensor_type == gguf.GGMLQuantizationType.F32
+            raw = None if f32 else tensor.tensor_type
+            writer.add_tensor(tensor.name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def _without(src: Path, dst: Path, name: str) -> Path:
+    return _rewrite(src, dst, lambda n, data: None if n == name else data)
+
+
+def _with_wrong_norm(src: Path, dst: Path) -> Path:
+    norm = "blk.0.attn_q_norm.weight"
+    return _rewrite(src, dst, lambda n, data: np.ones(7, np.float32) if n == norm else data)
 
 
 CASES = [
     "not-gguf", "empty", "missing", "truncated-data", "truncated-header", "gpt2", "bert",
     "IQ4_XS", "IQ4_NL", "q-norm-in-llama", "unknown-tensor", "sentencepiece-without-scores",
-    "fails-mid-build",
+    "fails-mid-build", "missing-block-tensor", "qwen3-without-head-norms", "wrong-head-norm-size",
 ]  # fmt: skip
 
 

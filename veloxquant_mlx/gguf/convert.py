@@ -37,6 +37,18 @@ def _write_folder(header: GGUFHeader, sha256: str, folder: Path) -> None:
     (folder / "gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
 
 
+def _check_loads(folder: Path) -> None:
+    """mlx-lm builds its model from the folder: every weight there, named and shaped right.
+
+    Lazily (no weight is read), before the folder is moved into the cache, so a
+    file whose tensors do not make the model (a wrong-sized head norm, a tensor
+    missing that the up-front checks do not know of) is never cached.
+    """
+    from mlx_lm.utils import load_model
+
+    load_model(folder, lazy=True)
+
+
 def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     """Convert a GGUF model to an mlx-lm folder, cached by file content.
 
@@ -73,9 +85,11 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     def build(folder: Path) -> None:
         try:
             _write_folder(header, sha256, folder)
+            _check_loads(folder)
         except GGUFError:
             raise
         except Exception as exc:  # one error type for callers, whatever failed below
-            raise GGUFError(path, f"conversion failed: {type(exc).__name__}: {exc}") from exc
+            detail = " ".join(str(exc).split())  # one line (mlx-lm lists names line by line)
+            raise GGUFError(path, f"conversion failed: {type(exc).__name__}: {detail}") from exc
 
     return build_atomically(target, build)

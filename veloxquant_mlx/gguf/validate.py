@@ -52,9 +52,25 @@ def check_tensors(header: GGUFHeader, spec: ArchSpec) -> None:
         if problem:
             raise GGUFError(header.path, problem)
     names = {info.name for info in header.tensors}
-    for required in ("token_embd.weight", "output_norm.weight"):
+    for required in ("token_embd.weight", "output_norm.weight", *block_tensors(header, spec)):
         if required not in names:
             raise GGUFError(header.path, f"required tensor {required!r} is missing")
+
+
+def block_tensors(header: GGUFHeader, spec: ArchSpec) -> list[str]:
+    """The tensors every block of ``spec`` needs, for ``{arch}.block_count`` blocks."""
+    count = header.metadata.get(f"{header.architecture}.block_count")
+    if not isinstance(count, int) or count < 1:
+        raise GGUFError(header.path, f"metadata {header.architecture}.block_count is missing "
+                                     "or not a positive integer")
+    parts = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+             "ffn_gate", "ffn_up", "ffn_down"]
+    names = [f"{part}.weight" for part in parts]
+    if spec.qkv_bias:
+        names += [f"attn_{p}.bias" for p in "qkv"]
+    if spec.head_norms:
+        names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    return [f"blk.{i}.{name}" for i in range(count) for name in names]
 
 
 def check_tokenizer(header: GGUFHeader) -> None:
