@@ -63,9 +63,33 @@ def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
     else:
         messages = _with_tools_block([_as_text(m) for m in chat], prompt.tools)
         extra = {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **extra)
-    return list(ids)
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True, **extra))
+    bos = bos_on_encode(tokenizer)
+    if bos is not None and ids[:1] != [bos]:
+        ids.insert(0, bos)  # a template without {{ bos_token }}: as llama.cpp adds it
+    return ids
+
+
+def bos_on_encode(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer puts in front of every text it encodes, else None.
+
+    A chat template renders text that is then encoded without special tokens,
+    so a vocabulary that wants BOS first (``add_bos_token``: Llama 2, Mistral,
+    TinyLlama GGUFs) gets none when the template does not write
+    ``{{ bos_token }}``, and chats would differ from completions of the same
+    text. llama.cpp adds it to the rendered chat; so do we, once.
+    """
+    cached = getattr(tokenizer, "_veloxquant_bos", False)
+    if cached is not False:
+        return cached
+    bos = getattr(tokenizer, "bos_token_id", None)
+    found = bos if bos is not None and tokenizer.encode("a")[:1] == [bos] else None
+    try:
+        tokenizer._veloxquant_bos = found
+    except AttributeError:  # a tokenizer that takes no attributes: ask again next time
+        pass
+    return found
 
 
 def _arguments(call: dict[str, Any]) -> Any:

@@ -164,3 +164,22 @@ def test_logprob_token_strings_keep_the_pieces_spaces(tokenizer):
     ids = tokenizer.encode("Hello big world", add_special_tokens=False)
     assert "".join(token_bytes.text(i) for i in ids) == " Hello big world"
     assert token_bytes.text(1) == tokenizer.decode([1]) == "<s>"  # specials: their text
+
+
+def test_chats_start_with_bos_once_as_llama_cpp_renders_them(tokenizer):
+    """The vocabulary adds BOS to every text; a template without ``{{ bos_token }}``
+    would leave chats without it (llama.cpp adds it to the rendered chat)."""
+    from server.engine.chat_render import render_ids
+    from server.engine.protocol import ChatPrompt
+
+    chat = ChatPrompt(({"role": "user", "content": "Hello"},))
+    ids = render_ids(tokenizer, chat)
+    assert ids[0] == 1 and ids.count(1) == 1
+    hf = tokenizer._tokenizer
+    plain = hf.chat_template
+    hf.chat_template = "{{ bos_token }}" + plain  # a template that writes it itself
+    try:
+        ids = render_ids(tokenizer, chat)
+    finally:
+        hf.chat_template = plain
+    assert ids[0] == 1 and ids.count(1) == 1
