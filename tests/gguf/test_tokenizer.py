@@ -47,10 +47,12 @@ def test_synthetic_eos_and_chat_template(synth_tokenizer, synthetic_converted):
 @pytest.mark.parametrize(
     ("pre", "pieces"),
     [
-        ("default", ["a", "Ġ12345"]),
+        ("default", ["a", "Ġ", "123", "45"]),  # llama.cpp's: digits split, then by three
+        (None, ["a", "Ġ", "123", "45"]),  # no name: llama.cpp's default
         ("gpt2", ["a", "Ġ12345"]),
-        ("unknown-pre", ["a", "Ġ12345"]),
+        ("gpt-2", ["a", "Ġ12345"]),
         ("smollm", ["a", "Ġ", "1", "2", "3", "4", "5"]),
+        ("deepseek-r1-qwen", ["a", "Ġ", "1", "2", "3", "4", "5"]),  # qwen2's
         ("llama-bpe", ["a", "Ġ", "123", "45"]),
         ("qwen2", ["a", "Ġ", "1", "2", "3", "4", "5"]),
     ],
@@ -58,6 +60,35 @@ def test_synthetic_eos_and_chat_template(synth_tokenizer, synthetic_converted):
 def test_pre_tokenizer_digit_grouping(pre, pieces):
     got = [piece for piece, _ in pre_tokenizer_for(pre).pre_tokenize_str("a 12345")]
     assert got == pieces
+
+
+@pytest.mark.parametrize(("pre", "pieces"), [
+    ("default", ["It", "'", "s", "ĠHelloWorld"]),  # punctuation split off first
+    ("gpt-2", ["It", "'s", "ĠHelloWorld"]),
+    ("tekken", ["It", "'s", "ĠHello", "World"]),  # capitals start a word
+])
+def test_pre_tokenizer_words(pre, pieces):
+    got = [piece for piece, _ in pre_tokenizer_for(pre).pre_tokenize_str("It's HelloWorld")]
+    assert got == pieces
+
+
+def test_an_unknown_pre_tokenizer_is_refused_not_guessed(tmp_path):
+    """Guessing GPT-2's split gave other tokens than llama.cpp (deepseek-llm, ...)."""
+    import gguf
+
+    from tests.gguf import synth
+    from veloxquant_mlx.gguf import GGUFError, convert_gguf
+
+    original = gguf.GGUFWriter.add_tokenizer_pre
+    gguf.GGUFWriter.add_tokenizer_pre = lambda self, _: original(self, "deepseek-llm")
+    try:
+        path = synth.write_model(tmp_path / "ds.gguf", synth.Spec("Q8_0"))
+    finally:
+        gguf.GGUFWriter.add_tokenizer_pre = original
+    with pytest.raises(GGUFError, match="tokenizer.ggml.pre 'deepseek-llm' is not supported"):
+        convert_gguf(path, tmp_path / "cache")
+    with pytest.raises(ValueError, match="'deepseek-llm' is not supported"):
+        pre_tokenizer_for("deepseek-llm")
 
 
 def test_smollm2_specials_are_single_tokens(smollm2_loaded):

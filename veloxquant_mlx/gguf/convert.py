@@ -15,7 +15,7 @@ from .weights import load_gguf_tensors, save_weights, to_mlx_lm
 
 # Bumped when the folder layout changes; part of the cache key, so a newer converter
 # never trusts an older one's folder.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: K-quant decoders, llama.cpp's pre-tokenizer table
 
 
 def _write_folder(header: GGUFHeader, sha256: str, folder: Path) -> None:

@@ -10,6 +10,7 @@ to both.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,42 +24,75 @@ from .spm import build_spm_tokenizer
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 2, 3, 4
 
-# Split patterns of the pre-tokenizers that differ from GPT-2's. llama-bpe
-# (Llama 3) groups digits by up to three; qwen2 splits every digit.
+# The split patterns of llama.cpp's BPE pre-tokenizers (llama-vocab.cpp), for the
+# names it gives them in ``tokenizer.ggml.pre``. Several patterns in a row split
+# the pieces of the one before, as a Sequence of Splits does.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_RE = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+_TEKKEN_RE = (  # Mistral Nemo: a word may start with capitals, then lower case
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
-def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    """Regex split, then byte-level mapping without GPT-2's own regex."""
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+@dataclass(frozen=True)
+class PreTokenizer:
+    """One of llama.cpp's BPE pre-tokenizers: its split patterns, in order.
+
+    ``ignore_merges``: a whole word found in the vocabulary is taken as it is
+    before any merge (llama.cpp does so for Llama 3 and Tekken).
+    """
+
+    patterns: tuple[str, ...]
+    ignore_merges: bool = False
+
+
+_LLAMA3 = PreTokenizer((_LLAMA3_RE,), ignore_merges=True)
+_DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2_RE))
+_GPT2 = PreTokenizer((_GPT2_RE,))
+# llama.cpp's "default" (also what it uses, with a loud warning, when a file names none).
+_DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"))
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2"), _LLAMA3),
+    **dict.fromkeys(("smaug-bpe", "dbrx"), PreTokenizer((_LLAMA3_RE,))),
+    **dict.fromkeys(("qwen2", "qwen", "deepseek-r1-qwen", "kormo"), PreTokenizer((_QWEN2_RE,))),
+    "tekken": PreTokenizer((_TEKKEN_RE,), ignore_merges=True),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                     "minerva-7b"), _DIGITS_THEN_GPT2),
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion"), _GPT2),
+    "default": _DEFAULT,
+}
+
+
+def pre_tokenizer_spec(pre: str | None) -> PreTokenizer | None:
+    """The pre-tokenizer a ``tokenizer.ggml.pre`` name stands for; None if unknown.
+
+    A file without the key gets llama.cpp's ``default``, as llama.cpp gives it.
+    """
+    return _DEFAULT if pre is None else PRE_TOKENIZERS.get(pre)
 
 
 def pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer for a ``tokenizer.ggml.pre`` name.
+    """The ``tokenizers`` pre-tokenizer for a ``tokenizer.ggml.pre`` name.
 
-    Unknown names fall back to GPT-2's regex: it is what llama.cpp itself uses
-    for "default", and for most BPE vocabularies it differs only in how runs
-    of digits or newlines are grouped, which changes token boundaries but never
-    the decoded text.
+    Raises:
+        ValueError: llama.cpp names it but we do not reproduce it (or nobody
+            does): tokens would differ from what the model was trained on.
     """
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("llama-bpe", "llama3"):
-        return _split_then_bytes(_LLAMA3_RE)
-    if pre in ("qwen2", "qwen"):
-        return _split_then_bytes(_QWEN2_RE)
-    if pre in ("smollm", "starcoder", "refact"):
-        # Every digit on its own, then GPT-2's regex.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    return gpt2
+    spec = pre_tokenizer_spec(pre)
+    if spec is None:
+        raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))})")
+    splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in spec.patterns]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _token_id(header: GGUFHeader, kind: str, n_vocab: int) -> int | None:
@@ -125,10 +159,13 @@ def build_tokenizer(header: GGUFHeader) -> Tokenizer:
     byte_level = meta(header, "tokenizer.ggml.model") != "llama"
     if byte_level:
         pre = meta(header, "tokenizer.ggml.pre", None)
-        # llama.cpp takes a whole word straight from the vocabulary before merging
-        # for Llama 3; HF expresses the same with ignore_merges.
-        tokenizer = Tokenizer(_bpe_model(header, tokens, ignore_merges=pre == "llama-bpe"))
-        tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
+        spec = pre_tokenizer_spec(pre)
+        try:
+            tokenizer = Tokenizer(_bpe_model(header, tokens, spec is not None and
+                                             spec.ignore_merges))
+            tokenizer.pre_tokenizer = pre_tokenizer_for(pre)
+        except ValueError as exc:
+            raise GGUFError(header.path, str(exc)) from exc
         tokenizer.decoder = decoders.ByteLevel()
     else:
         tokenizer = build_spm_tokenizer(header, tokens, types)
