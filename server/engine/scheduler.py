@@ -24,7 +24,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.intake import RequestRejected
@@ -92,7 +92,8 @@ class Scheduler:
             need = self._check_size(request, prompt_ids)
             # The queue's bound counts requests that will really wait: a burst the
             # engine takes in before its next admission starts partly at once.
-            starting = self._starts_next([*(p.reservation for p in self.waiting), need])
+            starting = self._starts_next(
+                itertools.chain((p.reservation for p in self.waiting), (need,)))
             behind = len(self.waiting) - starting
             if behind >= self.limits.max_queue:
                 raise RequestRejected(Rejected(
@@ -348,7 +349,7 @@ class Scheduler:
     def _fits_now(self, need: Reservation) -> bool:
         return self.planner.fits_now(need, self.outstanding())
 
-    def _starts_next(self, queue: list[Reservation]) -> int:
+    def _starts_next(self, queue: Iterable[Reservation]) -> int:
         """How many of ``queue`` (in order) the next admission would start.
 
         Admission is first come first served: it starts requests while there is a
@@ -362,7 +363,7 @@ class Scheduler:
         outstanding = self.outstanding()
         total: dict[str, int] = {}
         started = 0
-        for reservation in queue[:slots]:
+        for reservation in itertools.islice(queue, slots):  # lazy: a long queue costs nothing
             for stream, blocks in reservation.per_stream.items():
                 total[stream] = total.get(stream, 0) + blocks
             if not self.planner.fits_now(Reservation(dict(total)), outstanding):

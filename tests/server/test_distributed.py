@@ -184,34 +184,45 @@ def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path
     assert "lost the other ranks" in server.log()
 
 
-def test_a_rank_lost_mid_generation_ends_the_engine_not_hangs_it(tiny_model_path, tmp_path):
-    """The peer dies inside a model call: its all-sums raise on rank 0, and the next
-    exchange must not be made (it would wait for the dead peer forever)."""
+def test_a_rank_lost_mid_generation_is_seen_within_the_stall_timeout(tiny_model_path, tmp_path):
+    """The peer dies under running steps. Where rank 0's all-sums raise, the engine ends
+    (the next exchange would wait for the dead peer forever); where rank 0 stays blocked
+    inside a collective (MLX cannot interrupt it), the stall timeout shows it. Either
+    way ``/health`` and new requests answer 503 within seconds, and SIGTERM exits 0."""
     import os
     import signal
 
     server = ServerProcess(tmp_path / "lost-mid.log",
                            ["--model", str(tiny_model_path), "--distributed", "2"],
-                           {"VELOXQUANT_ADMIN_TOKEN": ADMIN}, startup_timeout_s=180)
+                           {"VELOXQUANT_ADMIN_TOKEN": ADMIN,
+                            "VELOXQUANT_LIMITS_ENGINE_STALL_TIMEOUT_S": "2"},
+                           startup_timeout_s=180)
     with server:
         base = server.base_url
         body = {"prompt": "x", "max_tokens": 1500, "temperature": 0, "stream": True,
                 "logit_bias": NO_EOS}
         frames = []
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as stream:
-            for line in stream.iter_lines():
-                if not line.startswith("data: "):
-                    continue  # the blank lines between events
-                frames.append(line)
-                if len(frames) == 3:  # generating: kill the peer under the running steps
-                    os.kill(_follower_pid(server.pid), signal.SIGKILL)
-        error = json.loads(frames[-2].removeprefix("data: "))  # last frame is [DONE]
-        assert error["error"]["code"] in ("shutting_down", "unavailable"), frames[-2]
+        try:
+            with httpx.stream("POST", base + "/v1/completions", json=body,
+                              timeout=10) as stream:
+                for line in stream.iter_lines():
+                    if not line.startswith("data: "):
+                        continue  # the blank lines between events
+                    frames.append(line)
+                    if len(frames) == 3:  # generating: kill the peer under the running steps
+                        os.kill(_follower_pid(server.pid), signal.SIGKILL)
+        except httpx.ReadTimeout:
+            pass  # rank 0 blocked inside a collective: this stream gets no end frame
+        else:
+            error = json.loads(frames[-2].removeprefix("data: "))  # last frame is [DONE]
+            assert error["error"]["code"] in ("shutting_down", "unavailable"), frames[-2]
+        deadline = time.monotonic() + 15
+        while httpx.get(base + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health still 200 after the peer died"
+            time.sleep(0.5)
         start = time.monotonic()
         r = httpx.post(base + "/v1/completions", timeout=30,
                        json={"prompt": "x", "max_tokens": 4})
-        assert r.status_code == 503 and time.monotonic() - start < 10, r.text
-        assert httpx.get(base + "/health", timeout=10).status_code == 503
+        assert r.status_code == 503 and time.monotonic() - start < 5, r.text
         server.terminate()
         assert server.wait(60) == 0
-    assert "lost the other ranks" in server.log()
