@@ -61,6 +61,9 @@ class Spec:
     head_dim: int | None = None  # None: hidden / heads (and no key_length key written)
     # A SentencePiece vocabulary instead of the BPE one: (pieces, token types, scores).
     spm: tuple[list[str], list[int], list[float]] | None = None
+    # Another byte-level BPE vocabulary: (tokens, token types, merges), and its split.
+    bpe: tuple[list[str], list[int], list[str]] | None = None
+    pre: str = "default"
 
     @property
     def head_size(self) -> int:
@@ -146,7 +149,7 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(len(vocab))
     writer.add_tokenizer_model(spec.tokenizer_model)
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(spec.pre)
     writer.add_token_list(vocab)
     writer.add_token_types(types)
     if scores is None:
@@ -166,7 +169,7 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: Spec, vocab: list[str], types
 def write_model(path: Path, spec: Spec, seed: int = 0) -> Path:
     """Write a 2-layer model (hidden ``spec.hidden``, 4 heads / 2 KV heads) to ``path``."""
     rng = np.random.default_rng(seed)
-    vocab, types, merges = vocabulary()
+    vocab, types, merges = spec.bpe or vocabulary()
     scores = None
     if spec.spm is not None:
         vocab, types, scores = spec.spm

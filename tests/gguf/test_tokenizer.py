@@ -74,17 +74,10 @@ def test_pre_tokenizer_words(pre, pieces):
 
 def test_an_unknown_pre_tokenizer_is_refused_not_guessed(tmp_path):
     """Guessing GPT-2's split gave other tokens than llama.cpp (deepseek-llm, ...)."""
-    import gguf
-
     from tests.gguf import synth
     from veloxquant_mlx.gguf import GGUFError, convert_gguf
 
-    original = gguf.GGUFWriter.add_tokenizer_pre
-    gguf.GGUFWriter.add_tokenizer_pre = lambda self, _: original(self, "deepseek-llm")
-    try:
-        path = synth.write_model(tmp_path / "ds.gguf", synth.Spec("Q8_0"))
-    finally:
-        gguf.GGUFWriter.add_tokenizer_pre = original
+    path = synth.write_model(tmp_path / "ds.gguf", synth.Spec("Q8_0", pre="deepseek-llm"))
     with pytest.raises(GGUFError, match="tokenizer.ggml.pre 'deepseek-llm' is not supported"):
         convert_gguf(path, tmp_path / "cache")
     with pytest.raises(ValueError, match="'deepseek-llm' is not supported"):
