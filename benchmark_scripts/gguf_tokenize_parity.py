@@ -18,7 +18,6 @@ mixtures. Writes ``figures/gguf/tokenize_parity.json``.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import random
 import subprocess
@@ -80,24 +79,6 @@ def smollm2_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def sentencepiece_vocabulary() -> tuple[list[str], list[int], list[float]]:
-    """A SentencePiece BPE vocabulary trained as in tests/gguf/test_spm.py."""
-    import sentencepiece as spm
-
-    from tests.gguf.test_spm import _corpus, _token_type
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_corpus()), model_writer=model, model_type="bpe",
-        vocab_size=700, byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
-        user_defined_symbols=["<tool>"], minloglevel=2, num_threads=1)
-    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    n = sp.get_piece_size()
-    return ([sp.id_to_piece(i) for i in range(n)], [_token_type(sp, i) for i in range(n)],
-            [sp.get_score(i) for i in range(n)])
-
-
 def write_files(work: Path) -> dict[str, Path]:
     """One small F16 file per pre-tokenizer name, and the SentencePiece one."""
     from tests.gguf import synth
@@ -107,26 +88,13 @@ def write_files(work: Path) -> dict[str, Path]:
              for pre in PRE_NAMES}
     files["sentencepiece"] = synth.write_model(
         work / "spm.gguf", synth.Spec("F16", tokenizer_model="llama",
-                                      spm=sentencepiece_vocabulary()))
+                                      spm=synth.sentencepiece_vocabulary(synth.train_sentencepiece())))
     return files
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}: not healthy after {timeout_s} s")
 
 
 def compare(path: Path, llama_server: Path, work: Path) -> dict:
     """Serve ``path`` with both servers and compare their tokens text by text."""
+    from benchmark_server import wait_up
     from server_process import ServerProcess, free_port
 
     port = free_port()
@@ -139,7 +107,7 @@ def compare(path: Path, llama_server: Path, work: Path) -> dict:
         with ServerProcess(work / f"{path.stem}.log", ["--model", str(path)],
                            {"VELOXQUANT_HOME": str(work / "home")},
                            startup_timeout_s=300) as ours:
-            wait_healthy(theirs, llama)
+            wait_up(theirs, llama)
             differing = []
             checked = texts()
             for text in checked:

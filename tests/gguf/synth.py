@@ -200,6 +200,59 @@ def write_model(path: Path, spec: Spec, seed: int = 0) -> Path:
     return path
 
 
+def _stdlib_docstrings() -> list[str]:
+    """Training text: docstrings of a few standard-library modules (fixed per Python)."""
+    import collections
+    import inspect
+    import json
+    import string
+    import textwrap
+
+    lines = []
+    for module in (collections, json, string, textwrap):
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj)
+            if doc:
+                lines += [line for line in doc.splitlines() if line.strip()]
+    return lines
+
+
+def train_sentencepiece():
+    """A SentencePiece BPE model set up as Llama's and Mistral's were (byte fallback,
+    no normalization, a dummy space prefix), with ``<tool>`` as a user-defined piece."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_stdlib_docstrings()), model_writer=model, model_type="bpe",
+        vocab_size=700, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
+        user_defined_symbols=["<tool>"], minloglevel=2, num_threads=1)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def _piece_type(sp, i: int) -> int:
+    """llama.cpp's token type of piece ``i`` (its converter reads the same flags)."""
+    if sp.is_unknown(i):
+        return 2
+    if sp.is_control(i):
+        return 3
+    if sp.is_byte(i):
+        return 6
+    if sp.is_unused(i):
+        return 5
+    return 4 if sp.id_to_piece(i) == "<tool>" else 1
+
+
+def sentencepiece_vocabulary(sp) -> tuple[list[str], list[int], list[float]]:
+    """``(pieces, token types, scores)`` of a model, as llama.cpp's converter writes them."""
+    n = sp.get_piece_size()
+    return ([sp.id_to_piece(i) for i in range(n)], [_piece_type(sp, i) for i in range(n)],
+            [sp.get_score(i) for i in range(n)])
+
+
 def write_minimal(path: Path, arch: str = "llama", tensors: dict | None = None, **kv) -> Path:
     """A small file with given raw tensors ``{name: (uint8/float array, type name)}``."""
     writer = gguf.GGUFWriter(str(path), arch)

@@ -8,8 +8,6 @@ writes one: each piece, its score and its type.
 
 from __future__ import annotations
 
-import inspect
-import io
 import json
 
 import mlx_lm
@@ -32,52 +30,14 @@ TEXTS = [
 ]
 
 
-def _corpus() -> list[str]:
-    """Training text: docstrings of a few standard-library modules (fixed per Python)."""
-    import collections
-    import json as json_module
-    import string
-    import textwrap
-
-    lines = []
-    for module in (collections, json_module, string, textwrap):
-        for _, obj in inspect.getmembers(module):
-            doc = inspect.getdoc(obj)
-            if doc:
-                lines += [line for line in doc.splitlines() if line.strip()]
-    return lines
-
-
 @pytest.fixture(scope="module")
 def processor() -> spm.SentencePieceProcessor:
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_corpus()), model_writer=model, model_type="bpe",
-        vocab_size=700, byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
-        user_defined_symbols=["<tool>"], minloglevel=2, num_threads=1)
-    return spm.SentencePieceProcessor(model_proto=model.getvalue())
-
-
-def _token_type(sp: spm.SentencePieceProcessor, i: int) -> int:
-    """llama.cpp's token type of piece ``i`` (its converter reads the same flags)."""
-    if sp.is_unknown(i):
-        return 2
-    if sp.is_control(i):
-        return 3
-    if sp.is_byte(i):
-        return 6
-    if sp.is_unused(i):
-        return 5
-    return 4 if sp.id_to_piece(i) == "<tool>" else 1
+    return synth.train_sentencepiece()
 
 
 @pytest.fixture(scope="module")
 def spm_folder(processor, tmp_path_factory):
-    n = processor.get_piece_size()
-    pieces = [processor.id_to_piece(i) for i in range(n)]
-    vocab = (pieces, [_token_type(processor, i) for i in range(n)],
-             [processor.get_score(i) for i in range(n)])
+    vocab = synth.sentencepiece_vocabulary(processor)
     folder = tmp_path_factory.mktemp("spm")
     path = synth.write_model(folder / "spm.gguf",
                              synth.Spec("Q8_0", tokenizer_model="llama", spm=vocab))

@@ -35,9 +35,14 @@ from .header import TensorInfo
 _SLAB_BYTES = 32 << 20
 
 
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 field at byte ``start`` of each block, ``(n, 1)``."""
+    return blocks[:, start:start + 2].copy().view("<f2")
+
+
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 field at byte ``start`` of each block, as float32 ``(n, 1)``."""
-    return blocks[:, start:start + 2].copy().view("<f2").astype(np.float32)
+    return _half(blocks, start).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -52,20 +57,20 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
 
 def _legacy(blocks: np.ndarray, kind: str):
     """The 32-value types: codes ``(n, 32)``, one float16 scale and bias per block."""
-    d = blocks[:, 0:2].copy().view("<f2")
+    d = _half(blocks, 0)
     if kind == "Q8_0":
         codes = (blocks[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return codes, d, -d * np.float16(128)
     if kind == "Q4_0":
         return _nibbles(blocks[:, 2:18]), d, -d * np.float16(8)
     if kind == "Q4_1":
-        return _nibbles(blocks[:, 4:20]), d, blocks[:, 2:4].copy().view("<f2")
+        return _nibbles(blocks[:, 4:20]), d, _half(blocks, 2)
     if kind == "Q5_0":
         codes = _nibbles(blocks[:, 6:22]) | (_high_bits(blocks[:, 2:6]) << 4)
         return codes, d, -d * np.float16(16)
     # Q5_1
     codes = _nibbles(blocks[:, 8:24]) | (_high_bits(blocks[:, 4:8]) << 4)
-    return codes, d, blocks[:, 2:4].copy().view("<f2")
+    return codes, d, _half(blocks, 2)
 
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -191,10 +196,10 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return stream.view(np.uint32)
 
 
-def _decode_rows(raw: np.ndarray, kind: str, cols: int) -> dict[str, np.ndarray]:
+def _decode_rows(raw: np.ndarray, kind: str, cols: int, block_bytes: int) -> dict[str, np.ndarray]:
     """One slab of rows of raw blocks -> ``weight`` (packed or float32), ``scales``, ``biases``."""
     rows = raw.shape[0]
-    blocks = raw.reshape(rows * cols // _block_values(kind), -1)
+    blocks = raw.reshape(-1, block_bytes)
     if kind in _FLOAT_DECODERS:
         return {"weight": _FLOAT_DECODERS[kind](blocks).reshape(rows, cols)}
     if kind in ("Q4_K", "Q5_K"):
@@ -204,10 +209,6 @@ def _decode_rows(raw: np.ndarray, kind: str, cols: int) -> dict[str, np.ndarray]
     return {"weight": pack_codes(codes.reshape(rows, cols), QUANT_BITS[kind]),
             "scales": scales.reshape(rows, cols // GROUP_SIZE),
             "biases": biases.reshape(rows, cols // GROUP_SIZE)}
-
-
-def _block_values(kind: str) -> int:
-    return 256 if kind.endswith("_K") else 32
 
 
 def decode_tensor(path: Path, info: TensorInfo) -> dict[str, np.ndarray]:
@@ -238,7 +239,7 @@ def decode_tensor(path: Path, info: TensorInfo) -> dict[str, np.ndarray]:
     raw = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset,
                     shape=(rows, row_bytes))
     step = max(1, _SLAB_BYTES // row_bytes)
-    slabs = [_decode_rows(np.asarray(raw[r:r + step]), kind, cols)
+    slabs = [_decode_rows(np.asarray(raw[r:r + step]), kind, cols, info.ggml_type.type_size)
              for r in range(0, rows, step)]
     out = {key: np.concatenate([s[key] for s in slabs]) for key in slabs[0]}
     out["weight"] = out["weight"].reshape(*info.shape[:-1], -1)

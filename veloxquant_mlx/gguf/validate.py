@@ -13,7 +13,7 @@ from .errors import GGUFError
 from .ggml_types import SUPPORTED_TYPES
 from .header import GGUFHeader, read_header
 from .layout import ARCHITECTURES, ArchSpec, tensor_problem
-from .tokenizer import PRE_TOKENIZERS, pre_tokenizer_spec
+from .tokenizer import pre_tokenizer_for
 
 # gpt2: byte-level BPE with merges; llama: SentencePiece pieces with scores.
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")
@@ -92,10 +92,11 @@ def check_tokenizer(header: GGUFHeader) -> None:
         )
     if model == "gpt2" and "tokenizer.ggml.merges" not in header.metadata:
         raise GGUFError(header.path, "BPE tokenizer has no tokenizer.ggml.merges")
-    pre = header.metadata.get("tokenizer.ggml.pre")
-    if model == "gpt2" and pre_tokenizer_spec(pre) is None:
-        raise GGUFError(header.path, f"tokenizer.ggml.pre {pre!r} is not supported "
-                                     f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    if model == "gpt2":
+        try:
+            pre_tokenizer_for(header.metadata.get("tokenizer.ggml.pre"))
+        except ValueError as exc:  # a split we do not reproduce
+            raise GGUFError(header.path, str(exc)) from exc
     if model == "llama" and "tokenizer.ggml.scores" not in header.metadata:
         raise GGUFError(header.path, "SentencePiece tokenizer has no tokenizer.ggml.scores")
 
