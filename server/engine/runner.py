@@ -115,6 +115,10 @@ class ModelRunner:
         # read), the moment for the event loop to stream the last step's tokens
         # (server.engine.steps.EngineSteps).
         self.before_submit: Callable[[], None] = _nothing
+        # Called before each prefill chunk: requests cancelled meanwhile leave there
+        # (server.engine.steps.EngineSteps), so a client that hangs up during a long
+        # prompt stops its prefill at the next chunk, not after the whole step.
+        self.before_chunk: Callable[[], None] = _nothing
 
     # -- rows in and out -------------------------------------------------------
 
@@ -192,7 +196,10 @@ class ModelRunner:
         """
         out = RunOutput()
         left = budget
-        while left > 0 and (self.group is not None or self.prefilling):
+        while left > 0:
+            self.before_chunk()  # may remove rows, the whole group's included
+            if self.group is None and not self.prefilling:
+                break
             if self.group is None:
                 self.group = PrefillGroup.form(self.prefilling, self.model, self.arena,
                                                budget, self._solo)

@@ -73,6 +73,7 @@ class EngineSteps:
         # ends (a hung device, a peer rank gone inside a collective) shows on /health.
         self.busy_since: float | None = None
         self.events_at_submit = events_at_submit
+        self.runner.before_chunk = self._end_cancelled
         if events_at_submit:
             self.runner.before_submit = self._events.send
 
@@ -107,7 +108,7 @@ class EngineSteps:
             self._events.send()
             clock.lap("schedule")
             return
-        self.end(self.scheduler.cancelled(), FinishReason.CANCELLED)
+        self._end_cancelled()
         clock.lap("schedule")
         hook = self._row_hook if self.fault_hook is not None else None
         if runner.prefilling or runner.group is not None:
@@ -127,6 +128,10 @@ class EngineSteps:
             self.metrics.batch_step(decoded.rows)
             clock.steps += 1
         clock.lap("postprocess")
+
+    def _end_cancelled(self) -> None:
+        """Requests whose client left end now (also between a step's prefill chunks)."""
+        self.end(self.scheduler.cancelled(), FinishReason.CANCELLED)
 
     def _sent_unless_deferred(self) -> None:
         if not self.events_at_submit:
