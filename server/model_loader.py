@@ -157,6 +157,7 @@ def load_model(section: ModelSection) -> LoadedModel:
         plan_weights,
         stored_float_dtype,
     )
+    from veloxquant_mlx.quant_weights import load_group16_parts
 
     path = resolve_model_path(section)
     model, tokenizer = mlx_lm.load(str(path))
@@ -165,7 +166,8 @@ def load_model(section: ModelSection) -> LoadedModel:
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
                         dequantize_budget(section.max_dequantized_bytes),
                         stored_dtype=stored_float_dtype(model))
-    copies = apply_plan(model, plan, section.quantized_matmul_rows)
+    copies = apply_plan(model, plan, section.quantized_matmul_rows,
+                        group16=load_group16_parts(path) if not on_gpu else None)
     if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)
     note = plan.note

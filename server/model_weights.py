@@ -20,7 +20,9 @@ keeps float32's exponent range, so nothing that fit in float32 overflows).
 
 A dequantized 4/8-bit model keeps its codes beside the float32 copy: products of a few
 rows (decode) are computed from them with int8 activations by the preloaded BLAS
-forward, which reads under a fifth of the bytes (veloxquant_mlx/quant_weights.py).
+forward, which reads under a fifth of the bytes (veloxquant_mlx/quant_weights.py). So
+do the float32 matrices a GGUF's Q6_K, Q3_K and Q2_K tensors became, from the codes
+the converter kept beside them (group size 16).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def stored_float_dtype(model: Any) -> str:
     return max(counts, key=counts.__getitem__) if counts else "unknown"
 
 
-def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> QuantizedCopies | None:
+def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0,
+               group16: dict | None = None) -> QuantizedCopies | None:
     """Dequantize and cast ``model`` in place as ``plan`` says, then materialize it.
 
     Args:
@@ -152,6 +155,8 @@ def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> Quantiz
         plan: :func:`plan_weights`'s decision.
         quantized_rows: ``model.quantized_matmul_rows``: when dequantizing, register the
             4/8-bit codes for products of up to this many rows (0: never).
+        group16: Codes of float32 matrices (``quant_weights.load_group16_parts``),
+            registered too where the matrix is still float32 after the plan.
 
     Returns:
         The registered codes (keep them with the model; ``close()`` when done), or None
@@ -162,11 +167,13 @@ def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> Quantiz
     from veloxquant_mlx.quant_weights import (
         attach_quantized_copies,
         capture_quantized_layers,
+        float32_matrices,
         quant_library,
     )
 
-    library = quant_library() if plan.dequantize and quantized_rows > 0 else None
-    parts = capture_quantized_layers(model) if library is not None else {}
+    wanted = quantized_rows > 0 and (plan.dequantize or bool(group16))
+    library = quant_library() if wanted else None
+    parts = capture_quantized_layers(model) if library is not None and plan.dequantize else {}
     if plan.dequantize:
         from mlx_lm.utils import dequantize_model
 
@@ -174,6 +181,8 @@ def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0) -> Quantiz
     if plan.cast_to is not None:
         model.set_dtype(getattr(mx, plan.cast_to))
     mx.eval(model.parameters())
+    if library is not None and group16:
+        parts.update(float32_matrices(model, group16))
     return attach_quantized_copies(library, model, parts, quantized_rows)
 
 

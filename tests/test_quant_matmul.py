@@ -2,8 +2,9 @@
 
 Each check runs in a child with the BLAS forward preloaded, as the server runs. The
 kernel's result is compared with a NumPy float64 emulation of what it promises (x rounded
-to int8 per group of 32, the weights' own codes, scales and biases): that pins down the
-code layout, the per-group scales and the bias term to float rounding. Against the exact
+to int8 per group of 32, the weights' own codes, scales and biases, one of each per 16, 32
+or more columns): that pins down the code layout, the per-group scales and the bias term
+to float rounding. Against the exact
 float32 product it is only close (the int8 rounding), which is checked separately.
 """
 
@@ -50,16 +51,24 @@ EMULATE = textwrap.dedent(
         rows, cols = packed.shape[0], x.shape[1]
         offset = 128 if bits == 8 else 0  # 8-bit codes are held signed, biases shifted
         q = codes_of(packed.astype(np.int64), bits, cols) - offset
-        s = np.repeat(scales, group // 32, axis=1).astype(np.float64)  # per 32 columns
-        b = np.repeat(biases, group // 32, axis=1).astype(np.float64) + offset * s
-        xg = x.reshape(x.shape[0], -1, 32)
+        s = np.repeat(scales, group // 16, axis=1).astype(np.float64)  # per 16 columns
+        b = np.repeat(biases, group // 16, axis=1).astype(np.float64) + offset * s
+        xg = x.reshape(x.shape[0], -1, 32)  # x's int8 scale: one per 32 columns
         amax = np.abs(xg).max(axis=2, keepdims=True)
         inv = np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32)
-        xq = np.rint((xg * inv).astype(np.float32)).astype(np.int64)
-        d = (amax / np.float32(127)).astype(np.float32)[..., 0].astype(np.float64)
-        sums = xg.astype(np.float64).sum(axis=2)
-        dots = np.einsum("rgk,ngk->rng", xq, q.reshape(rows, -1, 32)).astype(np.float64)
-        return (dots * d[:, None, :] * s[None]).sum(axis=2) + sums @ b.T
+        xq = np.rint((xg * inv).astype(np.float32)).astype(np.int64).reshape(len(x), -1, 16)
+        d = np.repeat((amax / np.float32(127)).astype(np.float32)[..., 0], 2, axis=1)
+        sums = x.reshape(len(x), -1, 16).astype(np.float64).sum(axis=2)
+        dots = np.einsum("rgk,ngk->rng", xq, q.reshape(rows, -1, 16)).astype(np.float64)
+        return (dots * d.astype(np.float64)[:, None, :] * s[None]).sum(axis=2) + sums @ b.T
+
+    def sixteens(rng, rows, cols):
+        '''Random 8-bit codes with a scale and bias per 16 columns (as the GGUF converter
+        keeps Q6_K/Q3_K/Q2_K, which mx.quantize cannot make): packed, scales, biases.'''
+        codes = rng.integers(96, 160, (rows, cols), dtype=np.uint8)  # Q6_K's range
+        scales = rng.uniform(0.01, 0.05, (rows, cols // 16)).astype(np.float32)
+        biases = (rng.uniform(-0.2, 0.2, (rows, cols // 16)) - 128 * scales).astype(np.float32)
+        return np.ascontiguousarray(codes).view(np.uint32), scales, biases
     """
 )
 
@@ -74,11 +83,17 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
     assert lib is not None, "the forward is not preloaded"
     rng = np.random.default_rng(7)
     report = {"cases": []}
-    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
+    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 16)):
         rows, cols = 72, 384
-        w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32))
-        packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
-        weight = mx.dequantize(packed, scales, biases, group_size=group, bits=bits)
+        if group == 16:
+            packed, scales, biases = (mx.array(a) for a in sixteens(rng, rows, cols))
+            weight = (mx.repeat(scales, 16, axis=1) * mx.array(codes_of(
+                np.array(packed).astype(np.int64), 8, cols).astype(np.float32))
+                + mx.repeat(biases, 16, axis=1))
+        else:
+            w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32))
+            packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+            weight = mx.dequantize(packed, scales, biases, group_size=group, bits=bits)
         weight = weight.astype(mx.float32)
         mx.eval(weight)
         parts = QuantizedParts(np.array(packed), np.array(scales.astype(mx.float32)),
@@ -118,7 +133,10 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
                             np.zeros((8, 2), np.float32), 32, 4)),
             (mx.zeros((8, 64), mx.float32),
              QuantizedParts(np.zeros((8, 4), np.uint32), np.ones((8, 2), np.float32),
-                            np.zeros((8, 2), np.float32), 32, 4))):
+                            np.zeros((8, 2), np.float32), 32, 4)),
+            (mx.zeros((8, 64), mx.float32),  # 16 columns a scale: 8-bit codes only
+             QuantizedParts(np.zeros((8, 8), np.uint32), np.ones((8, 4), np.float32),
+                            np.zeros((8, 4), np.float32), 16, 4))):
         try:
             copies.add(weight, parts)
             errors.append("accepted")
@@ -139,8 +157,11 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
 )
 
 
-def _run_child(script: str, *args: str) -> dict:
+def _run_child(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Run ``script`` with the forward preloaded (``env`` added); its last line's JSON."""
+    extra = env or {}
     env = cb.child_env(preload=True, base=dict(os.environ))
+    env.update(extra)
     env.pop(cb.FORWARD_OPT_OUT_ENV, None)
     env["LD_PRELOAD"] = f"{FORWARD}:{LIB}"
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
@@ -156,7 +177,10 @@ def kernel_report() -> dict:
 
 
 def test_products_follow_the_documented_int8_math_for_4_and_8_bits(kernel_report) -> None:
+    """Every case, 16-column scales (8-bit) included; a swap of a 16-column pair's scales
+    or a bias term over 32-column sums would miss the emulation by far more than 1e-5."""
     report = kernel_report
+    assert {(c["bits"], c["group"]) for c in report["cases"]} >= {(8, 16), (4, 32), (8, 32)}
     for case in report["cases"]:
         if case["m"] <= 16:  # served from the codes: exactly the emulated int8 product
             assert case["served"] == 1, case
@@ -174,6 +198,7 @@ def test_copies_that_cannot_be_served_are_refused_with_the_reason(kernel_report)
     assert "not a multiple of 32" in errors[0]
     assert "float32" in errors[1] and "float16" in errors[1]
     assert "does not match" in errors[2]
+    assert "16 for 8 bits" in errors[3]
     assert kernel_report["registered_after_errors"] == 0
     # Loading goes on without the copies when one is refused (logged; float32 serves).
     assert kernel_report["attach_refused"]

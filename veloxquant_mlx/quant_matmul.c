@@ -18,6 +18,9 @@
  * Code layout, per weight row and per group of 32 columns, with w = scale * q + bias:
  *   4-bit: 16 bytes, low nibbles columns 0..15, high nibbles 16..31, q in 0..15;
  *   8-bit: 32 signed bytes in column order, q in -128..127.
+ * A matrix has one scale and bias per 32 columns, or (8-bit only) per 16: ggml's Q6_K,
+ * Q3_K and Q2_K scale every 16 values. The activations keep one int8 scale per 32 either
+ * way; a 16-column weight group only changes the scale of half of each integer sum.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -42,8 +45,9 @@
 typedef struct {
     const float *weight; /* the key: the float32 buffer MLX passes as B */
     int rows, cols, bits;
+    int group;           /* columns per scale and bias: 32, or 16 (8-bit only) */
     uint8_t *codes;      /* rows * cols * bits / 8 */
-    float *scales;       /* rows * cols / GROUP */
+    float *scales;       /* rows * cols / group */
     float *biases;
 } qmatrix;
 
@@ -87,12 +91,13 @@ int vq_qmm_supported(void) {
 #endif
 }
 
-int vq_qmm_register(const float *weight, int rows, int cols, int bits, const uint8_t *codes,
-                    const float *scales, const float *biases) {
+int vq_qmm_register(const float *weight, int rows, int cols, int bits, int group,
+                    const uint8_t *codes, const float *scales, const float *biases) {
     if (!vq_qmm_supported()) return VQ_QMM_UNSUPPORTED_CPU;
-    if (!weight || rows < 1 || cols < GROUP || cols % GROUP || (bits != 4 && bits != 8))
+    if (!weight || rows < 1 || cols < GROUP || cols % GROUP || (bits != 4 && bits != 8) ||
+        (group != GROUP && !(group == GROUP / 2 && bits == 8)))
         return VQ_QMM_BAD_SHAPE;
-    size_t groups = (size_t)rows * (cols / GROUP), code_bytes = (size_t)rows * cols * bits / 8;
+    size_t groups = (size_t)rows * (cols / group), code_bytes = (size_t)rows * cols * bits / 8;
     qmatrix *q = calloc(1, sizeof *q);
     if (q) {
         q->codes = malloc(code_bytes);
@@ -107,6 +112,7 @@ int vq_qmm_register(const float *weight, int rows, int cols, int bits, const uin
     q->rows = rows;
     q->cols = cols;
     q->bits = bits;
+    q->group = group;
     memcpy(q->codes, codes, code_bytes);
     memcpy(q->scales, scales, groups * sizeof(float));
     memcpy(q->biases, biases, groups * sizeof(float));
@@ -154,9 +160,10 @@ void vq_qmm_set_max_rows(int rows) { atomic_store(&max_rows, rows < 0 ? 0 : rows
 
 typedef struct {
     int m, groups;
-    const int8_t *xq; /* m x cols, int8 */
-    const float *xd;  /* m x groups: each group's scale */
-    const float *xs;  /* m x groups: each group's float sum, for the bias term */
+    const int8_t *xq;   /* m x cols, int8 */
+    const float *xd;    /* m x groups: each group's scale */
+    const float *xs;    /* m x groups: each group's float sum, for the bias term */
+    const float *xs16;  /* m x 2 groups: the sums of each half, for 16-column biases */
 } quantized_rows;
 
 __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
@@ -166,10 +173,11 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Each group of 32: scale = max|x| / 127, q = round(x / scale), and the exact sum. */
+/* Each group of 32: scale = max|x| / 127, q = round(x / scale), and the exact sums (of the
+ * group and of each half). */
 __attribute__((target("avx2,fma")))
 static void quantize_rows(const float *a, int lda, int m, int cols, int8_t *xq, float *xd,
-                          float *xs) {
+                          float *xs, float *xs16) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int groups = cols / GROUP;
@@ -197,8 +205,10 @@ static void quantize_rows(const float *a, int lda, int m, int cols, int8_t *xq, 
             p = _mm256_permutevar8x32_epi32(p, order);
             _mm256_storeu_si256((__m256i *)(xq + (size_t)r * cols + g * GROUP), p);
             xd[(size_t)r * groups + g] = d;
-            xs[(size_t)r * groups + g] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1),
-                                                            _mm256_add_ps(v2, v3)));
+            float low = hsum(_mm256_add_ps(v0, v1)), high = hsum(_mm256_add_ps(v2, v3));
+            xs[(size_t)r * groups + g] = low + high;
+            xs16[2 * ((size_t)r * groups + g)] = low;
+            xs16[2 * ((size_t)r * groups + g) + 1] = high;
         }
     }
 }
@@ -239,14 +249,25 @@ static inline void store(float *c, float value, float alpha, float beta) {
     *c = beta == 0.0f ? alpha * value : alpha * value + beta * *c;
 }
 
-/* Weight rows [n0, n1) against every row of x: C[r][n] for all r. Inlined per bits. */
+/* Group g's weight scale as a vector for group_dot's 8 sums: sums 0-3 cover columns 0-15
+ * and sums 4-7 columns 16-31, so a 16-column matrix puts each half's scale in its lane. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 weight_scale(const float *sn, int g, int sub) {
+    if (sub == GROUP) return _mm256_set1_ps(sn[g]);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sn[2 * g])),
+                                _mm_set1_ps(sn[2 * g + 1]), 1);
+}
+
+/* Weight rows [n0, n1) against every row of x: C[r][n] for all r. Inlined per bits and per
+ * columns a weight scale covers (sub). */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void block_rows(const qmatrix *w, int n0, int n1, const quantized_rows *x,
-                              float alpha, float beta, float *c, int ldc, int bits) {
-    const int groups = x->groups, cols = w->cols;
+                              float alpha, float beta, float *c, int ldc, int bits, int sub) {
+    const int groups = x->groups, cols = w->cols, wgroups = cols / sub;
+    const float *sums = sub == GROUP ? x->xs : x->xs16;
     for (int n = n0; n < n1; n++) {
         const uint8_t *qn = w->codes + (size_t)n * cols * bits / 8;
-        const float *sn = w->scales + (size_t)n * groups, *bn = w->biases + (size_t)n * groups;
+        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
         int r = 0;
         for (; r + 4 <= x->m; r += 4) { /* four rows of x share each loaded group */
             __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
@@ -254,19 +275,21 @@ static inline void block_rows(const qmatrix *w, int n0, int n1, const quantized_
             const float *d0 = x->xd + (size_t)r * groups;
             for (int g = 0; g < groups; g++) {
                 __m256i q = load_codes(qn, g, bits);
-                float s = sn[g];
+                __m256 s = weight_scale(sn, g, sub);
                 acc0 = _mm256_fmadd_ps(group_dot(q, x0 + g * GROUP, bits),
-                                       _mm256_set1_ps(s * d0[g]), acc0);
+                                       _mm256_mul_ps(s, _mm256_set1_ps(d0[g])), acc0);
                 acc1 = _mm256_fmadd_ps(group_dot(q, x0 + cols + g * GROUP, bits),
-                                       _mm256_set1_ps(s * d0[groups + g]), acc1);
+                                       _mm256_mul_ps(s, _mm256_set1_ps(d0[groups + g])), acc1);
                 acc2 = _mm256_fmadd_ps(group_dot(q, x0 + 2 * cols + g * GROUP, bits),
-                                       _mm256_set1_ps(s * d0[2 * groups + g]), acc2);
+                                       _mm256_mul_ps(s, _mm256_set1_ps(d0[2 * groups + g])),
+                                       acc2);
                 acc3 = _mm256_fmadd_ps(group_dot(q, x0 + 3 * cols + g * GROUP, bits),
-                                       _mm256_set1_ps(s * d0[3 * groups + g]), acc3);
+                                       _mm256_mul_ps(s, _mm256_set1_ps(d0[3 * groups + g])),
+                                       acc3);
             }
             __m256 accs[4] = {acc0, acc1, acc2, acc3};
             for (int i = 0; i < 4; i++) {
-                float v = hsum(accs[i]) + bias_term(bn, x->xs + (size_t)(r + i) * groups, groups);
+                float v = hsum(accs[i]) + bias_term(bn, sums + (size_t)(r + i) * wgroups, wgroups);
                 store(c + (size_t)(r + i) * ldc + n, v, alpha, beta);
             }
         }
@@ -277,16 +300,18 @@ static inline void block_rows(const qmatrix *w, int n0, int n1, const quantized_
             int g = 0;
             for (; g + 2 <= groups; g += 2) {
                 even = _mm256_fmadd_ps(group_dot(load_codes(qn, g, bits), xr + g * GROUP, bits),
-                                       _mm256_set1_ps(sn[g] * dr[g]), even);
+                                       _mm256_mul_ps(weight_scale(sn, g, sub),
+                                                     _mm256_set1_ps(dr[g])), even);
                 odd = _mm256_fmadd_ps(
                     group_dot(load_codes(qn, g + 1, bits), xr + (g + 1) * GROUP, bits),
-                    _mm256_set1_ps(sn[g + 1] * dr[g + 1]), odd);
+                    _mm256_mul_ps(weight_scale(sn, g + 1, sub), _mm256_set1_ps(dr[g + 1])), odd);
             }
             if (g < groups)
                 even = _mm256_fmadd_ps(group_dot(load_codes(qn, g, bits), xr + g * GROUP, bits),
-                                       _mm256_set1_ps(sn[g] * dr[g]), even);
+                                       _mm256_mul_ps(weight_scale(sn, g, sub),
+                                                     _mm256_set1_ps(dr[g])), even);
             float v = hsum(_mm256_add_ps(even, odd)) +
-                      bias_term(bn, x->xs + (size_t)r * groups, groups);
+                      bias_term(bn, sums + (size_t)r * wgroups, wgroups);
             store(c + (size_t)r * ldc + n, v, alpha, beta);
         }
     }
@@ -295,13 +320,19 @@ static inline void block_rows(const qmatrix *w, int n0, int n1, const quantized_
 __attribute__((target("avx2,fma")))
 static void block_rows_4bit(const qmatrix *w, int n0, int n1, const quantized_rows *x,
                             float alpha, float beta, float *c, int ldc) {
-    block_rows(w, n0, n1, x, alpha, beta, c, ldc, 4);
+    block_rows(w, n0, n1, x, alpha, beta, c, ldc, 4, GROUP);
 }
 
 __attribute__((target("avx2,fma")))
 static void block_rows_8bit(const qmatrix *w, int n0, int n1, const quantized_rows *x,
                             float alpha, float beta, float *c, int ldc) {
-    block_rows(w, n0, n1, x, alpha, beta, c, ldc, 8);
+    block_rows(w, n0, n1, x, alpha, beta, c, ldc, 8, GROUP);
+}
+
+__attribute__((target("avx2,fma")))
+static void block_rows_8bit_16(const qmatrix *w, int n0, int n1, const quantized_rows *x,
+                               float alpha, float beta, float *c, int ldc) {
+    block_rows(w, n0, n1, x, alpha, beta, c, ldc, 8, GROUP / 2);
 }
 
 /* ------------------------------------------------------------------ threads */
@@ -329,7 +360,9 @@ static void run_part(const job_t *j, int part) {
     int n0 = part * per, n1 = n0 + per < rows ? n0 + per : rows;
     if (n0 >= n1) return;
     if (j->w->bits == 4) block_rows_4bit(j->w, n0, n1, j->x, j->alpha, j->beta, j->c, j->ldc);
-    else block_rows_8bit(j->w, n0, n1, j->x, j->alpha, j->beta, j->c, j->ldc);
+    else if (j->w->group == GROUP)
+        block_rows_8bit(j->w, n0, n1, j->x, j->alpha, j->beta, j->c, j->ldc);
+    else block_rows_8bit_16(j->w, n0, n1, j->x, j->alpha, j->beta, j->c, j->ldc);
 }
 
 static long now_ns(void) {
@@ -416,15 +449,15 @@ int vq_qmm_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         return 0;
     }
     int groups = k / GROUP;
-    void *buffer = malloc((size_t)m * k + 2 * (size_t)m * groups * sizeof(float));
+    void *buffer = malloc((size_t)m * k + 4 * (size_t)m * groups * sizeof(float));
     if (!buffer) {
         pthread_rwlock_unlock(&table_lock);
         return 0; /* OpenBLAS still has the float32 weight */
     }
-    float *xd = buffer, *xs = xd + (size_t)m * groups;
-    int8_t *xq = (int8_t *)(xs + (size_t)m * groups);
-    quantize_rows(a, lda, m, k, xq, xd, xs);
-    quantized_rows x = {m, groups, xq, xd, xs};
+    float *xd = buffer, *xs = xd + (size_t)m * groups, *xs16 = xs + (size_t)m * groups;
+    int8_t *xq = (int8_t *)(xs16 + 2 * (size_t)m * groups);
+    quantize_rows(a, lda, m, k, xq, xd, xs, xs16);
+    quantized_rows x = {m, groups, xq, xd, xs, xs16};
     job_t j = {w, &x, alpha, beta, c, ldc, 1};
     run_job(&j, (long)m * n * k);
     pthread_rwlock_unlock(&table_lock);

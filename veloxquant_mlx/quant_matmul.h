@@ -9,15 +9,17 @@ enum { VQ_ROW_MAJOR = 101, VQ_NO_TRANS = 111, VQ_TRANS = 112 }; /* CBLAS enum va
 /* Return codes of vq_qmm_register / vq_qmm_unregister (0 is success). */
 enum {
     VQ_QMM_UNSUPPORTED_CPU = -1, /* no AVX2 + FMA */
-    VQ_QMM_BAD_SHAPE = -2,       /* rows < 1, cols not a multiple of 32, bits not 4 or 8 */
+    VQ_QMM_BAD_SHAPE = -2,       /* rows < 1, cols not a multiple of 32, bits not 4 or 8,
+                                    group not 32 (or 16 with 8 bits) */
     VQ_QMM_NO_MEMORY = -3,
     VQ_QMM_TABLE_FULL = -4,
     VQ_QMM_NOT_FOUND = -5,
 };
 
 int vq_qmm_supported(void);
-int vq_qmm_register(const float *weight, int rows, int cols, int bits, const uint8_t *codes,
-                    const float *scales, const float *biases);
+/* group: columns per scale and bias, 32 (or 16 for 8-bit codes). */
+int vq_qmm_register(const float *weight, int rows, int cols, int bits, int group,
+                    const uint8_t *codes, const float *scales, const float *biases);
 int vq_qmm_unregister(const float *weight);
 long vq_qmm_served(void);
 void vq_qmm_set_max_rows(int rows);

@@ -8,7 +8,9 @@ keyed by the float32 buffer's address; products of at most ``max_rows`` rows aga
 that weight (decode steps) are then computed from the codes, with the rows quantized to
 int8 per group of 32 as llama.cpp does. Larger products (prefill) stay on OpenBLAS.
 The kernel reads 4- or 8-bit codes; 2, 3, 5 and 6-bit ones are widened to 8 bits
-(the same numbers, a byte each).
+(the same numbers, a byte each). A scale and bias cover 32 columns, or 16 for 8-bit
+codes: ggml's Q6_K, Q3_K and Q2_K, which MLX cannot hold, arrive that way from the GGUF
+converter's ``codes16.safetensors`` (:func:`load_group16_parts`).
 
 The copy holds the checkpoint's own codes, scales and biases, so the weights are
 exactly the ones the float32 copy was made from; only the activations are rounded
@@ -34,7 +36,8 @@ GROUP = 32
 # Return codes of vq_qmm_register / vq_qmm_unregister (quant_matmul.h).
 _ERRORS = {
     -1: "the CPU lacks AVX2 and FMA",
-    -2: "the weight's columns are not a multiple of 32, or its bits not 4 or 8",
+    -2: "the weight's columns are not a multiple of 32, its bits not 4 or 8, or its group "
+        "not 32 (or 16 for 8 bits)",
     -3: "out of memory",
     -4: "the registry is full",
     -5: "the weight is not registered",
@@ -53,7 +56,7 @@ class QuantizedParts:
         packed: uint32 words of ``32 // bits`` codes each, lowest bits first.
         scales: One scale per group of ``group_size`` columns (rows x cols/group_size).
         biases: One bias per group: w = scale * code + bias.
-        group_size: Columns a scale covers (a multiple of 32).
+        group_size: Columns a scale covers (a multiple of 32, or 16 for 8 bits).
         bits: 4 or 8 (other widths arrive widened to 8).
     """
 
@@ -70,7 +73,7 @@ def quant_library() -> Any | None:
     if not hasattr(handle, "vq_qmm_register") or not handle.vq_qmm_supported():
         return None
     ptr, num = ctypes.c_void_p, ctypes.c_int
-    handle.vq_qmm_register.argtypes = [ptr, num, num, num, ptr, ptr, ptr]
+    handle.vq_qmm_register.argtypes = [ptr, num, num, num, num, ptr, ptr, ptr]
     handle.vq_qmm_unregister.argtypes = [ptr]
     handle.vq_qmm_set_max_rows.argtypes = [ctypes.c_int]
     handle.vq_qmm_served.restype = ctypes.c_long
@@ -100,12 +103,19 @@ def kernel_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     return (groups[..., :16] | (groups[..., 16:] << 4)).reshape(rows, -1)
 
 
-def kernel_groups(parts: QuantizedParts) -> tuple[np.ndarray, np.ndarray]:
-    """Scales and biases per 32 columns (float32), the biases shifted for signed 8-bit codes."""
-    def per_32(values: np.ndarray) -> np.ndarray:
-        return np.repeat(values.astype(np.float32), parts.group_size // GROUP, axis=1)
+def kernel_group(parts: QuantizedParts) -> int:
+    """Columns per scale in the kernel: 16 stays 16, larger groups are spread over 32."""
+    return parts.group_size if parts.group_size < GROUP else GROUP
 
-    scales, biases = per_32(parts.scales), per_32(parts.biases)
+
+def kernel_groups(parts: QuantizedParts) -> tuple[np.ndarray, np.ndarray]:
+    """Scales and biases per :func:`kernel_group` columns (float32), the biases shifted for
+    signed 8-bit codes."""
+    def per_group(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values.astype(np.float32), parts.group_size // kernel_group(parts),
+                         axis=1)
+
+    scales, biases = per_group(parts.scales), per_group(parts.biases)
     if parts.bits == 8:  # s * q + b == s * (q - 128) + (b + 128 s)
         biases = biases + 128.0 * scales
     return np.ascontiguousarray(scales), np.ascontiguousarray(biases)
@@ -175,7 +185,8 @@ class QuantizedCopies:
                 f"expected a 2-D float32 weight, got {weight.dtype} {weight.shape}")
         buffer = np.asarray(weight)  # shares the array's memory: its address is the key
         rows, cols = weight.shape
-        if cols % GROUP or parts.group_size % GROUP or parts.bits not in (4, 8):
+        group_ok = parts.group_size % GROUP == 0 or (parts.group_size == 16 and parts.bits == 8)
+        if cols % GROUP or not group_ok or parts.bits not in (4, 8):
             raise QuantizedCopyError(_ERRORS[-2])
         if parts.packed.shape != (rows, cols * parts.bits // 32):
             raise QuantizedCopyError(f"packed weight {parts.packed.shape} does not match "
@@ -183,7 +194,8 @@ class QuantizedCopies:
         codes = kernel_codes(parts.packed, parts.bits)
         scales, biases = kernel_groups(parts)
         code = self._lib.vq_qmm_register(buffer.ctypes.data, rows, cols, parts.bits,
-                                         codes.ctypes.data, scales.ctypes.data,
+                                         kernel_group(parts), codes.ctypes.data,
+                                         scales.ctypes.data,
                                          biases.ctypes.data)
         if code != 0:
             raise QuantizedCopyError(_ERRORS.get(code, f"error {code}"))
@@ -204,6 +216,38 @@ class QuantizedCopies:
 
     def __del__(self) -> None:  # a dropped model must not leave its copies registered
         self.close()
+
+
+def load_group16_parts(folder: Any) -> dict[str, QuantizedParts]:
+    """The 16-column codes a GGUF conversion kept beside float32 weights, by module path.
+
+    ``folder / "codes16.safetensors"`` (see :mod:`veloxquant_mlx.gguf.blocks`): 8-bit
+    affine triples of group size 16 for Q6_K, Q3_K and Q2_K matrices, whose ``weight``
+    in the model is their exact float32 dequantization. Empty when the file is absent.
+    """
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    path = Path(folder) / "codes16.safetensors"
+    if not path.is_file():
+        return {}
+    arrays = mx.load(str(path))
+    modules = {key.rsplit(".", 1)[0] for key in arrays}
+    return {module: QuantizedParts(np.array(arrays[f"{module}.weight"]),
+                                   np.array(arrays[f"{module}.scales"]),
+                                   np.array(arrays[f"{module}.biases"]), 16, 8)
+            for module in sorted(modules)}
+
+
+def float32_matrices(model: Any, parts: dict[str, QuantizedParts]) -> dict[str, QuantizedParts]:
+    """The ``parts`` whose module holds a 2-D float32 ``weight`` now (others cannot be served)."""
+    import mlx.core as mx
+
+    modules = dict(model.named_modules())
+    return {path: p for path, p in parts.items()
+            if path in modules and getattr(modules[path], "weight", None) is not None
+            and modules[path].weight.dtype == mx.float32 and modules[path].weight.ndim == 2}
 
 
 def attach_quantized_copies(library: Any, model: Any, parts: dict[str, QuantizedParts],

@@ -72,7 +72,26 @@ def test_decoded_values_equal_ggml_dequantization(block_file, kind):
         # K sub-block scales are products d * sc: float32 keeps them exact.
         assert out["scales"].dtype == (np.float32 if kind.endswith("_K") else np.float16)
     else:
-        assert set(out) == {"weight"} and out["weight"].dtype == np.float32
+        assert set(out) == {"weight", "codes16", "scales16", "biases16"}
+        assert out["weight"].dtype == np.float32
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K"])
+def test_sixteen_value_types_keep_their_codes_as_a_group16_triple(block_file, kind):
+    """``scale * u + bias`` per 16 columns (8-bit ``u``) is ggml's value, to float rounding;
+    the codes stay in the type's own range (Q6_K six bits around 128, Q3_K three, Q2_K two)."""
+    header, raw = block_file
+    info = next(t for t in header.tensors if t.name == f"{kind}.weight")
+    out = decode_tensor(header.path, info)
+    codes = out["codes16"].view(np.uint8).reshape(ROWS, COLS).astype(np.float64)
+    assert out["scales16"].shape == out["biases16"].shape == (ROWS, COLS // 16)
+    assert out["scales16"].dtype == out["biases16"].dtype == np.float32
+    values = (np.repeat(out["scales16"], 16, axis=1) * codes
+              + np.repeat(out["biases16"], 16, axis=1))
+    want = dequantize(raw[kind], synth.Q[kind]).astype(np.float64)
+    np.testing.assert_allclose(values, want, rtol=0, atol=np.abs(want).max() * 1e-6)
+    low, high = {"Q6_K": (96, 159), "Q3_K": (124, 131), "Q2_K": (128, 131)}[kind]
+    assert low <= codes.min() and codes.max() <= high
 
 
 def test_legacy_types_are_bit_identical_to_mx_load(block_file, tmp_path):

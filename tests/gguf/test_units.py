@@ -21,7 +21,7 @@ def test_bf16_values_outside_float16_range_survive(tmp_path):
     path = synth.write_minimal(
         tmp_path / "bf16.gguf", tensors={"token_embd.weight": (packed, "BF16")}
     )
-    loaded = load_gguf_tensors(read_header(path))["token_embd.weight"]
+    loaded = load_gguf_tensors(read_header(path))[0]["token_embd.weight"]
     assert loaded.dtype == mx.bfloat16
     want = dequantize(packed, synth.Q.BF16)  # gguf's own BF16 decoding
     np.testing.assert_array_equal(np.array(loaded.astype(mx.float32)), want)

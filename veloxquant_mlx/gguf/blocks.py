@@ -16,9 +16,19 @@ and we keep it packed:
 
 Q2_K, Q3_K and Q6_K give each 16 values their own scale, and MLX has no
 group size below 32, so those tensors are decoded to float32 (exact: the
-values ggml's own dequantization computes). Every decoder follows the block
-layouts of ggml's ``ggml-common.h`` and works on whole arrays of blocks at
-once; rows are decoded a slab at a time to bound the temporary memory.
+values ggml's own dequantization computes). Their codes are kept too, as an
+affine triple with group size 16 (``codes16``, ``scales16``, ``biases16``:
+8-bit codes ``u``, ``w = scale * u + bias``), which MLX cannot load but the
+CPU's decode kernel serves (:mod:`veloxquant_mlx.quant_weights`)::
+
+    type   value per 16                  code u            scale     bias
+    Q6_K   d * sc * (q - 32)             q - 32 + 128      d * sc    -128 * scale
+    Q3_K   d * sc * (q - 4 * (1 - h))    q - 4 + 4h + 128  d * sc    -128 * scale
+    Q2_K   d * sc_lo * q - dmin * sc_hi  q + 128           d * sc_lo -dmin * sc_hi - 128 * scale
+
+Every decoder follows the block layouts of ggml's ``ggml-common.h`` and works
+on whole arrays of blocks at once; rows are decoded a slab at a time to bound
+the temporary memory.
 """
 
 from __future__ import annotations
@@ -108,8 +118,8 @@ def _k_affine(blocks: np.ndarray, fifth_bit: bool):
             -(dmin * mins.astype(np.float32)))
 
 
-def _q6_k(blocks: np.ndarray) -> np.ndarray:
-    """Q6_K -> float32 ``(n, 256)``: ``d * sc * (q - 32)``, one int8 scale per 16 values.
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q6_K: ``d * sc * (q - 32)``, one int8 scale per 16 values (see :func:`_sixteens`).
 
     Each half of 128 values takes 64 bytes of ``ql`` and 32 of ``qh``: its
     quarters are the low nibbles of ``ql[0:32]``, of ``ql[32:64]``, then their
@@ -122,8 +132,7 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # (n, half, quarter, 32)
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
     q = (low | (((qh >> shifts) & 3) << 4)).astype(np.int8) - np.int8(32)
-    scale = np.repeat(_f16(blocks, 208) * sc, 16, axis=1)  # (d * sc) per value
-    return scale * q.reshape(n, 256).astype(np.float32)
+    return q.reshape(n, 256), _f16(blocks, 208) * sc, None
 
 
 def _two_bit_quarters(qs: np.ndarray) -> np.ndarray:
@@ -150,8 +159,8 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     return (nibbles | (tops << 4)).astype(np.int8) - np.int8(32)
 
 
-def _q3_k(blocks: np.ndarray) -> np.ndarray:
-    """Q3_K -> float32 ``(n, 256)``: ``d * sc * (q - 4 * (1 - h))``.
+def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Q3_K: ``d * sc * (q - 4 * (1 - h))`` (see :func:`_sixteens`).
 
     ``q`` is two bits from ``qs``; ``h``, the high-mask bit, is bit ``4 * half +
     quarter`` of ``hmask[l]`` for value ``l`` of each 32.
@@ -161,21 +170,41 @@ def _q3_k(blocks: np.ndarray) -> np.ndarray:
     hmask = blocks[:, 0:32].reshape(n, 1, 32)
     hbits = (hmask >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32)
     q = q - ((1 - hbits.reshape(n, 256).astype(np.int8)) * 4).astype(np.int8)
-    dl = _f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]).astype(np.float32)
-    return np.repeat(dl, 16, axis=1) * q.astype(np.float32)
+    return q, _f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]).astype(np.float32), None
 
 
-def _q2_k(blocks: np.ndarray) -> np.ndarray:
-    """Q2_K -> float32 ``(n, 256)``: ``d * (sc & 15) * q - dmin * (sc >> 4)`` per 16 values."""
+def _q2_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K: ``d * (sc & 15) * q - dmin * (sc >> 4)`` per 16 values (see :func:`_sixteens`)."""
     sc = blocks[:, 0:16]
-    q = _two_bit_quarters(blocks[:, 16:80]).astype(np.float32)
+    q = _two_bit_quarters(blocks[:, 16:80]).astype(np.int8)
     dl = _f16(blocks, 80) * (sc & 0x0F).astype(np.float32)
     ml = _f16(blocks, 82) * (sc >> 4).astype(np.float32)
-    return np.repeat(dl, 16, axis=1) * q - np.repeat(ml, 16, axis=1)
+    return q, dl, -ml
 
 
-_FLOAT_DECODERS = {"Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k}
-DECODED_TYPES = tuple(QUANT_BITS) + tuple(_FLOAT_DECODERS)
+def _sixteens(blocks: np.ndarray, kind: str, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """A 16-value type: the float32 ``weight``, and its codes as a group-16 affine triple.
+
+    Each decoder gives signed codes ``v`` ``(n, 256)``, one float32 scale per 16
+    values and an offset per 16 (None: 0), ``w = scale * v + offset``, the
+    order of ggml's own float arithmetic, so ``weight`` is its dequantization.
+    """
+    v, scale, offset = _SIXTEEN_DECODERS[kind](blocks)
+    weight = np.repeat(scale, 16, axis=1) * v.astype(np.float32)
+    if offset is not None:
+        weight = weight + np.repeat(offset, 16, axis=1)
+    bias = -128.0 * scale if offset is None else offset - 128.0 * scale
+    codes = (v.astype(np.int16) + 128).astype(np.uint8)
+    return {"weight": weight.reshape(rows, cols),
+            "codes16": pack_codes(codes.reshape(rows, cols), 8),
+            "scales16": scale.reshape(rows, cols // 16),
+            "biases16": bias.astype(np.float32).reshape(rows, cols // 16)}
+
+
+_SIXTEEN_DECODERS = {"Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k}
+DECODED_TYPES = tuple(QUANT_BITS) + tuple(_SIXTEEN_DECODERS)
+# Parts of a 16-value type's tensor beside its float32 weight (see the module docstring).
+GROUP16_PARTS = ("codes16", "scales16", "biases16")
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -197,11 +226,14 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _decode_rows(raw: np.ndarray, kind: str, cols: int, block_bytes: int) -> dict[str, np.ndarray]:
-    """One slab of rows of raw blocks -> ``weight`` (packed or float32), ``scales``, ``biases``."""
+    """One slab of rows of raw blocks -> ``weight`` (packed or float32), ``scales``, ``biases``.
+
+    A 16-value type gives its float32 ``weight`` and :data:`GROUP16_PARTS`.
+    """
     rows = raw.shape[0]
     blocks = raw.reshape(-1, block_bytes)
-    if kind in _FLOAT_DECODERS:
-        return {"weight": _FLOAT_DECODERS[kind](blocks).reshape(rows, cols)}
+    if kind in _SIXTEEN_DECODERS:
+        return _sixteens(blocks, kind, rows, cols)
     if kind in ("Q4_K", "Q5_K"):
         codes, scales, biases = _k_affine(blocks, fifth_bit=kind == "Q5_K")
     else:
@@ -220,8 +252,8 @@ def decode_tensor(path: Path, info: TensorInfo) -> dict[str, np.ndarray]:
 
     Returns:
         ``{"weight": packed uint32, "scales", "biases"}`` for the affine types
-        (:data:`QUANT_BITS` bits, group size 32), ``{"weight": float32}`` for the
-        others.
+        (:data:`QUANT_BITS` bits, group size 32); for the others ``{"weight":
+        float32}`` and, for a matrix, its codes (:data:`GROUP16_PARTS`).
 
     Raises:
         GGUFError: The type is not one of :data:`DECODED_TYPES`, or an affine
@@ -243,4 +275,7 @@ def decode_tensor(path: Path, info: TensorInfo) -> dict[str, np.ndarray]:
              for r in range(0, rows, step)]
     out = {key: np.concatenate([s[key] for s in slabs]) for key in slabs[0]}
     out["weight"] = out["weight"].reshape(*info.shape[:-1], -1)
+    if len(info.shape) != 2:  # the decode kernel serves matrices only
+        for key in GROUP16_PARTS:
+            out.pop(key, None)
     return out

@@ -15,7 +15,8 @@ from .weights import load_gguf_tensors, save_weights, to_mlx_lm
 
 # Bumped when the folder layout changes; part of the cache key, so a newer converter
 # never trusts an older one's folder.
-CONVERTER_VERSION = 2  # 2: K-quant decoders, llama.cpp's pre-tokenizer table
+# 2: K-quant decoders, llama.cpp's pre-tokenizer table; 3: codes of 16-value types kept.
+CONVERTER_VERSION = 3
 
 
 def _write_folder(header: GGUFHeader, sha256: str, folder: Path) -> None:
@@ -24,8 +25,9 @@ def _write_folder(header: GGUFHeader, sha256: str, folder: Path) -> None:
     config = build_config(header, spec)
     generation = write_tokenizer_files(header, folder)
     config.update(generation)  # eos/bos ids, also read by mlx-lm from config.json
-    weights = to_mlx_lm(load_gguf_tensors(header), header, spec, config)
-    save_weights(weights, folder)
+    tensors, group16 = load_gguf_tensors(header)
+    weights = to_mlx_lm(tensors, header, spec, config)
+    save_weights(weights, folder, to_mlx_lm(group16, header, spec, config))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     source = {
         "source": str(header.path),
@@ -55,9 +57,9 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     The folder is ``cache_root/gguf/<sha256[:16]>-v<converter version>``;
     when it exists it is returned at once. Quantized weights stay quantized where
     MLX's affine layout holds them exactly (Q8_0, Q4_0/Q4_1/Q4_K, Q5_0/Q5_1/Q5_K;
-    group size 32) and become float32 otherwise (Q6_K, Q3_K, Q2_K): see
-    :mod:`.blocks`. ``mlx_lm.load(str(folder))``
-    loads the result.
+    group size 32) and become float32 otherwise (Q6_K, Q3_K, Q2_K), their codes
+    kept beside in ``codes16.safetensors`` for the CPU's decode kernel: see
+    :mod:`.blocks`. ``mlx_lm.load(str(folder))`` loads the result.
 
     Args:
         gguf_path: The ``.gguf`` file.

@@ -7,12 +7,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .blocks import decode_tensor
+from .blocks import GROUP16_PARTS, decode_tensor
 from .errors import GGUFError
 from .header import GGUFHeader, TensorInfo
 from .layout import ArchSpec, rename, unpermute_rows
 
 _FLOAT_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+# A 16-value type's codes under the names of an MLX affine triple (group size 16).
+_GROUP16_NAMES = dict(zip(GROUP16_PARTS, ("weight", "scales", "biases"), strict=True))
+# Beside model.safetensors; mlx-lm's loader reads model*.safetensors only.
+GROUP16_FILE = "codes16.safetensors"
 
 
 def _read_float(path: Path, info: TensorInfo) -> mx.array:
@@ -29,17 +33,20 @@ def _read_float(path: Path, info: TensorInfo) -> mx.array:
     return array.view(mx.bfloat16) if kind == "BF16" else array
 
 
-def load_gguf_tensors(header: GGUFHeader) -> dict[str, mx.array]:
-    """All tensors of a validated file, keyed by their GGUF names.
+def load_gguf_tensors(header: GGUFHeader) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """All tensors of a validated file, keyed by their GGUF names; and the 16-value codes.
 
     Quantized weights with an exact MLX layout arrive as affine triples
     (``X.weight`` packed uint32, ``X.scales``, ``X.biases``; group size 32), the
     others (Q2_K, Q3_K, Q6_K) as float32 ``X.weight``: see :mod:`.blocks`.
+    The second dict holds those matrices' codes as affine triples of group
+    size 16 and 8 bits, under the same names.
 
     Raises:
         GGUFError: A tensor could not be read.
     """
     tensors: dict[str, mx.array] = {}
+    group16: dict[str, mx.array] = {}
     for info in header.tensors:
         try:
             if info.ggml_type.name in _FLOAT_DTYPES:
@@ -47,10 +54,13 @@ def load_gguf_tensors(header: GGUFHeader) -> dict[str, mx.array]:
                 continue
             base = info.name.removesuffix(".weight")
             for key, value in decode_tensor(header.path, info).items():
+                if key in _GROUP16_NAMES:
+                    group16[f"{base}.{_GROUP16_NAMES[key]}"] = mx.array(value)
+                    continue
                 tensors[info.name if key == "weight" else f"{base}.{key}"] = mx.array(value)
         except (OSError, ValueError) as exc:
             raise GGUFError(header.path, f"tensor {info.name!r} could not be read ({exc})") from exc
-    return tensors
+    return tensors, group16
 
 
 def _head_counts(config: dict) -> dict[str, int]:
@@ -95,6 +105,14 @@ def to_mlx_lm(
     return out
 
 
-def save_weights(weights: dict[str, mx.array], folder: Path) -> None:
-    """Write ``model.safetensors`` (the name mlx-lm's loader globs for)."""
+def save_weights(weights: dict[str, mx.array], folder: Path,
+                 group16: dict[str, mx.array] | None = None) -> None:
+    """Write ``model.safetensors`` (the name mlx-lm's loader globs for), and the 16-value codes.
+
+    ``group16`` (mlx-lm names, affine triples of group size 16 and 8 bits) goes to
+    :data:`GROUP16_FILE` when there is any.
+    """
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if group16:
+        mx.save_safetensors(str(folder / GROUP16_FILE), group16,
+                            metadata={"format": "mlx", "group_size": "16", "bits": "8"})
