@@ -86,8 +86,9 @@ class RequestEndListener(Protocol):
     def finished(self, state: Any, reason: Any, kv_blocks: int, failure: Any) -> None:
         """A request that ran ended."""
 
-    def rejected(self, request: Any, reason: Any) -> None:
-        """A request was refused or dropped before it ran."""
+    def rejected(self, request: Any, reason: Any, prompt_tokens: int | None,
+                 waited_s: float | None) -> None:
+        """A request was refused or dropped before it ran (size and wait where known)."""
 
 
 class ServerMetrics:
@@ -172,11 +173,15 @@ class ServerMetrics:
         for listener in self.listeners:
             listener.finished(state, reason, kv_blocks, failure)
 
-    def rejected(self, reason: Any, request: Any) -> None:
-        """A request (a GenerationRequest) was refused or dropped before running."""
+    def rejected(self, reason: Any, request: Any, prompt_tokens: int | None = None,
+                 waited_s: float | None = None) -> None:
+        """A request (a GenerationRequest) was refused or dropped before running.
+
+        ``prompt_tokens`` and ``waited_s`` (in the admission queue) where it got that far.
+        """
         self.rejections.labels(reason=reason.value).inc()
         for listener in self.listeners:
-            listener.rejected(request, reason)
+            listener.rejected(request, reason, prompt_tokens, waited_s)
 
     def set_memory(self, snapshot: dict[str, int], kv: dict[str, int] | None = None) -> None:
         """Latest MLX allocator counters and KV bytes (sampled together by the engine thread).

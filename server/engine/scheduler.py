@@ -101,15 +101,16 @@ class Scheduler:
                     f"a batch slot or KV capacity (limits.max_queue={self.limits.max_queue}); "
                     "retry later"))
         except RequestRejected as exc:
-            self.reject(request, exc.event)
+            self.reject(request, exc.event, len(prompt_ids))
             return
         now = time.monotonic()
         self.waiting.append(PendingRequest(request, prompt_ids, need, now,
                                            now + self.limits.queue_timeout_s))
 
-    def reject(self, request: GenerationRequest, event: Rejected) -> None:
-        """Refuse a request that never ran."""
-        self.metrics.rejected(event.reason, request)
+    def reject(self, request: GenerationRequest, event: Rejected,
+               prompt_tokens: int | None = None, waited_s: float | None = None) -> None:
+        """Refuse a request that never ran (its prompt's size and wait, where known, logged)."""
+        self.metrics.rejected(event.reason, request, prompt_tokens, waited_s)
         request.channel.put(event)
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
@@ -139,7 +140,8 @@ class Scheduler:
             if why is None:
                 keep.append(pending)
             else:
-                self.reject(pending.request, Rejected(Reason.TOO_LARGE, why, "max_tokens"))
+                self.reject(pending.request, Rejected(Reason.TOO_LARGE, why, "max_tokens"),
+                            len(pending.prompt_ids), time.monotonic() - pending.enqueued_at)
         self.waiting = keep
         why = self.maximal_request_misfit()
         self.degraded = None if why is None else (
@@ -236,12 +238,15 @@ class Scheduler:
         now = time.monotonic()
         keep: deque[PendingRequest] = deque()
         for pending in self.waiting:
+            waited = now - pending.enqueued_at
             if pending.request.cancelled.is_set():
-                self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request)
+                self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request,
+                                      len(pending.prompt_ids), waited)
             elif now >= pending.deadline:
                 self.reject(pending.request, Rejected(
                     Reason.QUEUE_TIMEOUT, "no KV capacity within limits.queue_timeout_s="
-                    f"{self.limits.queue_timeout_s}s; retry later"))
+                    f"{self.limits.queue_timeout_s}s; retry later"),
+                    len(pending.prompt_ids), waited)
             else:
                 keep.append(pending)
         self.waiting = keep

@@ -10,7 +10,8 @@ A line for every generation request the engine saw, whatever ended it::
 left first; for a stream already answered 200, the status its error frame
 carries), as :mod:`server.http.errors` maps the engine's reasons. Requests
 refused before running (400 too large, 429 queue full or timed out) log
-``owner`` null and ``finish_reason`` "rejected" with their ``code``. Lines
+``owner`` null and ``finish_reason`` "rejected" with their ``code``, and, once
+tokenized, their ``prompt_tokens`` and ``latency_s`` (the wait in the queue). Lines
 hold ids and counts only, never prompts, output or headers, so no secret can
 reach them. The engine thread writes them when a request ends (the app hangs
 a :class:`RequestLog` on the engine's metrics), not per token.
@@ -98,7 +99,8 @@ class RequestLog:
             "latency_s": round(time.monotonic() - started, 4),
         })
 
-    def rejected(self, request: Any, reason: Reason) -> None:
+    def rejected(self, request: Any, reason: Reason, prompt_tokens: int | None = None,
+                 waited_s: float | None = None) -> None:
         """A request refused before it ran (``request`` is the GenerationRequest)."""
         _emit({
             "request_id": request.request_id,
@@ -106,9 +108,9 @@ class RequestLog:
             "status": status_of(reason),
             "finish_reason": "rejected",
             "code": reason.value,
-            "prompt_tokens": None,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": 0,
             "blocks_peak": 0,
             "ttft_s": None,
-            "latency_s": None,
+            "latency_s": None if waited_s is None else round(waited_s, 4),
         })

@@ -7,6 +7,8 @@ and no orphaned blocks.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 
 import httpx
@@ -155,7 +157,8 @@ async def _admission_scenario(base_url: str) -> dict:
     return out
 
 
-def test_admission_by_capacity(small_pool_server: LiveServer):
+def test_admission_by_capacity(small_pool_server: LiveServer, caplog):
+    caplog.set_level(logging.INFO, logger="veloxquant.requests")
     out = asyncio.run(_admission_scenario(small_pool_server.base_url))
     full = out["queue_full"]
     assert full.status_code == 429 and full.headers["Retry-After"] == "1"
@@ -171,6 +174,12 @@ def test_admission_by_capacity(small_pool_server: LiveServer):
     timed_out = out["timed_out"]
     assert timed_out.status_code == 429 and timed_out.json()["error"]["code"] == "queue_timeout"
     assert 0.9 <= out["waited_s"] < 4
+    # Its request line has the prompt's size and its wait in the queue.
+    lines = [json.loads(r.getMessage()) for r in caplog.records
+             if r.name == "veloxquant.requests"]
+    timeout_line = next(line for line in lines if line.get("code") == "queue_timeout")
+    assert timeout_line["status"] == 429 and timeout_line["prompt_tokens"] > 0
+    assert 0.9 <= timeout_line["latency_s"] < 4
     m = small_pool_server.wait_idle()
     assert m["veloxquant_block_pool_blocks_in_use"] == 0
     assert m["veloxquant_block_pool_exhausted_total"] == 0  # never ran out mid-generation
