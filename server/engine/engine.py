@@ -323,9 +323,10 @@ class Engine:
         try:
             parts = assemble(self.settings, self.pool, self._loader, self.metrics, self.clock,
                              self._inbox.put)
-            steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
-                                self.metrics, self.clock, self.fault_hook,
-                                events_at_submit(self.settings))
+            batch = self.settings.batch
+            steps = EngineSteps(parts, batch.max_prefill_tokens_per_step, self.metrics,
+                                self.clock, self.fault_hook, events_at_submit(self.settings),
+                                batch.max_prefill_s_per_step)
         except Exception as exc:  # the server reports it on /health and exits
             if parts is not None:
                 parts.preparer.close()  # its prompt workers would outlive the failure

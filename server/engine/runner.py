@@ -44,6 +44,7 @@ device, so the masks are computed while the model runs)::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -188,8 +189,15 @@ class ModelRunner:
 
     # -- prefill -----------------------------------------------------------------
 
-    def prefill(self, budget: int, hook: RowHook | None = None) -> RunOutput:
+    def prefill(self, budget: int, hook: RowHook | None = None,
+                deadline: float | None = None) -> RunOutput:
         """Prefill within ``budget`` prompt tokens; sample each finished group's first tokens.
+
+        With ``deadline`` (``time.monotonic()``), the prefill also stops after the
+        chunk that ends past it while rows decode or wait to join: they wait for
+        this step's prefill, and on a CPU a chunk runs as it is handed over, so
+        the deadline bounds their stall (on a GPU chunks are queued, and the
+        token budget bounds it). The rest goes on next step.
 
         An error in a group's model call restarts its rows alone (nothing was
         handed back for them yet); a lone row whose call raises fails.
@@ -221,6 +229,9 @@ class ModelRunner:
                 self.group = None
                 self.joining.append(group)
                 self._publish(group)
+            if deadline is not None and (self.rows or self.joining) \
+                    and time.monotonic() >= deadline:
+                break
         return out
 
     def publish_outputs(self, owners: set[int]) -> int:

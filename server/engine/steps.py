@@ -57,14 +57,17 @@ class EngineSteps:
         fault_hook: Optional per-call hook, see :data:`FaultHook`.
         events_at_submit: Send a step's events at the next decode's submit (see
             :meth:`step`); False sends them as soon as they are ready.
+        max_prefill_s: While requests decode, a step's prefill stops after the
+            chunk that ends past this many seconds (0: the token bound alone).
     """
 
     def __init__(self, parts: EngineParts, max_prefill_tokens: int, metrics: ServerMetrics,
                  clock: StepClock, fault_hook: FaultHook | None = None,
-                 events_at_submit: bool = True) -> None:
+                 events_at_submit: bool = True, max_prefill_s: float = 0.0) -> None:
         self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output
         self.kv, self.pool, self.prefixes = parts.kv, parts.pool, parts.prefixes
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_s = max_prefill_s
         self.metrics, self.clock, self.fault_hook = metrics, clock, fault_hook
         # Token and end events, sent together (a channel's in the order they came).
         self._events = EventBatch()
@@ -113,7 +116,8 @@ class EngineSteps:
         hook = self._row_hook if self.fault_hook is not None else None
         if runner.prefilling or runner.group is not None:
             self._events.send()  # before the prefill's model calls
-        prefilled = runner.prefill(self.max_prefill_tokens, hook)
+        deadline = time.monotonic() + self.max_prefill_s if self.max_prefill_s else None
+        prefilled = runner.prefill(self.max_prefill_tokens, hook, deadline)
         clock.lap("prefill")
         self.health.record(prefilled)
         self._postprocess(prefilled)
