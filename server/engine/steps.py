@@ -58,7 +58,8 @@ class EngineSteps:
         events_at_submit: Send a step's events at the next decode's submit (see
             :meth:`step`); False sends them as soon as they are ready.
         max_prefill_s: While requests decode, a step's prefill stops after the
-            chunk that ends past this many seconds (0: the token bound alone).
+            chunk that ends past this many seconds, its chunks cut to fit (0: the
+            token bound alone; see :meth:`ModelRunner.prefill`).
     """
 
     def __init__(self, parts: EngineParts, max_prefill_tokens: int, metrics: ServerMetrics,
@@ -116,8 +117,7 @@ class EngineSteps:
         hook = self._row_hook if self.fault_hook is not None else None
         if runner.prefilling or runner.group is not None:
             self._events.send()  # before the prefill's model calls
-        deadline = time.monotonic() + self.max_prefill_s if self.max_prefill_s else None
-        prefilled = runner.prefill(self.max_prefill_tokens, hook, deadline)
+        prefilled = runner.prefill(self.max_prefill_tokens, hook, self.max_prefill_s or None)
         clock.lap("prefill")
         self.health.record(prefilled)
         self._postprocess(prefilled)

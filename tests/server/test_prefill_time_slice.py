@@ -91,3 +91,44 @@ def test_a_long_prefill_yields_to_decoding_requests(tiny_model_path, slice_s):
         assert yielded == during.count("long") - 1, during  # after every chunk but the last
     else:
         assert yielded == 0, during  # one step, back to back
+
+
+def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
+    """Chunks are cut only while rows wait on a time-sliced prefill, to what ran in the
+    slice before (per row of the group), never under 32 columns or over the chunk."""
+    from server.engine.protocol import SamplingParams
+    from server.engine.runner import MIN_SLICED_CHUNK, ModelRunner
+    from server.model_loader import load_model
+    from server.settings import ModelSection
+    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+
+    model = load_model(ModelSection(path=str(tiny_model_path))).model
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=512))
+    runner = ModelRunner(model, pool, 512, KVArena(pool, probe_kv_layout(model)))
+    for owner in (1, 2):
+        runner.add(owner, list(range(5, 45)), SamplingParams(max_tokens=8, temperature=0.0))
+    runner.prefill(1 << 20, seconds=0.5)  # one group of two rows, nobody decoding yet
+    assert runner.prefill_rate is None  # a one-chunk prompt: its last chunk is not timed
+    runner.decode()
+    assert len(runner.rows) == 2  # now they decode
+    runner.add(3, list(range(5, 605)), SamplingParams(max_tokens=8, temperature=0.0))
+    runner.prefill(1, seconds=0.5)  # forms the group, runs one column
+    group = runner.group
+    assert group is not None and runner.prefill_rate is not None
+    runner.prefill_rate = None  # nothing timed yet: a small chunk measures the rate
+    assert runner._chunk_for(group, 0.5) == 2 * MIN_SLICED_CHUNK
+    runner.prefill_rate = 400.0  # prompt tokens a second
+    assert runner._chunk_for(group, 0.5) == 192  # 200 columns, in whole 16s
+    assert runner._chunk_for(group, None) == 512
+    runner.prefill_rate = 10.0
+    assert runner._chunk_for(group, 0.5) == MIN_SLICED_CHUNK
+    runner.prefill_rate = 1e9
+    assert runner._chunk_for(group, 0.5) == 512
+    runner._measure(100, 0.5)  # 200 tokens/s, averaged with what was measured
+    assert runner.prefill_rate == (1e9 + 200) / 2
+    runner.remove([1, 2])  # nobody waits: the whole chunk again
+    runner.prefill_rate = 10.0
+    assert runner._chunk_for(group, 0.5) == 512
+    runner.remove([3])
+    assert pool.stats.blocks_in_use() == 0
