@@ -23,7 +23,9 @@ the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they
 ``veloxquant-write-every-step`` is ours with ``batch.kv_write_back = 1`` (the decode
 batch writes its KV into the arena every step instead of every 32 steps);
 ``veloxquant-uncompiled`` is ours with ``batch.compile_decode = false`` (decode
-runs mlx-lm's blocks as written, not as compiled halves).
+runs mlx-lm's blocks as written, not as compiled halves);
+``veloxquant-no-prefill-slice`` is ours with ``batch.max_prefill_s_per_step = 0``
+(prefill by the token bound alone, whole chunks).
 
 Then ``profile_decode`` times where a decode step goes on our model (model
 forward, its matmuls alone, attention alone, sampling) at batch 1 and 16, so
@@ -74,10 +76,13 @@ OURS, LLAMA, MLX_LM = "veloxquant", "llama-server", "mlx_lm.server"
 OURS_F32 = "veloxquant-float32"  # ours with every product on the float32 weights
 OURS_WRITE = "veloxquant-write-every-step"  # ours writing each decode step's KV at once
 OURS_UNCOMPILED = "veloxquant-uncompiled"  # ours running mlx-lm's blocks as written
+OURS_NO_SLICE = "veloxquant-no-prefill-slice"  # ours prefilling by the token bound alone
 EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0"},
              OURS_WRITE: {"VELOXQUANT_BATCH_KV_WRITE_BACK": "1"},
-             OURS_UNCOMPILED: {"VELOXQUANT_BATCH_COMPILE_DECODE": "false"}}
-VARIANTS = (OURS_F32, OURS_WRITE, OURS_UNCOMPILED)  # ours, told apart by EXTRA_ENV
+             OURS_UNCOMPILED: {"VELOXQUANT_BATCH_COMPILE_DECODE": "false"},
+             OURS_NO_SLICE: {"VELOXQUANT_BATCH_MAX_PREFILL_S_PER_STEP": "0"}}
+# Ours, told apart by EXTRA_ENV.
+VARIANTS = (OURS_F32, OURS_WRITE, OURS_UNCOMPILED, OURS_NO_SLICE)
 # Ours over each peer: the tok/s ratio to reach.
 TARGETS = {LLAMA: {"c16": 0.8, "c1": 0.2}, MLX_LM: {"c16": 5.0, "c1": 5.0}}
 

@@ -26,7 +26,9 @@ to agree and rank 0's host never waits for them.
 
 Left out on purpose, since each would have one rank run a model call the
 others do not: prefix caching (a hit changes the prompt a rank computes),
-prompt scoring (``echo`` runs the model outside the step), fault hooks.
+prompt scoring (``echo`` runs the model outside the step), fault hooks, and
+cutting a step's prefill by time or by a cancellation between its chunks
+(``batch.max_prefill_s_per_step``; cancelled requests leave at the step's start).
 """
 
 from __future__ import annotations
@@ -251,7 +253,11 @@ class LeaderRunner:
         self._ops.append(("remove", owners))
         return self._runner.remove(owners)
 
-    def prefill(self, budget: int, hook: RowHook | None = None) -> RunOutput:
+    def prefill(self, budget: int, hook: RowHook | None = None,
+                seconds: float | None = None) -> RunOutput:
+        # No time slice (``seconds``) and no cancellation between chunks (the
+        # engine's ``before_chunk`` lands on this wrapper, not on the runner): both
+        # would have rank 0 cut a prefill where its followers do not.
         self.flush(("prefill", budget))
         return self._checked(self._runner.prefill(budget, None))
 
