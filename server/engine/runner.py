@@ -63,8 +63,9 @@ from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 
 log = logging.getLogger("veloxquant.server")
-# The smallest chunk a time-sliced prefill cuts (below it the per-call cost dominates).
-MIN_SLICED_CHUNK = 32
+# The smallest chunk a time-sliced prefill cuts, also its first (measuring) chunk: below
+# it the per-call cost weighs (a wave of 64-token prompts is never split).
+MIN_SLICED_CHUNK = 64
 
 
 class ModelRunner:
@@ -252,7 +253,7 @@ class ModelRunner:
         if seconds is None or not (self.rows or self.joining):
             return self.chunk
         if self.prefill_rate is None:
-            return min(self.chunk, 2 * MIN_SLICED_CHUNK)
+            return min(self.chunk, MIN_SLICED_CHUNK)
         columns = int(self.prefill_rate * seconds / len(group.rows))
         return max(MIN_SLICED_CHUNK, min(self.chunk, columns // 16 * 16))
 

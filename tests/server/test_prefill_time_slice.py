@@ -95,7 +95,7 @@ def test_a_long_prefill_yields_to_decoding_requests(tiny_model_path, slice_s):
 
 def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     """Chunks are cut only while rows wait on a time-sliced prefill, to what ran in the
-    slice before (per row of the group), never under 32 columns or over the chunk."""
+    slice before (per row of the group), never under 64 columns or over the chunk."""
     from server.engine.protocol import SamplingParams
     from server.engine.runner import MIN_SLICED_CHUNK, ModelRunner
     from server.model_loader import load_model
@@ -117,7 +117,7 @@ def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     group = runner.group
     assert group is not None and runner.prefill_rate is not None
     runner.prefill_rate = None  # nothing timed yet: a small chunk measures the rate
-    assert runner._chunk_for(group, 0.5) == 2 * MIN_SLICED_CHUNK
+    assert runner._chunk_for(group, 0.5) == MIN_SLICED_CHUNK
     runner.prefill_rate = 400.0  # prompt tokens a second
     assert runner._chunk_for(group, 0.5) == 192  # 200 columns, in whole 16s
     assert runner._chunk_for(group, None) == 512
