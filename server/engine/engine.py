@@ -41,7 +41,13 @@ from server.engine.protocol import (
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.scoring import ScoringJob, new_job
-from server.engine.startup import assemble, events_at_submit, make_pool, release_thread_streams
+from server.engine.startup import (
+    assemble,
+    events_at_submit,
+    make_pool,
+    prefill_time_slice,
+    release_thread_streams,
+)
 from server.engine.step_clock import StepClock
 from server.engine.steps import EngineSteps, FaultHook
 from server.metrics import ServerMetrics
@@ -323,10 +329,10 @@ class Engine:
         try:
             parts = assemble(self.settings, self.pool, self._loader, self.metrics, self.clock,
                              self._inbox.put)
-            batch = self.settings.batch
-            steps = EngineSteps(parts, batch.max_prefill_tokens_per_step, self.metrics,
-                                self.clock, self.fault_hook, events_at_submit(self.settings),
-                                batch.max_prefill_s_per_step)
+            steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
+                                self.metrics, self.clock, self.fault_hook,
+                                events_at_submit(self.settings),
+                                prefill_time_slice(self.settings))
         except Exception as exc:  # the server reports it on /health and exits
             if parts is not None:
                 parts.preparer.close()  # its prompt workers would outlive the failure

@@ -203,9 +203,9 @@ class ModelRunner:
         step's prefill), the prefill stops after the chunk that ends past that
         many seconds, and its chunks are cut to what ran in that time before
         (:attr:`prefill_rate`), so one chunk does not outlast the slice either.
-        On a CPU a chunk runs as it is handed over, so this bounds their stall;
-        on a GPU chunks are queued (no time is measured), and the token budget
-        bounds it. The rest goes on next step.
+        On a CPU a chunk runs as it is handed over, so this bounds their stall
+        (the engine passes no ``seconds`` on a GPU, where chunks are queued and
+        the token budget bounds it). The rest goes on next step.
 
         An error in a group's model call restarts its rows alone (nothing was
         handed back for them yet); a lone row whose call raises fails.

@@ -66,6 +66,22 @@ def events_at_submit(settings: Settings) -> bool:
     return bool(choice)
 
 
+def prefill_time_slice(settings: Settings) -> float:
+    """Seconds a step's prefill may take while requests decode (0: no time bound).
+
+    ``batch.max_prefill_s_per_step`` on the CPU backend, where a prefill chunk
+    runs as it is handed over and its time is what the running streams wait.
+    On a GPU chunks are queued without waiting (their measured time would be the
+    host's, and a queue that blocks would cut chunks for nothing), so the token
+    bound alone holds there.
+    """
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return 0.0
+    return settings.batch.max_prefill_s_per_step
+
+
 def _warn_if_default_requests_never_fit(scheduler: Scheduler, default_max_tokens: int) -> None:
     """Say at start-up when a one-token prompt with the default ``max_tokens`` cannot fit.
 
