@@ -13,9 +13,10 @@ from server.model_loader import LoadedModel
 class RequestRejected(Exception):
     """Raised inside intake to turn a request away before it queues."""
 
-    def __init__(self, event: Rejected) -> None:
+    def __init__(self, event: Rejected, prompt_tokens: int | None = None) -> None:
         super().__init__(event.message)
         self.event = event
+        self.prompt_tokens = prompt_tokens  # the prompt's size, when it was tokenized
 
 
 def vocab_size(loaded: LoadedModel) -> int | None:

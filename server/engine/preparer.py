@@ -89,9 +89,10 @@ class PromptPreparer:
         if refusal is not None:
             self.reject(request, refusal)
 
-    def reject(self, request: GenerationRequest, event: Rejected) -> None:
+    def reject(self, request: GenerationRequest, event: Rejected,
+               prompt_tokens: int | None = None) -> None:
         """Refuse a request that never ran (thread-safe)."""
-        self.metrics.rejected(event.reason, request)
+        self.metrics.rejected(event.reason, request, prompt_tokens)
         request.channel.put(event)
 
     def _prepare(self, request: GenerationRequest) -> None:
@@ -103,7 +104,7 @@ class PromptPreparer:
             check_token_params(self.loaded, request.params)
             self.deliver(Prepared(request, ids))
         except RequestRejected as exc:
-            self.reject(request, exc.event)
+            self.reject(request, exc.event, exc.prompt_tokens)
         except Exception as exc:  # a bug here must still answer the request, never hang it
             log.exception("preparing request %s failed", request.request_id)
             self.reject(request, Rejected(Reason.MODEL_ERROR,
@@ -136,12 +137,13 @@ class PromptPreparer:
                                  f"{len(ids)} tokens, more than "
                                  f"limits.max_prompt_tokens={self.max_prompt_tokens}; "
                                  f"shorten the {'messages' if chat else 'prompt'}",
-                                 "messages" if chat else "prompt")
+                                 "messages" if chat else "prompt", len(ids))
         return ids
 
     @staticmethod
-    def _too_long(message: str, param: str = "prompt") -> RequestRejected:
-        return RequestRejected(Rejected(Reason.TOO_LARGE, message, param))
+    def _too_long(message: str, param: str = "prompt",
+                  prompt_tokens: int | None = None) -> RequestRejected:
+        return RequestRejected(Rejected(Reason.TOO_LARGE, message, param), prompt_tokens)
 
     def close(self) -> None:
         """Stop taking requests; finish the ones in progress, refuse the queued ones.

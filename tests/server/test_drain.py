@@ -96,6 +96,7 @@ def test_sigterm_drains_logs_requests_and_never_logs_secrets(tiny_model_path, tm
     rejected = [line for line in lines if line["finish_reason"] == "rejected"]
     assert rejected and rejected[0]["status"] == 400
     assert rejected[0]["code"] == "context_length_exceeded"
+    assert rejected[0]["prompt_tokens"] == 9000  # tokenized, then refused
     drained = [line for line in lines if line["completion_tokens"] == 600]
     assert drained and drained[0]["status"] == 200 and drained[0]["finish_reason"] == "length"
 
