@@ -200,9 +200,9 @@ class ModelRunner:
         """Prefill within ``budget`` prompt tokens; sample each finished group's first tokens.
 
         With ``seconds``, while rows decode or wait to join (they wait for this
-        step's prefill), the prefill stops after the chunk that ends past that
-        many seconds, and its chunks are cut to what ran in that time before
-        (:attr:`prefill_rate`), so one chunk does not outlast the slice either.
+        step's prefill), the step's prefill keeps to about that many seconds: each
+        chunk is cut to what ran in the time left before (:attr:`prefill_rate`),
+        and none starts once less than half the slice is left.
         On a CPU a chunk runs as it is handed over, so this bounds their stall
         (the engine passes no ``seconds`` on a GPU, where chunks are queued and
         the token budget bounds it). The rest goes on next step.
@@ -213,10 +213,15 @@ class ModelRunner:
         out = RunOutput()
         left = budget
         deadline = None if seconds is None else time.monotonic() + seconds
+        time_left, ran = seconds, False
         while left > 0:
             self.before_chunk()  # may remove rows, the whole group's included
             if self.group is None and not self.prefilling:
                 break
+            if deadline is not None and ran and (self.rows or self.joining):
+                time_left = deadline - time.monotonic()
+                if time_left < seconds / 2:  # the slice is spent: the rest next step
+                    break
             if self.group is None:
                 self.group = PrefillGroup.form(self.prefilling, self.model, self.arena,
                                                budget, self._solo)
@@ -226,7 +231,8 @@ class ModelRunner:
                 continue  # every row of the group failed in its hook
             try:
                 started = time.monotonic()
-                used, logits = group.advance(self.model, self._chunk_for(group, seconds), left)
+                used, logits = group.advance(self.model, self._chunk_for(group, time_left),
+                                             left)
                 if logits is None:  # a chunk before the last has run (on a CPU): timed
                     self._measure(used, time.monotonic() - started)
                 else:
@@ -237,25 +243,24 @@ class ModelRunner:
                 continue
             out.calls_ran += 1
             left -= used
+            ran = True
             if logits is not None:
                 self.group = None
                 self.joining.append(group)
                 self._publish(group)
-            if deadline is not None and (self.rows or self.joining) \
-                    and time.monotonic() >= deadline:
-                break
         return out
 
     def _chunk_for(self, group: PrefillGroup, seconds: float | None) -> int:
         """Columns of the group's next chunk: the configured chunk, or while rows wait
         for a time-sliced prefill, what runs in ``seconds`` at the measured rate (a
-        small first chunk to measure it, when nothing has been timed yet)."""
+        small first chunk to measure it, when nothing has been timed yet), never
+        more than the configured chunk."""
         if seconds is None or not (self.rows or self.joining):
             return self.chunk
         if self.prefill_rate is None:
             return min(self.chunk, MIN_SLICED_CHUNK)
         columns = int(self.prefill_rate * seconds / len(group.rows))
-        return max(MIN_SLICED_CHUNK, min(self.chunk, columns // 16 * 16))
+        return min(self.chunk, max(MIN_SLICED_CHUNK, columns // 16 * 16))
 
     def _measure(self, tokens: int, elapsed: float) -> None:
         rate = tokens / max(elapsed, 1e-6)

@@ -100,8 +100,8 @@ class Scheduler:
                     Reason.QUEUE_FULL, f"server busy: {behind} requests already wait for "
                     f"a batch slot or KV capacity (limits.max_queue={self.limits.max_queue}); "
                     "retry later"))
-        except RequestRejected as exc:
-            self.reject(request, exc.event, len(prompt_ids))
+        except RequestRejected as exc:  # refused on arrival: it waited in no queue
+            self.reject(request, exc.event, len(prompt_ids), 0.0)
             return
         now = time.monotonic()
         self.waiting.append(PendingRequest(request, prompt_ids, need, now,

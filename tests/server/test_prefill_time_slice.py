@@ -95,7 +95,8 @@ def test_a_long_prefill_yields_to_decoding_requests(tiny_model_path, slice_s):
 
 def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     """Chunks are cut only while rows wait on a time-sliced prefill, to what ran in the
-    slice before (per row of the group), never under 64 columns or over the chunk."""
+    time left before (per row of the group), never under 64 columns nor over the
+    configured chunk."""
     from server.engine.protocol import SamplingParams
     from server.engine.runner import MIN_SLICED_CHUNK, ModelRunner
     from server.model_loader import load_model
@@ -125,6 +126,9 @@ def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     assert runner._chunk_for(group, 0.5) == MIN_SLICED_CHUNK
     runner.prefill_rate = 1e9
     assert runner._chunk_for(group, 0.5) == 512
+    runner.chunk = 16  # the configured chunk bounds a sliced one too, under the floor
+    assert runner._chunk_for(group, 0.5) == 16
+    runner.chunk = 512
     runner._measure(100, 0.5)  # 200 tokens/s, averaged with what was measured
     assert runner.prefill_rate == (1e9 + 200) / 2
     runner.remove([1, 2])  # nobody waits: the whole chunk again
