@@ -209,7 +209,7 @@ class BatchSection(_Section):
     max_batch_size: int = Field(default=32, ge=1)
     prefill_chunk_size: int = Field(default=512, ge=1)
     max_prefill_tokens_per_step: int = Field(default=2048, ge=1)
-    max_prefill_s_per_step: float = Field(default=0.5, ge=0.0)
+    max_prefill_s_per_step: float = Field(default=1.0, ge=0.0)
     kv_write_back: int = Field(default=32, ge=1)
     compile_decode: bool = True
     fuse_projections: bool = True
