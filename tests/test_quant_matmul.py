@@ -58,7 +58,8 @@ EMULATE = textwrap.dedent(
         inv = np.where(amax > 0, np.float32(127) / amax, 0).astype(np.float32)
         xq = np.rint((xg * inv).astype(np.float32)).astype(np.int64).reshape(len(x), -1, 16)
         d = np.repeat((amax / np.float32(127)).astype(np.float32)[..., 0], 2, axis=1)
-        sums = x.reshape(len(x), -1, 16).astype(np.float64).sum(axis=2)
+        # The bias term takes x as rounded (d * sum q), so a product is w times that x.
+        sums = xq.sum(axis=2) * d.astype(np.float64)
         dots = np.einsum("rgk,ngk->rng", xq, q.reshape(rows, -1, 16)).astype(np.float64)
         return (dots * d.astype(np.float64)[:, None, :] * s[None]).sum(axis=2) + sums @ b.T
 

@@ -1,0 +1,112 @@
+"""What decoding from the quantized codes costs in quality, file by file.
+
+The server decodes products of up to ``model.quantized_matmul_rows`` rows from the
+checkpoint's codes with int8 activations (``veloxquant_mlx/quant_matmul.c``); prefill
+and larger batches run in float32. Here the fixed English paragraph of
+``tests/server/test_real_model.py`` is fed one token at a time (every product one row:
+all from the codes), its perplexity taken, then again with the codes closed (float32),
+and the two log-probability tables compared. Each GGUF file runs in a child with the
+BLAS forward preloaded, as the server runs. Writes
+``figures/real_model/codes_quality.json``.
+
+Usage::
+
+    .venv/bin/python benchmark_scripts/codes_quality.py FILE.gguf [FILE.gguf ...]
+    (no file: the default model's Q4_1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmark_scripts")]
+DEFAULT_OUT = ROOT / "figures" / "real_model" / "codes_quality.json"
+
+
+def child(path: str) -> dict:
+    """Measure ``path`` in this (preloaded) process."""
+    import math
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from server.model_loader import load_model
+    from server.settings import ModelSection
+    from tests.server.test_real_model import ENGLISH_TEXT
+
+    loaded = load_model(ModelSection(path=path))
+    if loaded.quantized_copies is None:
+        raise RuntimeError("no codes registered: is the BLAS forward preloaded?")
+    ids = loaded.tokenizer.encode(ENGLISH_TEXT)
+
+    def one_token_at_a_time() -> tuple[float, np.ndarray]:
+        cache = make_prompt_cache(loaded.model)
+        rows = []
+        for token in ids[:-1]:
+            logits = loaded.model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
+            rows.append(np.array(logits - mx.logsumexp(logits)))
+        table = np.stack(rows)
+        nll = -table[np.arange(len(ids) - 1), ids[1:]].mean()
+        return math.exp(float(nll)), table
+
+    matrices = len(loaded.quantized_copies)
+    ppl_codes, codes = one_token_at_a_time()
+    loaded.quantized_copies.close()
+    ppl_float, exact = one_token_at_a_time()
+    top5 = np.argsort(-exact, axis=1)[:, :5]
+    moved = np.take_along_axis(codes - exact, top5, axis=1)
+    return {"tokens": len(ids), "matrices_with_codes": matrices,
+            "perplexity_codes": round(ppl_codes, 3), "perplexity_float32": round(ppl_float, 3),
+            "perplexity_ratio": round(ppl_codes / ppl_float, 4),
+            "top5_logprob_mean_abs_diff": round(float(np.abs(moved).mean()), 4),
+            "top5_logprob_max_abs_diff": round(float(np.abs(moved).max()), 4),
+            "same_argmax_share": round(float((codes.argmax(1) == exact.argmax(1)).mean()), 4)}
+
+
+def run_child(path: Path) -> dict:
+    from veloxquant_mlx.cpu_backend import child_env
+
+    env = child_env(preload=True)
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, __file__, "--child", str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{path.name}: child failed\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2])))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("files", nargs="*", type=Path)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args()
+    from benchmark_revisions import checkout_revision
+
+    from veloxquant_mlx.gguf import smollm2_gguf_path
+
+    files = args.files or [smollm2_gguf_path()]
+    results = {}
+    for path in files:
+        results[path.name] = run_child(path)
+        print(f"{path.name}: {results[path.name]}", flush=True)
+    out = {"benchmark": "benchmark_scripts/codes_quality.py",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "revision": checkout_revision(ROOT), "files": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
