@@ -84,9 +84,16 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
     assert lib is not None, "the forward is not preloaded"
     rng = np.random.default_rng(7)
     report = {"cases": []}
-    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 16)):
+    from veloxquant_mlx.quant_weights import widen_to_8_bits
+    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 16), (5, 32)):
         rows, cols = 72, 384
-        if group == 16:
+        widened = bits == 5
+        if widened:  # a GGUF Q5_0/Q5_1 layer: its codes widened to a byte, as served
+            w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32))
+            packed, scales, biases = mx.quantize(w, group_size=group, bits=5)
+            weight = mx.dequantize(packed, scales, biases, group_size=group, bits=5)
+            packed, bits = mx.array(widen_to_8_bits(np.array(packed), 5)), 8
+        elif group == 16:
             packed, scales, biases = (mx.array(a) for a in sixteens(rng, rows, cols))
             weight = (mx.repeat(scales, 16, axis=1) * mx.array(codes_of(
                 np.array(packed).astype(np.int64), 8, cols).astype(np.float32))
@@ -110,7 +117,7 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
             want = emulate(x, parts.packed, parts.scales, parts.biases, group, bits)
             scale = np.abs(exact).max()
             report["cases"].append({
-                "bits": bits, "group": group, "m": m,
+                "bits": bits, "group": group, "m": m, "widened": bool(widened),
                 "served": copies.served() - before,
                 "vs_emulation": float(np.abs(got - want).max() / scale),
                 "vs_exact": float(np.abs(got - exact).max() / scale)})
@@ -177,6 +184,12 @@ def kernel_report() -> dict:
     return _run_child(KERNEL_CHECK)
 
 
+# A widened 5-bit layer's products against the exact float64 ones (relative to the largest):
+# 0.004-0.006 with the bias term on x as rounded; 0.064-0.068 with it on the exact sums
+# (the kernel before 6f676de, the same NumPy emulation).
+WIDENED_LIMIT = 1.5e-2
+
+
 def test_products_follow_the_documented_int8_math_for_4_and_8_bits(kernel_report) -> None:
     """Every case, 16-column scales (8-bit) included; a swap of a 16-column pair's scales
     or a bias term over 32-column sums would miss the emulation by far more than 1e-5."""
@@ -187,6 +200,10 @@ def test_products_follow_the_documented_int8_math_for_4_and_8_bits(kernel_report
             assert case["served"] == 1, case
             assert case["vs_emulation"] < 1e-5, case
             assert case["vs_exact"] < 3e-2, case  # only x's int8 rounding
+            if case["widened"]:
+                # Codes near -112 once signed: the bias term must use x as rounded, or
+                # x's rounding error comes back multiplied by them.
+                assert case["vs_exact"] < WIDENED_LIMIT, case
         else:  # above max_rows: OpenBLAS on the float32 weight
             assert case["served"] == 0, case
             assert case["vs_exact"] < 1e-5, case
