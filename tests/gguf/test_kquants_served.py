@@ -130,7 +130,7 @@ def test_the_server_decodes_q6_k_matrices_from_their_codes(synthetic_files, tmp_
     assert report["registered"] == matrices, report
     assert f"quantized codes of {matrices} matrices" in report["weights"], report
     assert report["served"] == products * 8, report  # every product of the 8 steps
-    # int8 activations on this random 256-wide model: 0.21 of 3.49 with the Q4_K codes
-    # alone, 0.25 with the Q6_K ones too (the kernel's own math: tests/test_quant_matmul.py).
-    assert report["max_diff"] < 0.1 * report["scale"], report
+    # int8 activations on this random 256-wide model: 0.043 of 3.49 (0.25 while the bias
+    # term took x's exact sums; the kernel's own math: tests/test_quant_matmul.py).
+    assert report["max_diff"] < 0.03 * report["scale"], report
     assert report["same_argmax"], report
