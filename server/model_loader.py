@@ -166,8 +166,9 @@ def load_model(section: ModelSection) -> LoadedModel:
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
                         dequantize_budget(section.max_dequantized_bytes),
                         stored_dtype=stored_float_dtype(model))
+    wants_codes = section.quantized_matmul_rows > 0 and not on_gpu  # CPU decode kernel
     copies = apply_plan(model, plan, section.quantized_matmul_rows,
-                        group16=load_group16_parts(path) if not on_gpu else None)
+                        group16=load_group16_parts(path) if wants_codes else None)
     if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)
     note = plan.note
