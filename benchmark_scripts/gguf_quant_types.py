@@ -65,7 +65,7 @@ def codes16_ab(folder: Path, work: Path, home: Path, rounds: int = 2) -> dict:
     """c=1 tok/s of ``folder`` served with and without its 16-column codes, rounds alternating."""
     import shutil
 
-    from veloxquant_mlx.gguf.weights import GROUP16_FILE
+    from veloxquant_mlx.quant_weights import GROUP16_FILE
 
     plain = work / "without-codes16" / folder.name
     if not plain.exists():
@@ -214,6 +214,7 @@ def main() -> int:
     from benchmark_revisions import checkout_revision
 
     from veloxquant_mlx.gguf import smollm2_gguf_path
+    from veloxquant_mlx.quant_weights import GROUP16_FILE
 
     args.work.mkdir(parents=True, exist_ok=True)
     if args.wide or args.wide_only:
@@ -233,7 +234,7 @@ def main() -> int:
         row = results[name]
         row["served"] = served_speed(path, args.work / "home")
         folder = Path(row.pop("folder"))
-        if (folder / "codes16.safetensors").exists():
+        if (folder / GROUP16_FILE).exists():
             row["codes16_ab"] = codes16_ab(folder, args.work, args.work / "home")
             print(f"{name:15s} codes16 A/B {row['codes16_ab']}", flush=True)
         print(f"{name:15s} {row['file_mib']:6.1f} MiB  types {row['tensor_types']}  "

@@ -33,6 +33,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 GROUP = 32
+# The GGUF converter's codes of 16-value types, beside a model folder's weights (written by
+# veloxquant_mlx.gguf.weights.save_weights, read by load_group16_parts).
+GROUP16_FILE = "codes16.safetensors"
 # Return codes of vq_qmm_register / vq_qmm_unregister (quant_matmul.h).
 _ERRORS = {
     -1: "the CPU lacks AVX2 and FMA",
@@ -221,7 +224,7 @@ class QuantizedCopies:
 def load_group16_parts(folder: Any) -> dict[str, QuantizedParts]:
     """The 16-column codes a GGUF conversion kept beside float32 weights, by module path.
 
-    ``folder / "codes16.safetensors"`` (see :mod:`veloxquant_mlx.gguf.blocks`): 8-bit
+    ``folder /`` :data:`GROUP16_FILE` (see :mod:`veloxquant_mlx.gguf.blocks`): 8-bit
     affine triples of group size 16 for Q6_K, Q3_K and Q2_K matrices, whose ``weight``
     in the model is their exact float32 dequantization. Empty when the file is absent.
     """
@@ -229,7 +232,7 @@ def load_group16_parts(folder: Any) -> dict[str, QuantizedParts]:
 
     import mlx.core as mx
 
-    path = Path(folder) / "codes16.safetensors"
+    path = Path(folder) / GROUP16_FILE
     if not path.is_file():
         return {}
     arrays = mx.load(str(path))

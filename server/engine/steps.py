@@ -57,9 +57,9 @@ class EngineSteps:
         fault_hook: Optional per-call hook, see :data:`FaultHook`.
         events_at_submit: Send a step's events at the next decode's submit (see
             :meth:`step`); False sends them as soon as they are ready.
-        max_prefill_s: While requests decode, a step's prefill stops after the
-            chunk that ends past this many seconds, its chunks cut to fit (0: the
-            token bound alone; see :meth:`ModelRunner.prefill`).
+        max_prefill_s: While requests decode, a step's prefill keeps to about this
+            many seconds, its chunks cut to fit (0: the token bound alone; see
+            :meth:`ModelRunner.prefill`).
     """
 
     def __init__(self, parts: EngineParts, max_prefill_tokens: int, metrics: ServerMetrics,

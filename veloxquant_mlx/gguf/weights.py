@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..quant_weights import GROUP16_FILE
 from .blocks import GROUP16_PARTS, decode_tensor
 from .errors import GGUFError
 from .header import GGUFHeader, TensorInfo
@@ -15,8 +16,6 @@ from .layout import ArchSpec, rename, unpermute_rows
 _FLOAT_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 # A 16-value type's codes under the names of an MLX affine triple (group size 16).
 _GROUP16_NAMES = dict(zip(GROUP16_PARTS, ("weight", "scales", "biases"), strict=True))
-# Beside model.safetensors; mlx-lm's loader reads model*.safetensors only.
-GROUP16_FILE = "codes16.safetensors"
 
 
 def _read_float(path: Path, info: TensorInfo) -> mx.array:
@@ -107,7 +106,8 @@ def to_mlx_lm(
 
 def save_weights(weights: dict[str, mx.array], folder: Path,
                  group16: dict[str, mx.array] | None = None) -> None:
-    """Write ``model.safetensors`` (the name mlx-lm's loader globs for), and the 16-value codes.
+    """Write ``model.safetensors`` (the name mlx-lm's loader globs for), and the 16-value codes
+    beside it (mlx-lm reads ``model*.safetensors`` only, so never those).
 
     ``group16`` (mlx-lm names, affine triples of group size 16 and 8 bits) goes to
     :data:`GROUP16_FILE` when there is any.
