@@ -56,6 +56,9 @@ class LoadedModel:
     quantized: bool
     weights: str = ""  # how the weights are held, for the start-up line
     quantized_copies: Any = None  # QuantizedCopies serving small products, if any
+    # Positions a request may reach (prompt + generated tokens): the model's
+    # max_position_embeddings, or limits.max_context_tokens; None: no bound stated.
+    context_length: int | None = None
 
 
 def resolve_model_path(section: ModelSection) -> Path:
@@ -185,7 +188,18 @@ def load_model(section: ModelSection) -> LoadedModel:
         quantized=is_quantized(model),
         weights=note,
         quantized_copies=copies,
+        context_length=stated_context_length(model),
     )
+
+
+def stated_context_length(model: Any) -> int | None:
+    """The context length the model's config states (``max_position_embeddings``), if any.
+
+    Past it RoPE runs on positions the model never saw in training, and its
+    output turns to noise without any error; so the server refuses to go there.
+    """
+    value = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _default_name(section: ModelSection, path: Path) -> str:

@@ -175,6 +175,9 @@ class LimitsSection(_Section):
     default_max_tokens: int = 256
     max_tokens_cap: int = Field(default=4096, ge=1)
     max_prompt_tokens: int = Field(default=8192, ge=1)
+    # Positions one request may reach, prompt plus generated tokens; 0: the model's
+    # own max_position_embeddings (no bound if its config states none).
+    max_context_tokens: int = Field(default=0, ge=0)
     max_queue: int = Field(default=64, ge=0)
     queue_timeout_s: float = Field(default=30.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)

@@ -86,8 +86,12 @@ class CapacityPlanner:
                 held[block.stream] = held.get(block.stream, 0) + 1
         return {s: self.pool.n_free(s) + held[s] for s in self.streams}
 
-    def never_fits(self, need: Reservation, n_tokens: int) -> str | None:
-        """Explain why ``need`` cannot fit even an empty pool, or return None."""
+    def never_fits(self, need: Reservation, n_tokens: int,
+                   field: str = "max_tokens") -> str | None:
+        """Explain why ``need`` cannot fit even an empty pool, or return None.
+
+        ``field`` is the request field the message tells the client to lower.
+        """
         headroom = self._growth_headroom()
         if headroom is None:
             return None
@@ -97,16 +101,33 @@ class CapacityPlanner:
             return None
         stream, blocks = next(iter(short.items())) if short else ("all", need.total)
         have = capacity.get(stream, sum(capacity.values())) + headroom
-        per_block = self.n_layers * (1 if len(self.streams) > 1 else 2)
-        max_tokens_fit = (have // per_block) * self.block_size
         return (
-            f"prompt plus max_tokens ({n_tokens} tokens) needs {blocks} KV blocks on stream "
+            f"prompt plus {field} ({n_tokens} tokens) needs {blocks} KV blocks on stream "
             f"{stream!r} ({self.n_layers} layers x ceil({n_tokens}/{self.block_size})"
             f"{' x 2 (k and v)' if len(self.streams) == 1 else ''}), but the pool holds at most "
-            f"{have} there; lower max_tokens or shorten the prompt to fit {max_tokens_fit} "
-            "tokens in total, or raise pool.n_blocks (or pool.max_blocks with "
-            "pool.grow_on_exhaustion)"
+            f"{have} there; lower {field} or shorten the prompt to fit "
+            f"{self._max_tokens(capacity, headroom)} tokens in total, or raise pool.n_blocks "
+            "(or pool.max_blocks with pool.grow_on_exhaustion)"
         )
+
+    def max_request_tokens(self) -> int | None:
+        """The most tokens (prompt + max_tokens) one request could reserve in an idle pool.
+
+        None when the pool grows without bound. Exactly the largest ``n_tokens``
+        whose reservation :meth:`never_fits` accepts.
+        """
+        headroom = self._growth_headroom()
+        if headroom is None:
+            return None
+        return self._max_tokens(self._stream_capacity(), headroom)
+
+    def _max_tokens(self, capacity: dict[str, int], headroom: int) -> int:
+        # Growth may go to any stream, so it counts toward each one and once toward all.
+        per_layer = (sum(capacity.values()) + headroom) // (2 * self.n_layers)
+        if len(self.streams) > 1:
+            per_layer = min(per_layer, *((capacity[s] + headroom) // self.n_layers
+                                         for s in self.streams))
+        return per_layer * self.block_size
 
     def fits_now(self, need: Reservation, outstanding: dict[str, int],
                  pinned: dict[str, int] | None = None) -> bool:

@@ -142,6 +142,11 @@ class Engine:
         """The served model id (empty before load)."""
         return self.loaded.name if self.loaded else ""
 
+    @property
+    def context_length(self) -> int | None:
+        """Positions one request may reach, prompt included (None: unbounded or not loaded)."""
+        return self.loaded.context_length if self.loaded else None
+
     def submit(self, request: GenerationRequest) -> None:
         """Hand a request to the prompt workers, then the engine thread (never blocks)."""
         preparer = self._preparer

@@ -20,7 +20,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from server.engine.intake import RequestRejected, check_token_params, tokenize_prompt
 from server.engine.prompt_bound import max_bytes_per_token
@@ -102,6 +102,7 @@ class PromptPreparer:
                 return
             ids = self.prompt_ids(request)
             check_token_params(self.loaded, request.params)
+            self.fit_context(request, len(ids))
             self.deliver(Prepared(request, ids))
         except RequestRejected as exc:
             self.reject(request, exc.event, exc.prompt_tokens)
@@ -139,6 +140,39 @@ class PromptPreparer:
                                  f"shorten the {'messages' if chat else 'prompt'}",
                                  "messages" if chat else "prompt", len(ids))
         return ids
+
+    def fit_context(self, request: GenerationRequest, n_prompt: int) -> None:
+        """Keep prompt + ``max_tokens`` within the model's context length.
+
+        An omitted ``max_tokens`` is lowered to the room the context leaves
+        (``request.params`` replaced); one the client sent that goes past it is refused,
+        as OpenAI refuses it, instead of generating past the positions the model knows.
+
+        Raises:
+            RequestRejected: Over the context (400 ``context_length_exceeded``).
+        """
+        context = self.loaded.context_length
+        params = request.params
+        if context is None or n_prompt + params.max_tokens <= context:
+            return
+        room = context - n_prompt
+        if params.max_tokens_defaulted and room >= 1:
+            request.params = replace(params, max_tokens=room)
+            return
+        chat = isinstance(request.prompt, ChatPrompt)
+        if room < 1 or params.max_tokens_defaulted:
+            what = "the rendered messages have" if chat else "the prompt has"
+            raise self._too_long(
+                f"{what} {n_prompt} tokens, which leave no room for a generated token in the "
+                f"model's context of {context} tokens (limits.max_context_tokens); shorten "
+                f"the {'messages' if chat else 'prompt'}", "messages" if chat else "prompt",
+                n_prompt)
+        field = params.max_tokens_param
+        raise self._too_long(
+            f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
+            f"{n_prompt + params.max_tokens} tokens, over the model's context of {context} "
+            f"tokens (limits.max_context_tokens); lower {field} to at most {room}, or shorten "
+            f"the {'messages' if chat else 'prompt'}", field, n_prompt)
 
     @staticmethod
     def _too_long(message: str, param: str = "prompt",

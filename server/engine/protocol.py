@@ -56,6 +56,11 @@ class SamplingParams:
     ``constraint`` is a compiled grammar the output must follow
     (:func:`server.engine.constraints.compile_response_format`), shared by
     every request that asks for the same format; None for free text.
+
+    ``max_tokens_param`` is the request field ``max_tokens`` came from (chat's
+    ``max_completion_tokens``, Responses' ``max_output_tokens``), named when it
+    cannot be honoured; ``max_tokens_defaulted`` says the client left it out,
+    so the engine may lower it to the room the context and the pool leave.
     """
 
     max_tokens: int
@@ -72,6 +77,8 @@ class SamplingParams:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Any = None
+    max_tokens_param: str = "max_tokens"
+    max_tokens_defaulted: bool = False
 
 
 # How a model without a tool-aware chat template is asked to write a tool call

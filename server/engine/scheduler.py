@@ -25,13 +25,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.intake import RequestRejected
 from server.engine.output import StopMatcher
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.preparer import Prepared
-from server.engine.protocol import GenerationRequest, Reason, Rejected, ShrinkRefused
+from server.engine.protocol import (
+    ChatPrompt,
+    GenerationRequest,
+    Reason,
+    Rejected,
+    ShrinkRefused,
+)
 from server.engine.request_state import PendingRequest, RequestState
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
@@ -114,13 +121,43 @@ class Scheduler:
         request.channel.put(event)
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
-        n_tokens = len(prompt_ids) + request.params.max_tokens
+        need = self.planner.reservation(len(prompt_ids) + request.params.max_tokens)
+        if self._fits_now(need):
+            return need
+        fitted = self._fit_pool(request, prompt_ids)
+        if isinstance(fitted, Rejected):
+            raise RequestRejected(fitted)
+        return fitted
+
+    def _fit_pool(self, request: GenerationRequest,
+                  prompt_ids: list[int]) -> Reservation | Rejected:
+        """The request's reservation if an idle pool could hold it, else why not.
+
+        A request that left ``max_tokens`` out asks for the room there is, as
+        OpenAI's API reads an omitted ``max_tokens``: its default is lowered to
+        what the pool can ever hold beside its prompt (``request.params`` is
+        replaced), rather than the client being told to lower a field it never sent.
+        """
+        params, n_prompt = request.params, len(prompt_ids)
+        n_tokens = n_prompt + params.max_tokens
         need = self.planner.reservation(n_tokens)
-        if not self._fits_now(need):
-            why = self.planner.never_fits(need, n_tokens)
-            if why is not None:
-                raise RequestRejected(Rejected(Reason.TOO_LARGE, why, "max_tokens"))
-        return need
+        why = self.planner.never_fits(need, n_tokens, params.max_tokens_param)
+        if why is None:
+            return need
+        if not params.max_tokens_defaulted:
+            return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
+        room = self.planner.max_request_tokens() - n_prompt
+        if room >= 1:
+            request.params = replace(params, max_tokens=min(room, params.max_tokens))
+            return self.planner.reservation(n_prompt + request.params.max_tokens)
+        chat = isinstance(request.prompt, ChatPrompt)
+        return Rejected(
+            Reason.TOO_LARGE,
+            f"{'the rendered messages have' if chat else 'the prompt has'} {n_prompt} tokens, "
+            f"which leave no room for a generated token in the KV pool (at most "
+            f"{n_prompt + room} tokens a request); shorten the "
+            f"{'messages' if chat else 'prompt'}, or raise pool.n_blocks (or pool.max_blocks "
+            "with pool.grow_on_exhaustion)", "messages" if chat else "prompt")
 
     # -- capacity changes ------------------------------------------------------------
 
@@ -131,19 +168,22 @@ class Scheduler:
         429 ``queue_timeout`` later; :attr:`degraded` says whether one maximal
         request still fits.
         """
+        shrunk = self.pool.stats.n_blocks < self._seen_blocks
         self._seen_blocks = self.pool.stats.n_blocks
         self._stuck = None
         keep: deque[PendingRequest] = deque()
         for pending in self.waiting:
-            n_tokens = len(pending.prompt_ids) + pending.request.params.max_tokens
-            why = self.planner.never_fits(pending.reservation, n_tokens)
-            if why is None:
-                keep.append(pending)
-            else:
-                self.reject(pending.request, Rejected(Reason.TOO_LARGE, why, "max_tokens"),
-                            len(pending.prompt_ids), time.monotonic() - pending.enqueued_at)
+            fitted = self._fit_pool(pending.request, pending.prompt_ids)
+            if isinstance(fitted, Rejected):
+                self.reject(pending.request, fitted, len(pending.prompt_ids),
+                            time.monotonic() - pending.enqueued_at)
+                continue
+            pending.reservation = fitted  # smaller, if its omitted max_tokens was lowered
+            keep.append(pending)
         self.waiting = keep
-        why = self.maximal_request_misfit()
+        # Only a shrink degrades: a pool that grew holds all it held before, and one
+        # that never held a maximal request (sized for the load) is not unwell.
+        why = self.maximal_request_misfit() if shrunk or self.degraded else None
         self.degraded = None if why is None else (
             "the pool can no longer hold one maximal request (limits.max_prompt_tokens + "
             f"limits.max_tokens_cap): {why}")
@@ -157,6 +197,8 @@ class Scheduler:
         """
         retiring = retiring or {}
         n_tokens = self.limits.max_prompt_tokens + self.limits.max_tokens_cap
+        if self.loaded.context_length is not None:  # no request goes past the context
+            n_tokens = min(n_tokens, self.loaded.context_length)
         need = self.planner.reservation(n_tokens)
         config = self.pool.config
         if config.grow_on_exhaustion and config.max_blocks is None:

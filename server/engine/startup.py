@@ -25,7 +25,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.step_clock import StepClock
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
-from server.settings import Settings
+from server.settings import LimitsSection, Settings
 from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
@@ -85,15 +85,32 @@ def prefill_time_slice(settings: Settings) -> float:
 def _warn_if_default_requests_never_fit(scheduler: Scheduler, default_max_tokens: int) -> None:
     """Say at start-up when a one-token prompt with the default ``max_tokens`` cannot fit.
 
-    Such a server answers 400 to every request that leaves ``max_tokens`` out; that
-    is a sizing mistake worth one line in the log before the first client meets it.
+    Such a server lowers the ``max_tokens`` of every request that leaves it out to what
+    the pool holds; a sizing mistake worth one line in the log before clients meet it.
     """
     n_tokens = 1 + default_max_tokens
     why = scheduler.planner.never_fits(scheduler.planner.reservation(n_tokens), n_tokens)
     if why is not None:
         log.warning("the KV pool cannot hold a request that leaves max_tokens out "
-                    "(limits.default_max_tokens=%d): every such request gets 400 (%s)",
-                    default_max_tokens, why)
+                    "(limits.default_max_tokens=%d): such requests get at most %s tokens, "
+                    "prompt included (%s)", default_max_tokens,
+                    scheduler.planner.max_request_tokens(), why)
+
+
+def apply_context_limit(limits: LimitsSection, loaded: LoadedModel) -> None:
+    """Set ``loaded.context_length`` from ``limits.max_context_tokens`` (0: the model's).
+
+    A value above what the model states is the operator's call (a checkpoint whose
+    config understates it, say), so it is taken, with a warning.
+    """
+    chosen, stated = limits.max_context_tokens, loaded.context_length
+    if not chosen:
+        return
+    if stated is not None and chosen > stated:
+        log.warning("limits.max_context_tokens=%d is over the %d positions the model states "
+                    "(max_position_embeddings): past those its output is unreliable",
+                    chosen, stated)
+    loaded.context_length = chosen
 
 
 def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
@@ -156,6 +173,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
 
         group = join_group(settings.distributed.ranks)
     loaded = loader(settings.model)
+    apply_context_limit(settings.limits, loaded)
     if group is not None:
         from server.engine.distributed import shard_loaded
 
@@ -182,8 +200,9 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
                         PromptPreparer(loaded, settings.limits, metrics, deliver,
                                        settings.batch.max_batch_size))
     # The one start-up line that says what the server computes with.
-    log.info("model %s loaded (%d layers; %s); backend: %s; decode: %s", loaded.name,
-             loaded.n_layers, loaded.weights or "weights as stored",
+    log.info("model %s loaded (%d layers; context %s tokens; %s); backend: %s; decode: %s",
+             loaded.name, loaded.n_layers, loaded.context_length or "unbounded",
+             loaded.weights or "weights as stored",
              describe_backend(loaded.dtype),
              f"{compiled} of {loaded.n_layers} blocks compiled" if compiled
              else "blocks as mlx-lm runs them")

@@ -55,6 +55,30 @@ def test_fits_now_with_unbounded_growth_answers_at_once():
     assert plan.never_fits(huge, 10**10) is None
 
 
+@pytest.mark.parametrize("n_layers,config,shrink_k", [
+    (2, {"n_blocks": 64, "separate_kv": False}, 0),
+    (3, {"n_blocks": 64}, 0),
+    (3, {"n_blocks": 64}, 20),  # k shrunk alone: k bounds it
+    (2, {"n_blocks": 40, "grow_on_exhaustion": True, "max_blocks": 70}, 0),
+    (2, {"n_blocks": 40, "grow_on_exhaustion": True, "max_blocks": 70,
+         "separate_kv": False}, 0),
+])
+def test_max_request_tokens_is_the_largest_request_never_fits_accepts(n_layers, config,
+                                                                      shrink_k):
+    plan = planner(n_layers=n_layers, **config)
+    if shrink_k:
+        plan.pool.shrink("k", shrink_k)
+    most = plan.max_request_tokens()
+    assert most > 0 and most % 16 == 0
+    assert plan.never_fits(plan.reservation(most), most) is None
+    assert plan.never_fits(plan.reservation(most + 1), most + 1) is not None
+    assert f"to fit {most} tokens in total" in plan.never_fits(plan.reservation(10**4), 10**4)
+
+
+def test_max_request_tokens_is_none_when_the_pool_grows_without_bound():
+    assert planner(n_blocks=4, grow_on_exhaustion=True).max_request_tokens() is None
+
+
 @pytest.mark.parametrize("min_p,allowed", [(0.5, {0}), (0.1, {0, 1, 2, 3, 4})])
 def test_min_p_removes_low_probability_tokens(min_p, allowed):
     logprobs = mx.log(mx.array([[0.6, 0.1, 0.1, 0.1, 0.1]]))

@@ -77,8 +77,8 @@ async def _mixed_load(base_url: str) -> list:
             "stop": ["e", "\n"], "stream": s}) for s in (True, False, True)]
         jobs += [_cancelled_stream(c, chunks=n) for n in (1, 2, 3, 5)]
         jobs += [_abandoned(base_url, chat) for chat in (False, True, False)]
-        # Prompt + max_tokens that no pool of this size can ever hold: 400 at once.
-        jobs += [_complete(c, prompt=[5] * 5000, max_tokens=4000) for _ in range(3)]
+        # Prompt + max_tokens past the model's context (4,096): 400 at once.
+        jobs += [_complete(c, prompt=[5] * 3000, max_tokens=4000) for _ in range(3)]
         jobs += [_task_cancelled_stream(c) for _ in range(2)]
         assert len(jobs) == 20
         return await asyncio.gather(*jobs)
@@ -122,7 +122,10 @@ def small_pool_server(tiny_model_path):
     settings = make_settings(env={"VELOXQUANT_ADMIN_TOKEN": ADMIN_TOKEN},
                              model={"path": str(tiny_model_path)},
                              pool={"n_blocks": 2048},  # 1024 per stream = 4 layers x 256
-                             limits={"max_queue": 2, "queue_timeout_s": 1.0})
+                             # A context over the model's 4,096 so a request can outgrow
+                             # the pool before it outgrows the context.
+                             limits={"max_queue": 2, "queue_timeout_s": 1.0,
+                                     "max_context_tokens": 8192})
     engine = Engine(settings, ServerMetrics(), fault_hook=fault)
     with run_server(settings, engine) as server:
         yield server

@@ -78,7 +78,8 @@ def resolve_params(
     if any(len(s) > limits.max_stop_length or not s for s in stops):
         raise InvalidRequestError(f"each stop sequence must have 1..{limits.max_stop_length} "
                                   "characters", param="stop")
-    max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
+    defaulted = max_tokens is None
+    max_tokens = limits.default_max_tokens if defaulted else max_tokens
     if max_tokens > limits.max_tokens_cap:
         raise InvalidRequestError(f"{max_tokens_field}={max_tokens} is over this server's cap "
                                   f"of {limits.max_tokens_cap} (limits.max_tokens_cap)",
@@ -103,6 +104,8 @@ def resolve_params(
         frequency_penalty=body.frequency_penalty or None,
         repetition_penalty=body.repetition_penalty,
         logit_bias=tuple(bias),
+        max_tokens_param=max_tokens_field,
+        max_tokens_defaulted=defaulted,
     )
 
 

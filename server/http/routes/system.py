@@ -52,6 +52,9 @@ def _model_object(request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
     body = {"id": engine.model_name, "object": "model",
             "created": request.app.state.started_at, "owned_by": "veloxquant"}
+    context = getattr(engine, "context_length", None)
+    if context is not None:  # vLLM's name for it, which clients already read
+        body["max_model_len"] = context
     kv = getattr(engine, "kv", None)  # None until the model is loaded (or a fake engine)
     if kv is not None:
         # Extra fields are allowed in the OpenAI model object (llama-server sends "meta" too).

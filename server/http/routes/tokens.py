@@ -43,7 +43,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if isinstance(ids, Rejected):
         raise engine_error(ids)
     limit = request.app.state.settings.limits.max_prompt_tokens
-    return JSONResponse({"count": len(ids), "tokens": ids, "max_prompt_tokens": limit})
+    return JSONResponse({"count": len(ids), "tokens": ids, "max_prompt_tokens": limit,
+                         "max_model_len": getattr(engine, "context_length", None)})
 
 
 @router.post("/detokenize")
