@@ -8,6 +8,7 @@ allows, so only the grammar makes the arguments parse.
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Literal
 
@@ -15,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from server.engine.chat_render import render_ids, template_takes_tools, tools_block
 from server.engine.protocol import ChatPrompt
@@ -308,7 +309,10 @@ def test_forced_calls_always_parse_and_match_their_schema(client, choice, names)
             seed=seed)
         choice_out = out.choices[0]
         if choice_out.finish_reason == "length":  # random weights may write a long string
-            assert choice_out.message.tool_calls is None
+            # Cut short: no wrapper text, the call so far (once its name is written).
+            assert choice_out.message.content is None
+            for call in choice_out.message.tool_calls or ():
+                assert call.function.name in names
             continue
         finished += 1
         # OpenAI's API: "tool_calls" for required, "stop" for a function named in tool_choice
@@ -363,3 +367,68 @@ def test_client_parse_with_a_pydantic_format_and_a_pydantic_tool(client):
                                         tool_choice="required", max_tokens=40, temperature=0)
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "Pick" and isinstance(call.function.parsed_arguments, Pick)
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=6)  # random weights would write a long string
+
+
+class Shade(str, enum.Enum):
+    light = "light"
+    dark = "dark"
+
+
+class Visit(BaseModel):
+    where: Address
+    shade: Shade
+
+
+def test_call_schema_keeps_refs_of_nested_models_and_enums():
+    # pydantic writes nested models and enums as $defs + $ref from the parameters' root.
+    visit = openai.pydantic_function_tool(Visit)
+    assert "$defs" in visit["function"]["parameters"]
+    schema = tool_plan([visit, ADD], "required", None).call_schema()
+    jsonschema.validate({"name": "Visit", "arguments": {"where": {"city": "Oslo"},
+                                                        "shade": "dark"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "Visit", "arguments": {"where": {"city": 1},
+                                                            "shade": "dark"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "Visit", "arguments": {"where": {"city": "Oslo"},
+                                                            "shade": "grey"}}, schema)
+
+
+def test_a_forced_call_to_a_function_with_nested_models_parses(client):
+    out = client.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "Visit."}],
+        tools=[openai.pydantic_function_tool(Visit)], tool_choice="required", max_tokens=120,
+        temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Visit)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_short_is_a_call_not_text(live_server, stream):
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Pick."}], "tools": [PICK],
+            "tool_choice": "required", "max_tokens": 20, "temperature": 0, "stream": stream}
+    out = httpx.post(live_server.base_url + CHAT, json=body, timeout=60)
+    if stream:
+        chunks = chat_stream(out)
+        assert chunks[0].choices[0].delta.content is None  # null, as OpenAI opens a call
+        assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        message = out.json()["choices"][0]["message"]
+        assert message["content"] is None
+        calls = [openai.types.chat.ChatCompletionMessageToolCall(**c)
+                 for c in message["tool_calls"]]
+        finish = out.json()["choices"][0]["finish_reason"]
+    assert finish == "length"
+    (call,) = calls
+    assert call.function.name == "pick"
+    assert '{"name"' not in call.function.arguments  # the wrapper is the server's own
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # cut: what was written so far

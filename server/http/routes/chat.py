@@ -78,7 +78,7 @@ def _message(text: str, finish: str, tools: ToolPlan) -> tuple[dict[str, Any], s
     """The assistant message of one choice and its finish reason (see :func:`_finish`)."""
     content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
     if not calls:
-        return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content}, finish
     return {"role": "assistant", "content": content, "tool_calls": calls}, \
         _finish(tools, finish)
 
@@ -173,6 +173,8 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
     def last() -> list[dict[str, Any]]:
         return [{**base, "choices": [], "usage": usage.as_dict()}] if include_usage else []
 
-    first = [delta(i, {"role": "assistant", "content": ""}, None)
-             for i in range(len(fanout.calls))]
+    # A forced call's answer has no text: its content is null from the first chunk, as in
+    # OpenAI's streams (an empty string would make the SDK's stream helper report "").
+    opening = {"role": "assistant", "content": None if tools.forced_call else ""}
+    first = [delta(i, opening, None) for i in range(len(fanout.calls))]
     return sse_stream(fanout, on_token, on_finish, first, last)

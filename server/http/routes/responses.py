@@ -22,6 +22,7 @@ a hint (see the schema module).
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -111,11 +112,17 @@ class ResponseShape:
 
     @staticmethod
     def call_item(call: dict[str, Any]) -> dict[str, Any]:
-        """A ``function_call`` item for a call parsed from the text (chat's shape)."""
+        """A ``function_call`` item for a call parsed from the text (chat's shape); a forced
+        call that ``max_output_tokens`` cut short (its arguments do not parse) is incomplete."""
         function = call["function"]
+        try:
+            json.loads(function["arguments"])
+            status = "completed"
+        except ValueError:
+            status = "incomplete"
         return {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}",
                 "call_id": call["id"], "name": function["name"],
-                "arguments": function["arguments"], "status": "completed"}
+                "arguments": function["arguments"], "status": status}
 
     def items(self, content: str | None, calls: list[dict[str, Any]],
               logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -71,8 +71,25 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     """
     kept, calls = _split(text, plan)
     if not calls:
-        return text, []
+        return (None, _cut_call(text, plan)) if plan.forced_call else (text, [])
     return (kept.strip() or None), calls if plan.parallel else calls[:1]
+
+
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+
+
+def _cut_call(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
+    """A forced call ``max_tokens`` cut short: the call so far, as OpenAI's API returns one.
+
+    Its arguments are the JSON text written so far (it does not parse); the
+    ``{"name": ..., "arguments": ...}`` wrapper is the server's own and never
+    reaches the client as content. No call while the name itself is unfinished.
+    """
+    match = _CUT_CALL.match(text)
+    if match is None or match.group(1) not in {f.name for f in plan.offered}:
+        return []
+    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+             "function": {"name": match.group(1), "arguments": text[match.end():]}}]
 
 
 def _loads(text: str) -> Any:
@@ -114,6 +131,8 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: content not yet sent (text outside calls) and the calls."""
         kept, calls = _split(self.text, self.plan)
+        if not calls and self.plan.forced_call:  # cut short: nothing of it was sent
+            return "", _cut_call(self.text, self.plan)
         if not calls:
             return self.text[self.sent:], []
         # What was sent all lies before the first call, so it is a prefix of ``kept``.

@@ -13,6 +13,7 @@ object); this module checks them once and gives the route a :class:`ToolPlan`:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -72,14 +73,59 @@ class ToolPlan:
         least one, and a forced array invites a small model to repeat items
         until ``max_tokens`` cuts the JSON (which would then not parse).
         """
-        options = [{"type": "object",
-                    "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                    "required": ["name", "arguments"], "additionalProperties": False}
-                   for f in self.offered]
-        return options[0] if len(options) == 1 else {"anyOf": options}
+        options, defs = [], {}
+        for i, f in enumerate(self.offered):
+            arguments, own_defs = _rooted_refs(f.parameters, f"tool{i}")
+            defs.update(own_defs)
+            options.append({"type": "object",
+                            "properties": {"name": {"const": f.name}, "arguments": arguments},
+                            "required": ["name", "arguments"], "additionalProperties": False})
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return {**schema, "$defs": defs} if defs else schema
 
 
 NO_TOOLS = ToolPlan((), "none", None, True)
+
+
+def _rooted_refs(parameters: dict[str, Any], key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``parameters`` to nest in a call's schema, and the definitions to put at its root.
+
+    A schema's local ``$ref`` (``#/$defs/Address``, what pydantic writes for nested
+    models, enums and recursion) points from the schema's own root; nested under
+    ``arguments`` it would point at nothing. So its ``$defs`` (and ``definitions``) move to
+    the call schema's root under names prefixed with ``key`` (one function's ``Address``
+    is not another's), and every local ``$ref`` is rewritten to match: one to the
+    parameters' own root (``#``, ``#/properties/...``) reaches a copy of them kept there.
+    """
+    if '"$ref"' not in json.dumps(parameters):
+        return parameters, {}
+    own = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    to_root = False
+
+    def target(ref: str) -> str:
+        nonlocal to_root
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(prefix):
+                return f"#/$defs/{key}_{ref[len(prefix):]}"
+        if ref == "#" or ref.startswith("#/"):
+            to_root = True
+            return f"#/$defs/{key}{ref[1:]}"
+        return ref  # not local: left for the grammar compiler to judge
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: target(v) if k == "$ref" and isinstance(v, str) else rewrite(v)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = rewrite(body)
+    defs = {f"{key}_{name}": rewrite(schema) for name, schema in own.items()}
+    if to_root:
+        defs[key] = body
+    return body, defs
 
 
 def _function(i: int, tool: Any) -> Function:
