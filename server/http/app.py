@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from typing import Any
 
@@ -21,8 +22,37 @@ from server.http.cors import add_cors
 from server.http.errors import CLIENT_CLOSED, install_error_handlers
 from server.http.guards import DrainState, Guards
 from server.http.routes import admin, chat, completions, responses, system, tokens
+from server.http.routes.params import REQUEST_ID_STATE
 from server.metrics import EngineCollector, PoolCollector, ServerMetrics
 from server.settings import Settings
+
+
+class RequestIds:
+    """Pure ASGI middleware giving every HTTP request an id, sent back as ``x-request-id``.
+
+    OpenAI sends the header on every answer and its SDK shows it (``_request_id``, an
+    error's ``request_id``); a client that got an error can quote it. A generation's own
+    id is built from it (``chatcmpl-<id>``, ``resp_<id>``:
+    :func:`server.http.routes.params.new_id`), so the id finds its ``request_end`` log line.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = secrets.token_hex(12)
+        scope.setdefault("state", {})[REQUEST_ID_STATE] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class RequestCounter:
@@ -122,5 +152,6 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.add_middleware(Guards, settings=settings, drain=app.state.drain)
     app.add_middleware(RequestCounter, metrics=metrics)
     add_cors(app, settings)
+    app.add_middleware(RequestIds)  # outermost: every answer carries the id
     return app
 

@@ -51,4 +51,5 @@ def add_cors(app: FastAPI, settings: Settings) -> None:
         return
     app.add_middleware(OpenAICORSMiddleware, allow_origins=list(origins),
                        allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                       expose_headers=["Retry-After"], allow_credentials=False, max_age=600)
+                       expose_headers=["Retry-After", "x-request-id"], allow_credentials=False,
+                       max_age=600)

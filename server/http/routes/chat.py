@@ -97,7 +97,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = resolve_params(body, settings, getattr(body, field), logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0, max_tokens_field=field)
-    prompt, rid = chat_prompt(body.messages, tools), new_id("chatcmpl")
+    prompt, rid = chat_prompt(body.messages, tools), new_id("chatcmpl", request)
     params = await with_grammar(params, body, engine, tools)
     fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),
                                     rid if body.n == 1 else f"{rid}-{i}")

@@ -73,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     constraint = await output_constraint(engine, body.response_format)
     refuse_stop(constraint, params.stop)
     params = dataclasses.replace(params, constraint=constraint)
-    rid = new_id("cmpl")
+    rid = new_id("cmpl", request)
     try:
         echoes = await _scored(request, engine, prompts, body.logprobs, rid,
                                params.max_tokens == 0) if body.echo else None

@@ -7,6 +7,8 @@ import re
 import secrets
 from typing import Any
 
+from fastapi import Request
+
 from server.engine.protocol import SamplingParams
 from server.http.errors import APIError, InvalidRequestError
 from server.http.schemas.common import SamplingFields
@@ -20,9 +22,15 @@ _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 SEED_MODULUS = 2**64
 
 
-def new_id(prefix: str) -> str:
-    """A fresh request id such as ``cmpl-3f2a...``."""
-    return f"{prefix}-{secrets.token_hex(12)}"
+# Where server.http.app.RequestIds keeps the HTTP request's id (request.state).
+REQUEST_ID_STATE = "request_id"
+
+
+def new_id(prefix: str, request: Request | None = None, sep: str = "-") -> str:
+    """A generation's id such as ``cmpl-3f2a...``: the HTTP request's ``x-request-id``
+    after the prefix when there is one (so either finds the request's log line)."""
+    request_id = getattr(request.state, REQUEST_ID_STATE, None) if request else None
+    return f"{prefix}{sep}{request_id or secrets.token_hex(12)}"
 
 
 def _token_id(key: str) -> int:

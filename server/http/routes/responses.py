@@ -37,7 +37,7 @@ from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.chat import chat_prompt, with_grammar
 from server.http.routes.fanout import Fanout
 from server.http.routes.logprobs import chat_entry
-from server.http.routes.params import check_model, resolve_params
+from server.http.routes.params import check_model, new_id, resolve_params
 from server.http.routes.sse import SSE_HEADERS, sse
 from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.schemas.responses import (
@@ -58,7 +58,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     check_model(body.model, engine)
     refuse_unsupported(body)
     chat = chat_request(body)
-    rid = f"resp_{secrets.token_hex(12)}"  # OpenAI writes these ids with an underscore
+    rid = new_id("resp", request, sep="_")  # OpenAI writes these ids with an underscore
     try:
         tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         params = resolve_params(chat, request.app.state.settings, chat.max_completion_tokens,
