@@ -181,20 +181,28 @@ def _json(body: dict[str, Any], status: int, settings: Settings,
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """The message, ``param`` and ``code`` of a body that failed validation."""
     errors = exc.errors()
     if not errors:
-        return "invalid request body", None
+        return "invalid request body", None, "invalid_value"
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        return "request body is not valid JSON: " + str(first.get("msg", "")), None
+        return "request body is not valid JSON: " + str(first.get("msg", "")), None, \
+            "invalid_value"
+    unknown = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown:
+        return (f"unrecognized request argument supplied: {', '.join(unknown)} (not a field "
+                "of this endpoint in OpenAI's API or this server's; a misspelling, or another "
+                "server's extension?)"), unknown[0], "unknown_parameter"
     parts = []
     for err in errors[:5]:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts), param
+    return "; ".join(parts), param, "invalid_value"
 
 
 _STATUS_TYPES = {
@@ -236,10 +244,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(
-            error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400
-        )
+        message, param, code = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, code),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

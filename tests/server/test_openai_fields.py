@@ -220,3 +220,25 @@ def test_field_is_honoured_or_refused(live_server, baselines, path, field):
         assert err["param"] == field, err
         return
     assert check(resp, baseline, send), (handling, resp.text[:500])
+
+
+@pytest.mark.parametrize("path,body,unknown", [
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "temprature": 0.0}, "temprature"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 2, "guided_json": {"type": "object"}},
+     "guided_json"),
+    ("/v1/responses", {"input": "hi", "max_tokens": 2}, "max_tokens"),  # max_output_tokens
+])
+def test_a_field_no_endpoint_knows_is_refused_by_name(live_server, path, body, unknown):
+    # OpenAI answers "Unrecognized request argument supplied"; dropping it would leave a
+    # typo, or another server's extension (vLLM's guided_json), silently without effect.
+    err = error_of(httpx.post(live_server.base_url + path, json=body, timeout=60))
+    assert err["code"] == "unknown_parameter" and err["param"] == unknown
+    assert f"unrecognized request argument supplied: {unknown}" in err["message"]
+
+
+def test_nested_objects_stay_lenient(live_server):
+    # An assistant message sent back as the SDK returned it, extra keys and all.
+    turn = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": []}
+    ok = httpx.post(live_server.base_url + CHAT, timeout=60, json={
+        "messages": [*MESSAGES, turn, {"role": "user", "content": "again"}], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from server.http.errors import InvalidRequestError
-from server.http.schemas.common import OpenAIModel, SamplingFields
+from server.http.schemas.common import STRICT_BODY, OpenAIModel, SamplingFields
 
 
 class ToolCallFunction(OpenAIModel):
@@ -70,6 +70,8 @@ class ChatCompletionRequest(SamplingFields):
     unless left at their default (:mod:`server.http.schemas.refusals`), or
     platform hints with no effect on a self-hosted model by definition.
     """
+
+    model_config = STRICT_BODY
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -30,6 +30,15 @@ class OpenAIModel(BaseModel):
         return data
 
 
+# The endpoints' own bodies: a field none of them knows is a 400 naming it, as OpenAI
+# answers, not a typo (``temprature``) or another server's extension (vLLM's
+# ``guided_json``) dropped while the client believes it took effect. Every field of the
+# ``openai`` package's request types is declared (tests/server/test_openai_fields.py).
+# Nested objects (messages, tools) stay lenient: clients send back the SDK's own
+# message objects, whose extra keys differ between releases.
+STRICT_BODY = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(OpenAIModel):
     """``stream_options``: ask for a final usage chunk on a stream."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from server.http.schemas.common import SamplingFields
+from server.http.schemas.common import STRICT_BODY, SamplingFields
 
 
 class CompletionRequest(SamplingFields):
@@ -14,6 +14,8 @@ class CompletionRequest(SamplingFields):
     strings or a list of token-id lists (choice ``index`` = prompt index x n
     + i). Mixing strings and token lists is a 400.
     """
+
+    model_config = STRICT_BODY
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="Prompt text or token ids, or a list of either (a batch).")

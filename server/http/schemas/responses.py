@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError
 
 from server.http.errors import APIError, InvalidRequestError
 from server.http.schemas.chat import ChatCompletionRequest, ChatMessage
-from server.http.schemas.common import OpenAIModel
+from server.http.schemas.common import STRICT_BODY, OpenAIModel
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 # Text parts of a message: the input's own, and an earlier answer's when a client replays it.
@@ -44,6 +44,8 @@ class ResponsesRequest(OpenAIModel):
     Field ranges are chat's; ``text`` holds ``format`` (``text``,
     ``json_object`` or ``json_schema`` with ``name`` and ``schema``).
     """
+
+    model_config = STRICT_BODY
 
     model: str | None = Field(default=None, description="Model id; see GET /v1/models.")
     input: str | list[dict[str, Any]] = Field(..., description="Text, or input items.")
