@@ -78,6 +78,9 @@ class Scheduler:
         self._stuck: tuple[int, PendingRequest] | None = None  # (releases, head) that did not fit
         # Why the pool cannot hold one maximal request since a forced shrink, else None.
         self.degraded: str | None = None
+        # The most tokens one request could hold at start (None: unbounded growth): a pool
+        # back at this size after a shrink is as healthy as it started.
+        self._start_tokens = self.planner.max_request_tokens()
 
     # -- read from any thread ----------------------------------------------------
 
@@ -168,7 +171,6 @@ class Scheduler:
         429 ``queue_timeout`` later; :attr:`degraded` says whether one maximal
         request still fits.
         """
-        shrunk = self.pool.stats.n_blocks < self._seen_blocks
         self._seen_blocks = self.pool.stats.n_blocks
         self._stuck = None
         keep: deque[PendingRequest] = deque()
@@ -181,12 +183,15 @@ class Scheduler:
             pending.reservation = fitted  # smaller, if its omitted max_tokens was lowered
             keep.append(pending)
         self.waiting = keep
-        # Only a shrink degrades: a pool that grew holds all it held before, and one
-        # that never held a maximal request (sized for the load) is not unwell.
-        why = self.maximal_request_misfit() if shrunk or self.degraded else None
+        # Degraded: shrunk below its starting size, and too small for a maximal request.
+        # A pool that never held one (sized for its load) is not unwell at its start size.
+        now = self.planner.max_request_tokens()
+        below_start = now is not None and (self._start_tokens is None
+                                           or now < self._start_tokens)
+        why = self.maximal_request_misfit() if below_start else None
         self.degraded = None if why is None else (
-            "the pool can no longer hold one maximal request (limits.max_prompt_tokens + "
-            f"limits.max_tokens_cap): {why}")
+            "the pool, shrunk below its starting size, cannot hold one maximal request "
+            f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}")
 
     def maximal_request_misfit(self, retiring: dict[str, int] | None = None) -> str | None:
         """Why a maximal request could not fit an otherwise idle pool, or None.
@@ -240,7 +245,10 @@ class Scheduler:
         retiring = {s: max(self.pool.n_free(s) + evictable.get(s, 0) - floors[s], 0)
                     for s in targets}
         why = self.maximal_request_misfit(retiring)
-        if why is not None and not force and any(retiring.values()):
+        # Refused only when the shrink takes that ability away: a pool that cannot hold a
+        # maximal request already has nothing to protect.
+        if why is not None and not force and any(retiring.values()) \
+                and self.maximal_request_misfit() is None:
             raise ShrinkRefused(
                 "shrink refused: the pool could no longer hold one maximal request "
                 f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}; keep more "

@@ -19,10 +19,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.http import request_log
 from server.http.auth import require_api_key
 from server.http.cors import add_cors
-from server.http.errors import CLIENT_CLOSED, install_error_handlers
+from server.http.errors import CLIENT_CLOSED, REQUEST_ID_STATE, install_error_handlers
 from server.http.guards import DrainState, Guards
 from server.http.routes import admin, chat, completions, responses, system, tokens
-from server.http.routes.params import REQUEST_ID_STATE
 from server.metrics import EngineCollector, PoolCollector, ServerMetrics
 from server.settings import Settings
 

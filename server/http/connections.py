@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from typing import Any
 
 import h11
@@ -49,12 +50,21 @@ except ImportError:  # an optional speed-up: h11 serves everything without it
 log = logging.getLogger("veloxquant.server")
 
 
+# Filled with a fresh id per answer, as every other answer's x-request-id (server/http/app.py).
+_ID_SLOT = "REQUEST-ID-SLOT-24-CHARS"
+
+
+def _with_id(response: bytes) -> bytes:
+    return response.replace(_ID_SLOT.encode(), secrets.token_hex(12).encode(), 1)
+
+
 def _busy_response(retry_after_s: int, max_connections: int) -> bytes:
     body = json.dumps(error_body(
         f"too many open connections (server.max_connections={max_connections}); retry "
         "later", "server_error", None, "too_many_connections")).encode()
     head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             f"retry-after: {retry_after_s}\r\nconnection: close\r\n"
+            f"x-request-id: {_ID_SLOT}\r\n"
             f"content-length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
@@ -74,7 +84,7 @@ class _Guard:
     def _admit(self, transport: asyncio.Transport) -> None:
         """Refuse a connection past the cap; else start its header deadline."""
         if len(self.connections) > self.max_connections:
-            transport.write(self.busy_response)
+            transport.write(_with_id(self.busy_response))
             transport.close()
             return
         self._arm_header_timer()

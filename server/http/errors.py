@@ -25,6 +25,8 @@ from server.settings import Settings
 from veloxquant_mlx.exceptions import VeloxQuantError
 
 log = logging.getLogger("veloxquant.server")
+# Where server.http.app.RequestIds keeps the HTTP request's id (``request.state``).
+REQUEST_ID_STATE = "request_id"
 
 # Not a registered status: what the request log and the request counter record
 # for a request whose client left before its answer (nginx's convention).
@@ -265,10 +267,12 @@ def install_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error (a bug): %s", exc)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette answers this one outside every middleware, RequestIds included: the
+        # request's id is put on the answer and in the log line here.
+        request_id = getattr(request.state, REQUEST_ID_STATE, None)
+        log.exception("unhandled error (a bug) in request %s: %s", request_id, exc)
         return JSONResponse(
-            error_body("internal server error; see the server log", "server_error", None,
-                       "internal_error"),
-            status_code=500,
-        )
+            error_body("internal server error; see the server log for x-request-id "
+                       f"{request_id}", "server_error", None, "internal_error"),
+            status_code=500, headers={"x-request-id": request_id} if request_id else None)

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import LiveServer, make_settings, run_server
+from tests.server.conftest import ADMIN_TOKEN, LiveServer, make_settings, run_server
 
 NO_EOS = {"1": -100, "3": -100}  # the tiny model's end tokens never win
 CONTEXT = 4096  # the tiny model's max_position_embeddings
@@ -142,3 +142,28 @@ def test_scoring_a_prompt_past_the_context_is_refused(live_server: LiveServer):
     error = _error(_complete(live_server.base_url, prompt=[5] * (CONTEXT + 1), max_tokens=0,
                              echo=True, logprobs=1))
     assert error["param"] == "prompt" and "context of 4096 tokens" in error["message"]
+
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_degraded_means_shrunk_below_what_the_pool_started_with(tiny_model_path, grows):
+    # 300 blocks a stream hold 1,200 tokens a request: never a maximal one (4,096 tokens).
+    pool = {"n_blocks": 600, "grow_on_exhaustion": grows, "max_blocks": 600 if grows else 0}
+    settings = make_settings(env={"VELOXQUANT_ADMIN_TOKEN": ADMIN_TOKEN},
+                             model={"path": str(tiny_model_path)}, pool=pool)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    with run_server(settings) as server:
+        base = server.base_url
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+        # Nothing to protect: the shrink goes ahead without "force".
+        shrink = httpx.post(f"{base}/admin/shrink", headers=admin,
+                            json={"stream": "k", "target_free": 200})
+        assert shrink.status_code == 200 and shrink.json()["retired"] == 100, shrink.text
+        health = httpx.get(f"{base}/health").json()
+        if grows:  # the pool may grow back: a request can still hold all it could at start
+            assert health["status"] == "ok"
+            out = _complete(base, prompt=[7] * 1100, max_tokens=100, logit_bias=NO_EOS)
+            assert out.status_code == 200, out.text
+        else:
+            assert health["status"] == "degraded"
+            assert "below its starting size" in health["reason"]

@@ -6,9 +6,17 @@ shared live server.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
+
+from server.http.app import create_app
+from server.http.connections import _busy_response, _with_id
+from tests.server.conftest import make_settings
+from tests.server.fakes import FakeEngine
 
 
 def test_every_answer_carries_a_request_id_that_names_the_generation(live_server):
@@ -24,3 +32,28 @@ def test_every_answer_carries_a_request_id_that_names_the_generation(live_server
         client.completions.create(model="default", prompt="hi", max_tokens=-1)
     assert bad.value.request_id and bad.value.request_id != out._request_id
     assert httpx.get(f"{live_server.base_url}/health").headers["x-request-id"]
+
+
+def test_an_unhandled_error_answers_500_with_the_id_it_logs(caplog):
+    # Starlette answers this 500 outside every middleware: the handler adds the id itself.
+    app = create_app(make_settings(), FakeEngine())
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.get("/boom")
+    request_id = answer.headers["x-request-id"]
+    assert answer.status_code == 500 and request_id in answer.json()["error"]["message"]
+    assert any(request_id in r.getMessage() for r in caplog.records)
+
+
+def test_the_connection_cap_answer_carries_a_fresh_id():
+    # Written below the ASGI app (server/http/connections.py), one id per answer.
+    busy = _busy_response(1, 10)
+    heads = [_with_id(busy).split(b"\r\n\r\n")[0].decode() for _ in range(2)]
+    ids = [re.search(r"\r\nx-request-id: ([0-9a-f]{24})\r\n", h + "\r\n").group(1)
+           for h in heads]
+    assert ids[0] != ids[1]
+    assert heads[0].startswith("HTTP/1.1 503 ")

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from server.engine.protocol import SamplingParams
-from server.http.errors import APIError, InvalidRequestError
+from server.http.errors import REQUEST_ID_STATE, APIError, InvalidRequestError
 from server.http.schemas.common import SamplingFields
 from server.settings import Settings
 
@@ -20,10 +20,6 @@ from server.settings import Settings
 _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 # MLX's PRNG key takes an unsigned 64-bit seed; the API's seeds are int64.
 SEED_MODULUS = 2**64
-
-
-# Where server.http.app.RequestIds keeps the HTTP request's id (request.state).
-REQUEST_ID_STATE = "request_id"
 
 
 def new_id(prefix: str, request: Request | None = None, sep: str = "-") -> str:
