@@ -147,9 +147,11 @@ class Scheduler:
         why = self.planner.never_fits(need, n_tokens, params.max_tokens_param)
         if why is None:
             return need
-        if not params.max_tokens_defaulted:
-            return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
         room = self.planner.max_request_tokens() - n_prompt
+        if not params.max_tokens_defaulted:
+            if room >= 1:  # the number to send, beside the pool's arithmetic
+                why += f"; with this prompt, {params.max_tokens_param} can be at most {room}"
+            return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
         if room >= 1:
             request.params = replace(params, max_tokens=min(room, params.max_tokens))
             return self.planner.reservation(n_prompt + request.params.max_tokens)

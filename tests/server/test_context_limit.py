@@ -103,6 +103,7 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     error = _error(_complete(base, prompt=[7] * 900, max_tokens=256))
     assert error["param"] == "max_tokens"
     assert "lower max_tokens" in error["message"] and "fit 1024 tokens" in error["message"]
+    assert "with this prompt, max_tokens can be at most 124" in error["message"]
     # A prompt that takes the whole pool leaves no room: the prompt is named.
     error = _error(_complete(base, prompt=[7] * 1030))
     assert error["param"] == "prompt" and "at most 1024 tokens a request" in error["message"]
