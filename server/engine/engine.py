@@ -225,9 +225,11 @@ class Engine:
         """Retire free blocks, never below what running requests have reserved.
 
         Runs on the engine thread so no admission happens in between. A
-        shrink that would leave the pool unable to hold one maximal request
-        (``limits.max_prompt_tokens + limits.max_tokens_cap``) is refused
-        unless ``force``; after a forced one :attr:`degraded` says why.
+        shrink that would take away the pool's room for one maximal request
+        (``limits.max_prompt_tokens + limits.max_tokens_cap``, at most the
+        context) is refused unless ``force``; while a shrink leaves a request
+        less room than at start and a maximal one does not fit, :attr:`degraded`
+        says why.
 
         Args:
             stream: "k", "v" or "kv" ("kv" on a split pool shrinks both).
@@ -245,7 +247,7 @@ class Engine:
                 force: bool) -> tuple[int, dict[str, int]]:
         retired, kept = self.scheduler.shrink(stream, target_free, force)
         if self.scheduler.degraded:
-            log.warning("forced shrink: %s", self.scheduler.degraded)
+            log.warning("shrink: %s", self.scheduler.degraded)
         return retired, kept
 
     def reset_prefix_cache(self) -> concurrent.futures.Future:
@@ -283,7 +285,7 @@ class Engine:
 
     @property
     def degraded(self) -> str | None:
-        """Why the server cannot serve every valid request any more (a forced shrink), else None."""
+        """Why the server cannot serve every valid request any more (a shrink), else None."""
         return self.scheduler.degraded if self.scheduler else None
 
     def rank_figures(self) -> concurrent.futures.Future | None:

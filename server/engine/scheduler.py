@@ -76,7 +76,8 @@ class Scheduler:
         self._seen_blocks = pool.stats.n_blocks
         self._releases = 0  # requests released so far
         self._stuck: tuple[int, PendingRequest] | None = None  # (releases, head) that did not fit
-        # Why the pool cannot hold one maximal request since a forced shrink, else None.
+        # Why the pool cannot hold one maximal request since a shrink left it smaller than
+        # at start (capacity_changed), else None.
         self.degraded: str | None = None
         # The most tokens one request could hold at start (None: unbounded growth): a pool
         # back at this size after a shrink is as healthy as it started.

@@ -22,7 +22,8 @@ async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the engine thread is alive; 503 otherwise.
 
     ``status`` is ``degraded`` (still 200: smaller requests are served) with a
-    ``reason`` after a forced shrink left the pool unable to hold one maximal request.
+    ``reason`` while a shrink leaves the pool smaller than at start and unable to hold one
+    maximal request.
     503 too while the model's calls keep failing (several in a row, none run since:
     :mod:`server.engine.call_health`), or while one engine step has run past
     ``limits.engine_stall_timeout_s``, so a supervisor restarts a broken device.
