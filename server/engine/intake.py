@@ -19,6 +19,18 @@ class RequestRejected(Exception):
         self.prompt_tokens = prompt_tokens  # the prompt's size, when it was tokenized
 
 
+def no_room(prompt: str | list[int] | ChatPrompt, n_prompt: int, where: str,
+            fix: str = "") -> Rejected:
+    """The 400 for a prompt that leaves no room for one generated token ``where`` (the
+    model's context, the KV pool), naming the field to shorten; ``fix`` adds other ways."""
+    chat = isinstance(prompt, ChatPrompt)
+    field = "messages" if chat else "prompt"
+    return Rejected(Reason.TOO_LARGE,
+                    f"{'the rendered messages have' if chat else 'the prompt has'} {n_prompt} "
+                    f"tokens, which leave no room for a generated token in {where}; shorten "
+                    f"the {field}{fix}", field)
+
+
 def vocab_size(loaded: LoadedModel) -> int | None:
     """The model's vocabulary size, when its config says it (None otherwise)."""
     return getattr(getattr(loaded.model, "args", None), "vocab_size", None)

@@ -22,7 +22,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from server.engine.intake import RequestRejected, check_token_params, tokenize_prompt
+from server.engine.intake import (
+    RequestRejected,
+    check_token_params,
+    no_room,
+    tokenize_prompt,
+)
 from server.engine.prompt_bound import max_bytes_per_token
 from server.engine.protocol import ChatPrompt, GenerationRequest, Reason, Rejected
 from server.metrics import ServerMetrics
@@ -159,20 +164,17 @@ class PromptPreparer:
         if params.max_tokens_defaulted and room >= 1:
             request.params = replace(params, max_tokens=room)
             return
-        chat = isinstance(request.prompt, ChatPrompt)
         if room < 1 or params.max_tokens_defaulted:
-            what = "the rendered messages have" if chat else "the prompt has"
-            raise self._too_long(
-                f"{what} {n_prompt} tokens, which leave no room for a generated token in the "
-                f"model's context of {context} tokens (limits.max_context_tokens); shorten "
-                f"the {'messages' if chat else 'prompt'}", "messages" if chat else "prompt",
-                n_prompt)
+            raise RequestRejected(no_room(request.prompt, n_prompt, f"the model's context of "
+                                          f"{context} tokens (limits.max_context_tokens)"),
+                                  n_prompt)
         field = params.max_tokens_param
         raise self._too_long(
             f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
             f"{n_prompt + params.max_tokens} tokens, over the model's context of {context} "
             f"tokens (limits.max_context_tokens); lower {field} to at most {room}, or shorten "
-            f"the {'messages' if chat else 'prompt'}", field, n_prompt)
+            f"the {'messages' if isinstance(request.prompt, ChatPrompt) else 'prompt'}",
+            field, n_prompt)
 
     @staticmethod
     def _too_long(message: str, param: str = "prompt",

@@ -28,17 +28,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from server.engine.capacity import CapacityPlanner, Reservation
-from server.engine.intake import RequestRejected
+from server.engine.intake import RequestRejected, no_room
 from server.engine.output import StopMatcher
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.preparer import Prepared
-from server.engine.protocol import (
-    ChatPrompt,
-    GenerationRequest,
-    Reason,
-    Rejected,
-    ShrinkRefused,
-)
+from server.engine.protocol import GenerationRequest, Reason, Rejected, ShrinkRefused
 from server.engine.request_state import PendingRequest, RequestState
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
@@ -156,14 +150,10 @@ class Scheduler:
         if room >= 1:
             request.params = replace(params, max_tokens=min(room, params.max_tokens))
             return self.planner.reservation(n_prompt + request.params.max_tokens)
-        chat = isinstance(request.prompt, ChatPrompt)
-        return Rejected(
-            Reason.TOO_LARGE,
-            f"{'the rendered messages have' if chat else 'the prompt has'} {n_prompt} tokens, "
-            f"which leave no room for a generated token in the KV pool (at most "
-            f"{n_prompt + room} tokens a request); shorten the "
-            f"{'messages' if chat else 'prompt'}, or raise pool.n_blocks (or pool.max_blocks "
-            "with pool.grow_on_exhaustion)", "messages" if chat else "prompt")
+        return no_room(request.prompt, n_prompt,
+                       f"the KV pool (at most {n_prompt + room} tokens a request)",
+                       ", or raise pool.n_blocks (or pool.max_blocks with "
+                       "pool.grow_on_exhaustion)")
 
     # -- capacity changes ------------------------------------------------------------
 

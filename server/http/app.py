@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 from typing import Any
 
@@ -19,7 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.http import request_log
 from server.http.auth import require_api_key
 from server.http.cors import add_cors
-from server.http.errors import CLIENT_CLOSED, REQUEST_ID_STATE, install_error_handlers
+from server.http.errors import (
+    CLIENT_CLOSED,
+    REQUEST_ID_STATE,
+    fresh_request_id,
+    install_error_handlers,
+)
 from server.http.guards import DrainState, Guards
 from server.http.routes import admin, chat, completions, responses, system, tokens
 from server.metrics import EngineCollector, PoolCollector, ServerMetrics
@@ -42,7 +46,7 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = secrets.token_hex(12)
+        request_id = fresh_request_id()
         scope.setdefault("state", {})[REQUEST_ID_STATE] = request_id
 
         async def send_with_id(message: Message) -> None:

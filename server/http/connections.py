@@ -32,13 +32,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.http.errors import error_body
+from server.http.errors import error_body, fresh_request_id
 from server.settings import Settings
 
 try:
@@ -55,7 +54,7 @@ _ID_SLOT = "REQUEST-ID-SLOT-24-CHARS"
 
 
 def _with_id(response: bytes) -> bytes:
-    return response.replace(_ID_SLOT.encode(), secrets.token_hex(12).encode(), 1)
+    return response.replace(_ID_SLOT.encode(), fresh_request_id().encode(), 1)
 
 
 def _busy_response(retry_after_s: int, max_connections: int) -> bytes:

@@ -13,6 +13,7 @@ answer carries ``Retry-After`` (:func:`error_response`: every 429 and 503).
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,11 @@ from veloxquant_mlx.exceptions import VeloxQuantError
 log = logging.getLogger("veloxquant.server")
 # Where server.http.app.RequestIds keeps the HTTP request's id (``request.state``).
 REQUEST_ID_STATE = "request_id"
+
+
+def fresh_request_id() -> str:
+    """A new ``x-request-id``: 24 hex digits."""
+    return secrets.token_hex(12)
 
 # Not a registered status: what the request log and the request counter record
 # for a request whose client left before its answer (nginx's convention).

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import secrets
 from typing import Any
 
 from fastapi import Request
 
 from server.engine.protocol import SamplingParams
-from server.http.errors import REQUEST_ID_STATE, APIError, InvalidRequestError
+from server.http.errors import (
+    REQUEST_ID_STATE,
+    APIError,
+    InvalidRequestError,
+    fresh_request_id,
+)
 from server.http.schemas.common import SamplingFields
 from server.settings import Settings
 
@@ -26,7 +30,7 @@ def new_id(prefix: str, request: Request | None = None, sep: str = "-") -> str:
     """A generation's id such as ``cmpl-3f2a...``: the HTTP request's ``x-request-id``
     after the prefix when there is one (so either finds the request's log line)."""
     request_id = getattr(request.state, REQUEST_ID_STATE, None) if request else None
-    return f"{prefix}{sep}{request_id or secrets.token_hex(12)}"
+    return f"{prefix}{sep}{request_id or fresh_request_id()}"
 
 
 def _token_id(key: str) -> int:

@@ -36,8 +36,13 @@ def _call(obj: Any, names: set[str]) -> dict[str, Any] | None:
             return None
     if not isinstance(args, dict):
         return None
+    return _tool_call(obj["name"], json.dumps(args))
+
+
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI tool call object with a fresh id (``arguments`` as JSON text)."""
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _bare(text: str, names: set[str]) -> list[dict[str, Any]]:
@@ -88,8 +93,7 @@ def _cut_call(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
     match = _CUT_CALL.match(text)
     if match is None or match.group(1) not in {f.name for f in plan.offered}:
         return []
-    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": match.group(1), "arguments": text[match.end():]}}]
+    return [_tool_call(match.group(1), text[match.end():])]
 
 
 def _loads(text: str) -> Any:
