@@ -139,8 +139,7 @@ def _serve_distributed(settings: Settings) -> int:
     rank = int(os.environ.get(distributed.RANK_ENV, "0"))
     try:
         if rank != 0:
-            group = distributed.join_group(settings.distributed.ranks)
-            return distributed.serve_follower(settings, group)
+            return distributed.serve_follower(settings)
         return _serve(settings)
     except distributed.DistributedError as exc:
         print(f"veloxquant-serve: rank {rank}: {exc}", file=sys.stderr)

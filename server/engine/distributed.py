@@ -38,7 +38,9 @@ import json
 import logging
 import os
 import pickle
+import selectors
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -109,6 +111,43 @@ def join_group(ranks: int) -> Any:
         raise DistributedError(f"distributed.ranks is {ranks} but the ring has "
                                f"{group.size()} processes (MLX_HOSTFILE)")
     return group
+
+
+def open_sockets() -> set[int]:
+    """This process's file descriptors that are sockets (``/dev/fd``: Linux and macOS)."""
+    found = set()
+    for name in os.listdir("/dev/fd"):
+        try:
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                found.add(int(name))
+        except (ValueError, OSError):  # the listing's own descriptor, closed by now
+            continue
+    return found
+
+
+class LeaderWait:
+    """Block a follower in the kernel until rank 0 starts the next exchange.
+
+    MLX's ring backend waits for a peer's bytes by calling ``recv`` on a
+    non-blocking socket in a loop, so a follower sitting in the exchange's
+    all-sum while rank 0 has nothing to do burns a whole core for as long as
+    the server is idle. Waiting first until one of the ring's sockets (those
+    ``mx.distributed.init`` opened) is readable costs no CPU; the all-sum that
+    follows finds rank 0's bytes there. A peer that died makes its socket
+    readable too (end of file), and the all-sum then fails as before.
+    """
+
+    def __init__(self, ring_fds: Iterable[int]) -> None:
+        self._selector = selectors.DefaultSelector()
+        for fd in ring_fds:
+            self._selector.register(fd, selectors.EVENT_READ)
+
+    def __call__(self) -> None:
+        if self._selector.get_map():
+            self._selector.select()
+
+    def close(self) -> None:
+        self._selector.close()
 
 
 def check_split(model_dir: Any, ranks: int) -> None:
@@ -312,10 +351,15 @@ class LeaderRunner:
 # -- ranks 1.. -------------------------------------------------------------------
 
 
-def follow(runner: ModelRunner, link: RankLink) -> None:
-    """Repeat rank 0's runner calls until it says stop (ranks > 0)."""
+def follow(runner: ModelRunner, link: RankLink, wait: Any = None) -> None:
+    """Repeat rank 0's runner calls until it says stop (ranks > 0).
+
+    ``wait`` (a :class:`LeaderWait`) blocks until rank 0 sends, before each exchange.
+    """
     runner.share_tokens = token_sharer(link.group)
     while True:
+        if wait is not None:
+            wait()
         for op in link.exchange(None, pool_figures(runner.pool)):
             kind = op[0]
             if kind == "add":
@@ -333,13 +377,17 @@ def follow(runner: ModelRunner, link: RankLink) -> None:
                 raise DistributedError(f"unknown op from rank 0: {kind!r}")
 
 
-def serve_follower(settings: Any, group: Any) -> int:
-    """A follower process's whole life: load and shard the model, then :func:`follow`."""
+def serve_follower(settings: Any) -> int:
+    """A follower process's whole life: join the ring, load and shard the model, then
+    :func:`follow`."""
     from server.engine.kv_memory import kv_format_of
     from server.engine.startup import fuse_projections, plan_kv
     from server.model_loader import load_model
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 
+    before = open_sockets()
+    group = join_group(settings.distributed.ranks)
+    wait = LeaderWait(open_sockets() - before)
     loaded = load_model(settings.model)
     shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
@@ -349,7 +397,8 @@ def serve_follower(settings: Any, group: Any) -> int:
                          compile_decode=settings.batch.compile_decode,
                          fuse_projections=fuse_projections(settings, loaded))
     log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
-    follow(runner, RankLink(group))
+    follow(runner, RankLink(group), wait)
+    wait.close()
     log.info("rank %d: rank 0 stopped; exiting", group.rank())
     sys.stdout.flush()
     return 0

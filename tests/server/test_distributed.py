@@ -10,6 +10,7 @@ float32 rounding, ~1e-6 on this model), far from any greedy choice here.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -81,6 +82,13 @@ def test_two_ranks_answer_as_one_and_report_both_pools(tiny_model_path, live_ser
         idle = _ranks(base)
         assert [r["blocks_in_use"] for r in idle] == [0, 0]
         assert all(r["blocks_free"] == r["n_blocks"] for r in idle)
+
+        # An idle follower waits for rank 0 in the kernel: MLX's ring would spin a core.
+        follower = _follower_pid(server.pid)
+        time.sleep(0.5)
+        busy = _cpu_seconds(follower)
+        time.sleep(3)
+        assert _cpu_seconds(follower) - busy < 0.3, "an idle follower is using the CPU"
 
         # Prompt scoring would be a model call on rank 0 alone: refused, as a client error.
         echo = httpx.post(base + "/v1/completions", timeout=60,
@@ -159,8 +167,13 @@ def _follower_pid(rank0: int) -> int:
     raise AssertionError(f"no rank-1 process below {rank0}")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path, tmp_path):
-    import os
     import signal
 
     server = ServerProcess(tmp_path / "lost.log",
@@ -189,7 +202,6 @@ def test_a_rank_lost_mid_generation_is_seen_within_the_stall_timeout(tiny_model_
     (the next exchange would wait for the dead peer forever); where rank 0 stays blocked
     inside a collective (MLX cannot interrupt it), the stall timeout shows it. Either
     way ``/health`` and new requests answer 503 within seconds, and SIGTERM exits 0."""
-    import os
     import signal
 
     server = ServerProcess(tmp_path / "lost-mid.log",
