@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http import request_log
@@ -65,9 +66,10 @@ class RequestCounter:
     of disconnect detection, so this stays at the ASGI level.)
     """
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: list[Any]) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes  # the app's routes, to label answers given before routing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,9 +89,22 @@ class RequestCounter:
             status = 500
             raise
         finally:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.request_done(endpoint, status)
+            self.metrics.request_done(self._route_path(scope), status)
+
+    def _route_path(self, scope: Scope) -> str:
+        """The template of the route a request went to, or would have gone to.
+
+        Routing sets ``scope["route"]``; answers given before routing (the
+        guards' auth, size, cap and drain refusals) have none, so the routes are
+        matched here: a 401 on ``/v1/completions`` counts under that route. Only
+        paths no route knows are ``unmatched`` (which keeps the label set bounded).
+        """
+        route = scope.get("route")
+        if route is None:
+            matches = [(r.matches(scope)[0], r) for r in self.routes]
+            route = next((r for m, r in matches if m == Match.FULL), None) or next(
+                (r for m, r in matches if m == Match.PARTIAL), None)
+        return getattr(route, "path", None) or "unmatched"
 
 
 def create_app(settings: Settings, engine: Any = None) -> FastAPI:
@@ -142,18 +157,19 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     # /health stays open, /metrics too unless server.metrics_require_key; the inference
     # routes need the API key when one is set.
     guarded = [Depends(require_api_key)]
-    app.include_router(completions.router, dependencies=guarded)
-    app.include_router(chat.router, dependencies=guarded)
-    app.include_router(responses.router, dependencies=guarded)
-    app.include_router(tokens.router, dependencies=guarded)
-    app.include_router(system.models_router, dependencies=guarded)
-    app.include_router(system.router)
-    app.include_router(admin.router)
+    routers = [(completions.router, guarded), (chat.router, guarded),
+               (responses.router, guarded), (tokens.router, guarded),
+               (system.models_router, guarded), (system.router, []), (admin.router, [])]
+    for router, dependencies in routers:
+        app.include_router(router, dependencies=dependencies)
+    # Plain routes to match paths against (FastAPI keeps included routers as lazy wrappers).
+    routes = [r for r in app.routes if isinstance(r, Route)]
+    routes += [r for router, _ in routers for r in router.routes]
     # SIGTERM drain, per-client cap, body size and stalled streams (server/http/guards.py);
     # added first so RequestCounter, outside it, counts what the guards answer too.
     app.state.drain = DrainState()
     app.add_middleware(Guards, settings=settings, drain=app.state.drain)
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
     add_cors(app, settings)
     app.add_middleware(RequestIds)  # outermost: every answer carries the id
     return app

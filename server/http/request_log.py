@@ -42,16 +42,18 @@ def configure(enabled: bool, stream: TextIO | None = None) -> None:
     """Send request lines to ``stream`` (stderr) as bare JSON, or turn them off.
 
     The logger's level follows the root level (``server.log_level``): at
-    ``warning`` or above no request line is written.
+    ``warning`` or above no request line is written. Turned off, its own level
+    is above every record's: ``disabled`` would not last, since uvicorn's
+    ``dictConfig`` sets it back to False on every logger it does not name.
     """
     for handler in list(log.handlers):
         log.removeHandler(handler)
-    log.disabled = not enabled
+    log.setLevel(logging.NOTSET if enabled else logging.CRITICAL + 1)
+    log.propagate = False  # the root handler would wrap the JSON in its text format
     if enabled:
         handler = logging.StreamHandler(stream or sys.stderr)
         handler.setFormatter(_MessageOnly())
         log.addHandler(handler)
-        log.propagate = False  # the root handler would wrap the JSON in its text format
 
 
 def _emit(fields: dict[str, Any]) -> None:

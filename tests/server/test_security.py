@@ -62,6 +62,18 @@ def test_metrics_behind_the_key_when_configured(guarded_server: LiveServer):
     assert httpx.get(guarded_server.base_url + "/health").status_code == 200  # always open
     assert_openai_error(httpx.post(guarded_server.base_url + "/v1/completions",
                                    json={"prompt": "x"}), 401)
+    assert httpx.get(guarded_server.base_url + "/no/such/route").status_code == 404
+
+    # Refused before routing, yet counted under the route they were for.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value
+              for family in text_string_to_metric_families(
+                  httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}).text)
+              if family.name == "veloxquant_requests" for s in family.samples
+              if s.name == "veloxquant_requests_total"}
+    assert counts[("/metrics", "401")] >= 2 and counts[("/v1/completions", "401")] >= 1
+    assert counts[("unmatched", "404")] >= 1
 
 
 def test_metrics_open_by_default(live_server: LiveServer):
