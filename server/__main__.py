@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port (default 8000)")
     parser.add_argument("--model", help="model to serve: smollm2 (default, real "
-                        "SmolLM2-135M-Instruct), tiny | small (offline random test models), "
+                        "SmolLM2-135M-Instruct), tiny | small | 1b (offline random test models), "
                         "a local mlx-lm folder, a .gguf file, or a Hugging Face repo id")
     parser.add_argument("--log-level", choices=LOG_LEVELS, help="log level")
     parser.add_argument("--distributed", type=int, metavar="N",

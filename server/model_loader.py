@@ -59,6 +59,11 @@ class LoadedModel:
     # Positions a request may reach (prompt + generated tokens): the model's
     # max_position_embeddings, or limits.max_context_tokens; None: no bound stated.
     context_length: int | None = None
+    context_source: str = "the model's max_position_embeddings"  # for error messages
+
+    def context_phrase(self) -> str:
+        """The context bound as refusals state it, naming where it comes from."""
+        return f"the model's context of {self.context_length} tokens ({self.context_source})"
 
 
 def resolve_model_path(section: ModelSection) -> Path:

@@ -381,7 +381,7 @@ def serve_follower(settings: Any) -> int:
     """A follower process's whole life: join the ring, load and shard the model, then
     :func:`follow`."""
     from server.engine.kv_memory import kv_format_of
-    from server.engine.startup import fuse_projections, plan_kv
+    from server.engine.startup import apply_context_limit, fuse_projections, plan_kv
     from server.model_loader import load_model
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 
@@ -389,9 +389,10 @@ def serve_follower(settings: Any) -> int:
     group = join_group(settings.distributed.ranks)
     wait = LeaderWait(open_sockets() - before)
     loaded = load_model(settings.model)
+    apply_context_limit(settings.limits, loaded)
     shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
-    pool, kv = plan_kv(settings, layout)
+    pool, kv = plan_kv(settings, layout, context=loaded.context_length)
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena,
                          kv_write_back=settings.batch.kv_write_back,
                          compile_decode=settings.batch.compile_decode,

@@ -90,10 +90,18 @@ def blocks_for_bytes(settings: Settings, layout: KVLayout) -> int | None:
     return blocks
 
 
-def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayout) -> KVMemory:
-    """Allocate the arena for ``pool`` and fix the workspace bound."""
+def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayout,
+                    context: int | None = None) -> KVMemory:
+    """Allocate the arena for ``pool`` and fix the workspace bound.
+
+    The bound's longest row is the longest request the limits let in: prompt
+    plus ``max_tokens`` within ``context`` (the served context length; None:
+    unbounded) and within ``max_prompt_tokens + max_tokens_cap``.
+    """
     limits, bs = settings.limits, settings.pool.block_size
     longest = limits.max_prompt_tokens + limits.max_tokens_cap
+    if context:
+        longest = min(longest, context)
     return KVMemory(KVArena(pool, layout), layout.bytes_per_block(bs),
                     workspace_bytes(layout, bs, settings.batch.max_batch_size, longest,
                                     settings.batch.kv_write_back))

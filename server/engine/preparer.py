@@ -165,14 +165,13 @@ class PromptPreparer:
             request.params = replace(params, max_tokens=room)
             return
         if room < 1 or params.max_tokens_defaulted:
-            raise RequestRejected(no_room(request.prompt, n_prompt, f"the model's context of "
-                                          f"{context} tokens (limits.max_context_tokens)"),
-                                  n_prompt)
+            raise RequestRejected(no_room(request.prompt, n_prompt,
+                                          self.loaded.context_phrase()), n_prompt)
         field = params.max_tokens_param
         raise self._too_long(
             f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
-            f"{n_prompt + params.max_tokens} tokens, over the model's context of {context} "
-            f"tokens (limits.max_context_tokens); lower {field} to at most {room}, or shorten "
+            f"{n_prompt + params.max_tokens} tokens, over {self.loaded.context_phrase()}; "
+            f"lower {field} to at most {room}, or shorten "
             f"the {'messages' if isinstance(request.prompt, ChatPrompt) else 'prompt'}",
             field, n_prompt)
 

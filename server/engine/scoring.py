@@ -123,9 +123,8 @@ def new_job(loaded: LoadedModel, max_prompt_tokens: int, chunk: int,
                         "prompt")
     context = loaded.context_length
     if context is not None and len(ids) > context:  # positions the model never learned
-        return Rejected(Reason.TOO_LARGE, f"prompt has {len(ids)} tokens, more than the "
-                        f"model's context of {context} tokens (limits.max_context_tokens); "
-                        "shorten the prompt", "prompt")
+        return Rejected(Reason.TOO_LARGE, f"prompt has {len(ids)} tokens, more than "
+                        f"{loaded.context_phrase()}; shorten the prompt", "prompt")
     decode = loaded.tokenizer.decode
     text = prompt if isinstance(prompt, str) else decode(ids)
     return ScoringJob(loaded.model, decode, chunk, ids, [decode([i]) for i in ids], text, top_n)

@@ -110,7 +110,7 @@ def apply_context_limit(limits: LimitsSection, loaded: LoadedModel) -> None:
         log.warning("limits.max_context_tokens=%d is over the %d positions the model states "
                     "(max_position_embeddings): past those its output is unreliable",
                     chosen, stated)
-    loaded.context_length = chosen
+    loaded.context_length, loaded.context_source = chosen, "limits.max_context_tokens"
 
 
 def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
@@ -124,10 +124,11 @@ def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
     return settings.batch.fuse_projections and loaded.quantized_copies is None
 
 
-def plan_kv(settings: Settings, layout: KVLayout,
-            pool: BlockPoolAllocator | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
+def plan_kv(settings: Settings, layout: KVLayout, pool: BlockPoolAllocator | None = None,
+            context: int | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
     """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
-    ``[pool]``) and its KV arena. Call before anything holds blocks."""
+    ``[pool]``) and its KV arena, whose workspace bound counts rows of at most ``context``
+    tokens. Call before anything holds blocks."""
     blocks = blocks_for_bytes(settings, layout)
     n_blocks = blocks or (pool.config.n_blocks if pool is not None else settings.pool.n_blocks)
     import mlx.core as mx
@@ -138,7 +139,7 @@ def plan_kv(settings: Settings, layout: KVLayout,
         raise ValueError(problem)
     if blocks is not None or pool is None:
         pool = make_pool(settings, blocks)
-    return pool, build_kv_memory(settings, pool, layout)
+    return pool, build_kv_memory(settings, pool, layout, context)
 
 
 @dataclass(slots=True)
@@ -179,7 +180,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
 
         shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
-    pool, kv = plan_kv(settings, layout, pool)
+    pool, kv = plan_kv(settings, layout, pool, loaded.context_length)
     prefixes = None
     if settings.cache.prefix_caching:
         prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),

@@ -43,7 +43,7 @@ def test_the_context_is_reported(live_server: LiveServer):
 def test_max_tokens_past_the_context_is_refused_naming_the_room_left(live_server: LiveServer):
     error = _error(_complete(live_server.base_url, prompt=[5] * 3000, max_tokens=2000))
     assert error["param"] == "max_tokens"
-    assert "context of 4096 tokens" in error["message"]
+    assert "context of 4096 tokens (the model's max_position_embeddings)" in error["message"]
     assert "lower max_tokens to at most 1096" in error["message"]
     # The same request within the context runs.
     ok = _complete(live_server.base_url, prompt=[5] * 3000, max_tokens=1096, logit_bias=NO_EOS)
@@ -109,7 +109,7 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     assert error["param"] == "prompt" and "at most 1024 tokens a request" in error["message"]
     # Past the configured context (2,048) before the pool is even asked.
     error = _error(_complete(base, prompt=[7] * 1100, max_tokens=1000))
-    assert "context of 2048 tokens" in error["message"]
+    assert "context of 2048 tokens (limits.max_context_tokens)" in error["message"]
     assert small_pool.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
 
 
