@@ -101,12 +101,14 @@ class CapacityPlanner:
             return None
         stream, blocks = next(iter(short.items())) if short else ("all", need.total)
         have = capacity.get(stream, sum(capacity.values())) + headroom
+        most = self._max_tokens(capacity, headroom)
+        fix = (f"lower {field} or shorten the prompt to fit {most} tokens in total, or "
+               if most > 0 else "the pool holds no request now (shrunk by /admin/shrink?); ")
         return (
             f"prompt plus {field} ({n_tokens} tokens) needs {blocks} KV blocks on stream "
             f"{stream!r} ({self.n_layers} layers x ceil({n_tokens}/{self.block_size})"
             f"{' x 2 (k and v)' if len(self.streams) == 1 else ''}), but the pool holds at most "
-            f"{have} there; lower {field} or shorten the prompt to fit "
-            f"{self._max_tokens(capacity, headroom)} tokens in total, or raise pool.n_blocks "
+            f"{have} there; {fix}raise pool.n_blocks "
             "(or pool.max_blocks with pool.grow_on_exhaustion)"
         )
 

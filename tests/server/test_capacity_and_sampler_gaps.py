@@ -37,6 +37,9 @@ def test_a_stream_shrunk_alone_refuses_what_no_longer_fits_it():
     why = plan.never_fits(need, 96)
     assert why is not None and "stream 'k'" in why and "at most 4" in why
     assert plan.never_fits(Reservation({"k": 4, "v": 8}), 64) is None
+    plan.pool.shrink("k", 0)  # nothing left on k: no request fits, and the message says so
+    why = plan.never_fits(Reservation({"k": 1, "v": 1}), 1)
+    assert "holds no request now" in why and "tokens in total" not in why
 
 
 def test_the_fit_hint_on_a_shared_kv_pool_counts_k_and_v():
