@@ -25,7 +25,8 @@ class SamplingPlan:
     """The decode batch's sampling: all greedy, or batch settings plus rows sampled alone.
 
     ``masks`` (with ``free``, which rows have no grammar) when some row is constrained;
-    ``logprobs``: some row hands back log-probabilities.
+    ``logprobs``: some row hands back log-probabilities; ``banned``: (rows, tokens)
+    index pairs never sampled (``ignore_eos``), when some row has them.
     """
 
     greedy: bool
@@ -34,6 +35,7 @@ class SamplingPlan:
     masks: BatchMasks | None = None
     free: mx.array | None = None
     logprobs: bool = False
+    banned: tuple[mx.array, mx.array] | None = None
 
     @classmethod
     def of(cls, rows: list[Row]) -> SamplingPlan:
@@ -46,7 +48,19 @@ class SamplingPlan:
         if any(m is not None for m in matchers):
             masks = BatchMasks(matchers)
             free = mx.array(masks.free)
-        return cls(greedy, settings, own, masks, free, any(r.want_logprobs for r in rows))
+        pairs = [(i, token) for i, r in enumerate(rows) if r.params is not None
+                 for token in r.params.banned_tokens]
+        banned = None
+        if pairs:
+            at_rows, tokens = zip(*pairs, strict=True)
+            banned = (mx.array(at_rows, dtype=mx.int32), mx.array(tokens, dtype=mx.int32))
+        return cls(greedy, settings, own, masks, free, any(r.want_logprobs for r in rows),
+                   banned)
+
+
+def ban(logits: mx.array, rows: mx.array, tokens: mx.array) -> mx.array:
+    """``logits`` with each (row, token) pair at -inf: a token that row never samples."""
+    return logits.at[rows, tokens].add(-mx.inf)
 
 
 def sample_one(row: Row, logits: mx.array) -> tuple[mx.array, mx.array]:

@@ -5,6 +5,8 @@ Failures become :class:`RequestRejected` carrying the event the client gets.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from server.engine.chat_render import render_ids
 from server.engine.protocol import ChatPrompt, Reason, Rejected, SamplingParams
 from server.model_loader import LoadedModel
@@ -62,6 +64,23 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
         raise RequestRejected(Rejected(Reason.INVALID_PROMPT,
                                        f"cannot tokenize the {param}: {exc}", param)) from None
+
+
+def ban_end_tokens(loaded: LoadedModel, params: SamplingParams) -> SamplingParams:
+    """``params`` with the model's end tokens banned when the client asked ``ignore_eos``.
+
+    Raises:
+        RequestRejected: With a grammar (``response_format``, a forced tool call),
+            whose only way to finish is an end token.
+    """
+    if not params.ignore_eos:
+        return params
+    if params.constraint is not None:
+        raise RequestRejected(Rejected(
+            Reason.INVALID_VALUE, "ignore_eos cannot be combined with a JSON response_format "
+            "or a forced tool call: the grammar ends the answer with an end token",
+            "ignore_eos"))
+    return replace(params, banned_tokens=tuple(sorted(loaded.tokenizer.eos_token_ids)))
 
 
 def check_token_params(loaded: LoadedModel, params: SamplingParams) -> None:

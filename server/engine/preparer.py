@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from server.engine.intake import (
     RequestRejected,
+    ban_end_tokens,
     check_token_params,
     no_room,
     tokenize_prompt,
@@ -107,6 +108,7 @@ class PromptPreparer:
                 return
             ids = self.prompt_ids(request)
             check_token_params(self.loaded, request.params)
+            request.params = ban_end_tokens(self.loaded, request.params)
             self.fit_context(request, len(ids))
             self.deliver(Prepared(request, ids))
         except RequestRejected as exc:

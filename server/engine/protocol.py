@@ -61,6 +61,10 @@ class SamplingParams:
     ``max_completion_tokens``, Responses' ``max_output_tokens``), named when it
     cannot be honoured; ``max_tokens_defaulted`` says the client left it out,
     so the engine may lower it to the room the context and the pool leave.
+
+    ``ignore_eos`` is the client's (vLLM's and llama.cpp's extension): the
+    answer runs to ``max_tokens`` or a stop string. The preparer turns it into
+    ``banned_tokens``, the model's end tokens, which the runner never samples.
     """
 
     max_tokens: int
@@ -79,6 +83,8 @@ class SamplingParams:
     constraint: Any = None
     max_tokens_param: str = "max_tokens"
     max_tokens_defaulted: bool = False
+    ignore_eos: bool = False
+    banned_tokens: tuple[int, ...] = ()
 
 
 # How a model without a tool-aware chat template is asked to write a tool call

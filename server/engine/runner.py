@@ -50,7 +50,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.engine.decode_sampling import SamplingPlan, constrain, sample_one, sample_rows
+from server.engine.decode_sampling import SamplingPlan, ban, constrain, sample_one, sample_rows
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.protocol import SamplingParams
@@ -337,6 +337,9 @@ class ModelRunner:
         """
         for i, row in enumerate(group.rows):
             raw = logits[i: i + 1]
+            if row.params is not None and row.params.banned_tokens:
+                banned = mx.array(row.params.banned_tokens, dtype=mx.int32)
+                raw = ban(raw, mx.zeros_like(banned), banned)
             if row.matcher is None:
                 token, logprobs = sample_one(row, raw)
             else:  # the grammar's start state: no token needed, its mask is cached
@@ -404,6 +407,8 @@ class ModelRunner:
         if self._plan is None:
             self._plan = SamplingPlan.of(self.rows)
         plan = self._plan
+        if plan.banned is not None:
+            logits = ban(logits, *plan.banned)
         tokens = None
         raw = logits
         if plan.masks is not None:

@@ -114,6 +114,7 @@ def resolve_params(
         logit_bias=tuple(bias),
         max_tokens_param=max_tokens_field,
         max_tokens_defaulted=defaulted,
+        ignore_eos=body.ignore_eos,
     )
 
 

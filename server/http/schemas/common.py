@@ -86,6 +86,9 @@ class SamplingFields(OpenAIModel):
     # "text", "json_object" or "json_schema": enforced by constrained decoding
     # (server.http.routes.structured).
     response_format: dict[str, Any] | None = None
+    # vLLM's and llama.cpp's extension, which load generators send for fixed-length answers.
+    ignore_eos: bool = Field(default=False, description="End tokens are never sampled: the "
+                             "answer runs to max_tokens or a stop string.")
 
     def stop_list(self) -> list[str]:
         """The stop strings as a list (empty when none)."""
