@@ -250,7 +250,7 @@ class Scheduler:
         # requests' outstanding reservations (their growth takes free blocks, it does not
         # evict): the rest of the cache stays warm (any shrink used to empty it).
         short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
-        if any(n > 0 for n in short.values()):
+        if self.prefixes is not None and any(n > 0 for n in short.values()):
             self.prefixes.evict(short)
         retired = sum(self.pool.shrink(s, self.pool.n_free(s) - retiring[s]) for s in targets)
         if retired:  # nothing retired: capacity, and so /health, stay as they were

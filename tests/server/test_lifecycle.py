@@ -233,6 +233,21 @@ async def _shrink_while_generating(base_url: str) -> dict:
     return {"view": view, "shrink": shrink, "after": after, "rest": rest}
 
 
+def test_shrink_with_growth_and_no_prefix_cache_while_a_request_runs(tiny_model_path):
+    # The running request reserves 4 layers x ceil(601/16) = 152 blocks a stream, more than
+    # the 128 each has (growth covers it), and there is no prefix cache to evict from: the
+    # shrink used to fail with a 500 there.
+    settings = make_settings(env={"VELOXQUANT_ADMIN_TOKEN": ADMIN_TOKEN},
+                             model={"path": str(tiny_model_path)}, cache={"prefix_caching": False},
+                             pool={"n_blocks": 256, "grow_on_exhaustion": True,
+                                   "max_blocks": 2048})
+    with run_server(settings) as server:
+        out = asyncio.run(_shrink_while_generating(server.base_url))
+        assert out["shrink"]["retired"] >= 0 and out["rest"][-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in "".join(out["rest"])
+        assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+
+
 def test_shrink_with_a_request_in_flight(small_pool_server: LiveServer):
     out = asyncio.run(_shrink_while_generating(small_pool_server.base_url))
     (owner,) = out["view"]["owners"]
