@@ -155,6 +155,14 @@ class Engine:
             return
         preparer.submit(request)
 
+    def drain(self) -> None:
+        """The server is draining: refuse the requests that have not started (503
+        ``shutting_down``, so a client can retry elsewhere at once) and any that
+        still arrive; the running ones go on."""
+        if self.scheduler is not None:
+            self.run_on_engine(lambda: self.scheduler.close(
+                Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN)))
+
     def run_on_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread between two steps; returns its future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -377,8 +385,7 @@ class Engine:
         self.runner.close()
         # Before the inbox is drained: what the workers still deliver lands there.
         self._preparer.close()
-        stopping = Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN)
-        self.scheduler.reject_waiting(stopping)
+        self.scheduler.close(Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN))
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -387,7 +394,7 @@ class Engine:
             if isinstance(item, _Command):
                 item.future.set_exception(RuntimeError("the engine stopped"))
             elif item is not None:
-                item.request.channel.put(stopping)
+                self.scheduler.intake(item)  # refused by the closed scheduler
 
 
 def _run_command(command: _Command) -> None:

@@ -76,6 +76,8 @@ class Scheduler:
         # The most tokens one request could hold at start (None: unbounded growth): a pool
         # back at this size after a shrink is as healthy as it started.
         self._start_tokens = self.planner.max_request_tokens()
+        # Set when the server drains (SIGTERM): what has not started is refused, not queued.
+        self.closing: Rejected | None = None
 
     # -- read from any thread ----------------------------------------------------
 
@@ -93,6 +95,9 @@ class Scheduler:
     def intake(self, prepared: Prepared) -> None:
         """Queue a tokenized request, or refuse it at once (can never fit, queue full)."""
         request, prompt_ids = prepared.request, prepared.prompt_ids
+        if self.closing is not None:
+            self.reject(request, self.closing, len(prompt_ids), 0.0)
+            return
         try:
             need = self._check_size(request, prompt_ids)
             # The queue's bound counts requests that will really wait: a burst the
@@ -419,10 +424,15 @@ class Scheduler:
             started += 1
         return started
 
-    def reject_waiting(self, event: Rejected) -> None:
-        """Answer every waiting request with ``event`` (the engine is stopping)."""
+    def close(self, event: Rejected) -> None:
+        """Refuse every waiting request, and every later one, with ``event`` (logged and
+        counted as rejections); running requests go on (the server is draining)."""
+        self.closing = event
+        now = time.monotonic()
         while self.waiting:
-            self.waiting.popleft().request.channel.put(event)
+            pending = self.waiting.popleft()
+            self.reject(pending.request, event, len(pending.prompt_ids),
+                        now - pending.enqueued_at)
 
 
 def _new_blocks(reservation: Reservation, hit: PrefixHit | None) -> Reservation:

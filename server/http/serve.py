@@ -5,7 +5,8 @@ SIGTERM (what ``docker stop``, systemd and Kubernetes send) drains instead of
 stopping at once::
 
     SIGTERM -> draining: new requests 503 (Retry-After), /health 503, /metrics served
-            -> in-flight requests finish, up to server.shutdown_grace_s
+            -> requests still queued for room (not started) 503 at once
+            -> running requests finish, up to server.shutdown_grace_s
             -> grace over with requests left: the engine stops, they end with 503
             -> uvicorn closes the listeners, the engine stops, exit code 0
 
@@ -72,6 +73,7 @@ class DrainingServer(uvicorn.Server):
         self.drain = drain
         self.grace_s = grace_s
         self.engine = engine
+        self._queue_refused = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.drain.draining:
@@ -82,6 +84,11 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.drain.draining and not self._queue_refused:
+            # Requests still waiting for room get their 503 now, not at the grace's end.
+            self._queue_refused = True
+            if self.engine is not None:
+                self.engine.drain()
         if self.drain.draining and not self.should_exit:
             if counter % 10 == 0:
                 log.info("draining: %d request(s) in flight", self.drain.inflight)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,6 +100,43 @@ def test_sigterm_drains_logs_requests_and_never_logs_secrets(tiny_model_path, tm
     assert rejected[0]["prompt_tokens"] == 9000  # tokenized, then refused
     drained = [line for line in lines if line["completion_tokens"] == 600]
     assert drained and drained[0]["status"] == 200 and drained[0]["finish_reason"] == "length"
+
+
+def test_sigterm_refuses_queued_requests_at_once(tiny_model_path, tmp_path):
+    # 1,024 blocks a stream: one 3,000-token answer (4 x 188 blocks) leaves no room for a
+    # second, which queues. At SIGTERM it gets its 503 while the first still runs, instead
+    # of waiting out the 60 s grace, and its refusal is logged like any other.
+    env = {"VELOXQUANT_SERVER_SHUTDOWN_GRACE_S": "60", "VELOXQUANT_POOL_N_BLOCKS": "2048"}
+    server = ServerProcess(tmp_path / "server.log", ["--model", str(tiny_model_path)], env)
+    long = {"prompt": "x", "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
+    with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=long) as running:
+            lines, _ = _first_chunk(running)
+            queued: dict = {}
+            waiter = threading.Thread(target=lambda: queued.update(
+                response=c.post("/v1/completions", json={**long, "stream": False})))
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while server_waiting(c) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.terminate()
+            waiter.join(30)
+            assert next(line for line in lines if line).startswith("data: ")  # still streaming
+        refused = queued["response"]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert server.wait(timeout=30) == 0
+    lines = request_lines(server.log())
+    (line,) = [x for x in lines if x["finish_reason"] == "rejected"]
+    assert line["code"] == "shutting_down" and line["status"] == 503
+    assert line["request_id"].endswith(refused.headers["x-request-id"])
+
+
+def server_waiting(client: httpx.Client) -> float:
+    """The engine's waiting queue length, from /metrics."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("veloxquant_requests_waiting "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def test_sigterm_grace_period_bounds_the_drain(tiny_model_path, tmp_path):
