@@ -76,19 +76,32 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         status = CLIENT_CLOSED  # nothing sent: the client left first
+        finished = left = False  # the body's last part went out; the client left before
 
         async def counting_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, finished
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
             await send(message)
 
+        async def watching_receive() -> Message:
+            nonlocal left
+            message = await receive()
+            left = left or (message["type"] == "http.disconnect" and not finished)
+            return message
+
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
         except Exception:
             status = 500
             raise
         finally:
+            # A stream the client cut after its 200 went out counts as 499, as the
+            # request log has it: the answer never reached its end.
+            if left and status < 500:
+                status = CLIENT_CLOSED
             self.metrics.request_done(self._route_path(scope), status)
 
     def _route_path(self, scope: Scope) -> str:

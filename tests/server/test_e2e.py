@@ -143,6 +143,28 @@ def test_bad_requests_reach_openai_client_as_4xx(client, model_id):
         client.completions.create(model=model_id, prompt=[10**9], max_tokens=2)
 
 
+def test_a_stream_the_client_cuts_counts_as_499(live_server):
+    def counts() -> tuple[float, float]:
+        m = live_server.metrics()
+        key = "veloxquant_requests_total{endpoint=/v1/completions,status=%s}"
+        return m.get(key % 200, 0.0), m.get(key % 499, 0.0)
+
+    before = counts()
+    body = {"prompt": PROMPT, "max_tokens": 2000, "stream": True,
+            "logit_bias": {"1": -100, "3": -100}}
+    with httpx.stream("POST", live_server.base_url + "/v1/completions", json=body,
+                      timeout=60) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+    live_server.wait_idle()
+    finished = httpx.post(live_server.base_url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 2, "stream": True})
+    assert finished.status_code == 200
+    after = counts()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
 def test_server_is_idle_afterwards(live_server):
     m = live_server.wait_idle()
     assert m["veloxquant_block_pool_blocks_in_use"] == 0
