@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,11 @@ def load_model(section: ModelSection) -> LoadedModel:
 
     path = resolve_model_path(section)
     model, tokenizer = mlx_lm.load(str(path))
+    # The server bounds prompts itself (limits, the context, with a 400); the Hugging Face
+    # tokenizer's own bound only prints an "indexing errors" warning for what it refuses.
+    hf = getattr(tokenizer, "_tokenizer", None)
+    if hf is not None and hasattr(hf, "model_max_length"):
+        hf.model_max_length = sys.maxsize
     quantized = is_quantized(model)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
