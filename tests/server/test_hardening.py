@@ -68,6 +68,8 @@ def test_trailing_slash_is_404_not_a_redirect_to_the_host_header(live_server: Li
                       headers={"Host": "attacker.example"}, follow_redirects=False)
     assert_openai_error(resp, 404)
     assert "location" not in resp.headers
+    models = httpx.get(live_server.base_url + "/v1/models/", follow_redirects=False)
+    assert "GET /v1/models (no trailing slash)" in assert_openai_error(models, 404)["message"]
 
 
 def test_authentication_comes_before_body_parsing(keyed_server: LiveServer):

@@ -76,6 +76,10 @@ async def list_models(request: Request) -> JSONResponse:
 async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
     """The served model's object (``client.models.retrieve``); 404 for any other id."""
     served = request.app.state.engine.model_name
+    if not model_id:  # "/v1/models/": no redirects here, so say what was meant
+        raise APIError("no model id after /v1/models/; GET /v1/models (no trailing slash) "
+                       "lists the served model", param="model", code="model_not_found",
+                       status=404)
     if not served or model_id != served:
         raise APIError(f"model {model_id!r} is not served here; this server serves "
                        f"{served!r} (see GET /v1/models)", param="model",
