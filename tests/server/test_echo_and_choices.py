@@ -168,6 +168,11 @@ def test_batch_prompts_give_one_choice_per_prompt_in_order(client):
     assert out.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     ids = client.completions.create(model="tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2)
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+    # A prompt of the batch the model cannot take is named by its place.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=["ok", "word " * 5000], max_tokens=2)
+    assert refused.value.body["param"] == "prompt[1]"
+    assert refused.value.body["message"].startswith("prompt[1]: ")
 
 
 @pytest.mark.parametrize("prompt", [[], ["a", [5]], [[5], "a"], ["a", ""], [[]]])

@@ -70,12 +70,14 @@ class GenerationCall:
         prompt: Prompt text, ids or chat prompt.
         params: Resolved sampling parameters.
         request_id: The id returned to the client.
+        prompt_param: How an error about the prompt names it (``prompt[2]`` in a batch).
     """
 
     def __init__(self, http_request: Request, engine: Any, prompt: Any,
-                 params: SamplingParams, request_id: str) -> None:
+                 params: SamplingParams, request_id: str, prompt_param: str = "prompt") -> None:
         self.http_request = http_request
         self.engine = engine
+        self.prompt_param = prompt_param
         self.request = GenerationRequest(request_id, prompt, params, EventChannel())
         self.created = int(time.time())
         self.admitted: Admitted | None = None
@@ -102,6 +104,13 @@ class GenerationCall:
             if not self.watch.gone and not self.engine.is_ready:
                 raise UnavailableError("the generation engine stopped")
 
+    def _error(self, event: Rejected | Failed) -> Exception:
+        error = engine_error(event)
+        if error.param == "prompt" and self.prompt_param != "prompt":  # which one of a batch
+            error.param = self.prompt_param
+            error.message = f"{self.prompt_param}: {error.message}"
+        return error
+
     @property
     def ready(self) -> bool:
         """Whether the next event is here already (reading it would not wait)."""
@@ -124,7 +133,7 @@ class GenerationCall:
             self.request.cancel()
             raise
         if isinstance(event, (Rejected, Failed)):
-            raise engine_error(event)
+            raise self._error(event)
         self.admitted = event
         return event
 
@@ -151,7 +160,7 @@ class GenerationCall:
             while True:
                 event = await self._next()
                 if isinstance(event, Failed):
-                    raise engine_error(event)
+                    raise self._error(event)
                 yield event
                 if isinstance(event, Finished):
                     return

@@ -124,7 +124,9 @@ def _calls(request: Request, engine: Any, prompts: list[str | list[int]], n: int
         return []
     total = len(prompts) * n
     return [GenerationCall(request, engine, prompts[j // n], for_choice(params, j % n),
-                           rid if total == 1 else f"{rid}-{j}") for j in range(total)]
+                           rid if total == 1 else f"{rid}-{j}",
+                           "prompt" if len(prompts) == 1 else f"prompt[{j // n}]")
+            for j in range(total)]
 
 
 class _Answer:
