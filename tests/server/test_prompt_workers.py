@@ -117,7 +117,8 @@ def test_a_prompt_with_a_lone_surrogate_is_refused_not_left_hanging(small_server
     resp = httpx.post(small_server.base_url + "/v1/completions", content=json.dumps(body),
                       headers={"content-type": "application/json"}, timeout=20)
     err = assert_openai_error(resp, 400, "invalid_prompt")
-    assert err["param"] == "prompt" and "lone surrogate" in err["message"]
+    where = "prompt[1]" if isinstance(body["prompt"], list) else "prompt"  # a batch names it
+    assert err["param"] == where and "lone surrogate" in err["message"]
     _idle(small_server)
 
 

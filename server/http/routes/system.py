@@ -17,7 +17,10 @@ models_router = APIRouter()
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: some probes only ask that
+@router.get("/health")
+# HEAD: some probes only ask that. Its own operation id: one route for both methods gave
+# both GET's id, and FastAPI warned of the duplicate each time it built the OpenAPI schema.
+@router.head("/health", operation_id="health_head")
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and the engine thread is alive; 503 otherwise.
 
