@@ -64,7 +64,8 @@ class LoadedModel:
 
     def context_phrase(self) -> str:
         """The context bound as refusals state it, naming where it comes from."""
-        return f"the model's context of {self.context_length} tokens ({self.context_source})"
+        whose = "the model's" if self.context_source.startswith("the model") else "the served"
+        return f"{whose} context of {self.context_length} tokens ({self.context_source})"
 
 
 def resolve_model_path(section: ModelSection) -> Path:

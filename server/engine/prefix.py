@@ -5,8 +5,8 @@ The bookkeeping (hash chain, references, LRU) is the library's
 when it is used (engine thread only)::
 
     admission   lookup(prompt): full-block keys, the longest cached run
-                (at most (P - 1) // block_size blocks: the last prompt token is
-                always computed, its logits give the first token) -> acquire
+                (at most (P - min_tail) // block_size blocks: the last prompt token
+                is always computed, its logits give the first token) -> acquire
     prefill     the row's table starts on the shared blocks; only the rest is fed
     prefilled   publish: the row's own full prompt blocks join the cache
     finished    publish_output: full blocks of prompt + generated tokens join too
@@ -86,17 +86,27 @@ class PromptPrefixes:
         cache: The pool's prefix cache.
         root: :func:`cache_root` of the served model and arena.
         block_size: Tokens per block.
+        min_tail: Prompt tokens a hit always leaves to compute. 1 (the last token's
+            logits give the first generated one), or more where the number of rows
+            picks the arithmetic: with the CPU's products from quantized codes (calls
+            of at most ``model.quantized_matmul_rows`` rows), a tail of that many
+            rows or fewer would run with int8 activations where the cold prompt ran
+            in float32, and a near-tie first token (SmolLM2 asked the capital of
+            France: "The" 0.10 above "L") flipped on the second asking. One row more
+            keeps the tail on the cold prompt's float32 path.
     """
 
-    def __init__(self, cache: PrefixCache, root: bytes, block_size: int) -> None:
+    def __init__(self, cache: PrefixCache, root: bytes, block_size: int,
+                 min_tail: int = 1) -> None:
         self.cache = cache
         self.root = root
         self.block_size = block_size
+        self.min_tail = max(min_tail, 1)
 
     def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit:
         """Keys of the prompt and the cached run it may start on (nothing acquired)."""
         keys = chain_hashes(prompt_ids, self.block_size, self.root)
-        usable = (len(prompt_ids) - 1) // self.block_size
+        usable = max(len(prompt_ids) - self.min_tail, 0) // self.block_size
         return PrefixHit(keys, self.cache.match(keys[:usable]))
 
     def acquire(self, owner: int, hit: PrefixHit, prompt_tokens: int) -> int:

@@ -183,8 +183,10 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     pool, kv = plan_kv(settings, layout, pool, loaded.context_length)
     prefixes = None
     if settings.cache.prefix_caching:
+        # A hit leaves the codes' row range behind it (PromptPrefixes' min_tail).
+        codes_rows = settings.model.quantized_matmul_rows if loaded.quantized_copies else 0
         prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),
-                                  pool.config.block_size)
+                                  pool.config.block_size, min_tail=codes_rows + 1)
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
     _warn_if_default_requests_never_fit(scheduler, settings.limits.default_max_tokens)
     batch = settings.batch

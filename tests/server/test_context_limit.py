@@ -109,7 +109,7 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     assert error["param"] == "prompt" and "at most 1024 tokens a request" in error["message"]
     # Past the configured context (2,048) before the pool is even asked.
     error = _error(_complete(base, prompt=[7] * 1100, max_tokens=1000))
-    assert "context of 2048 tokens (limits.max_context_tokens)" in error["message"]
+    assert "the served context of 2048 tokens (limits.max_context_tokens)" in error["message"]
     assert small_pool.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
 
 
