@@ -210,19 +210,34 @@ def test_a_schema_with_no_finite_value_is_a_client_error(live_server):
     assert metrics["veloxquant_block_pool_blocks_in_use"] == 0
 
 
+def _essence(answer: dict) -> list:
+    """Each choice's end, text and calls (call ids are new each time)."""
+    return [(c["finish_reason"], c.get("text"), (c.get("message") or {}).get("content"),
+             [t["function"] for t in (c.get("message") or {}).get("tool_calls") or []])
+            for c in answer["choices"]]
+
+
 @pytest.mark.parametrize("path,fields", [
     ("/v1/chat/completions", {"response_format": _schema_format()}),
     ("/v1/completions", {"response_format": {"type": "json_object"}}),
     ("/v1/chat/completions", {"tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
 ])
-def test_stop_strings_are_refused_on_constrained_output(live_server, path, fields):
-    """A stop string would cut the document and call that a normal stop."""
+def test_stop_strings_apply_to_constrained_output(live_server, path, fields):
+    """As in OpenAI's API: a stop string that cannot occur in JSON (agent frameworks send
+    "\nObservation:") leaves the document whole; one that occurs cuts it, ending ``stop``."""
     import httpx
 
     base = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
-    body = {**base, **fields, "max_tokens": 4, "stop": ["color"]}
-    resp = httpx.post(live_server.base_url + path, json=body, timeout=60)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop", resp.text
-    del body["stop"]
-    assert httpx.post(live_server.base_url + path, json=body, timeout=60).status_code == 200
+    body = {**base, **fields, "max_tokens": 48, "temperature": 0}
+    plain = httpx.post(live_server.base_url + path, json=body, timeout=60).json()
+    framework = httpx.post(live_server.base_url + path, timeout=60,
+                           json={**body, "stop": ["\nObservation:"]}).json()
+    assert _essence(framework) == _essence(plain)
+    cut = httpx.post(live_server.base_url + path, json={**body, "stop": ["{"]}, timeout=60)
+    assert cut.status_code == 200, cut.text
+    choice = cut.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    text = choice.get("text", (choice.get("message") or {}).get("content")) or ""
+    assert "{" not in text and not (choice.get("message") or {}).get("tool_calls")
+    assert live_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0

@@ -29,7 +29,7 @@ from server.http.routes.params import (
     resolve_params,
 )
 from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
-from server.http.routes.structured import output_constraint, refuse_stop
+from server.http.routes.structured import output_constraint
 from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.schemas import ChatCompletionRequest, ChatMessage
 from server.http.schemas.refusals import refuse_unsupported
@@ -58,7 +58,6 @@ async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engi
                         tools: ToolPlan) -> SamplingParams:
     """Add the output's grammar, and with ``parallel_tool_calls: false`` stop after one call."""
     constraint = await output_constraint(engine, body.response_format, tools)
-    refuse_stop(constraint, params.stop)
     stop = params.stop
     if tools.mode == "auto" and not tools.parallel:
         stop += (TOOL_CALL_CLOSE,)

@@ -25,7 +25,7 @@ from server.http.routes.params import (
     resolve_params,
 )
 from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
-from server.http.routes.structured import output_constraint, refuse_stop
+from server.http.routes.structured import output_constraint
 from server.http.schemas import CompletionRequest
 from server.http.schemas.refusals import refuse_unsupported
 
@@ -71,7 +71,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = resolve_params(body, settings, body.max_tokens,
                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0)
     constraint = await output_constraint(engine, body.response_format)
-    refuse_stop(constraint, params.stop)
     params = dataclasses.replace(params, constraint=constraint)
     rid = new_id("cmpl", request)
     try:

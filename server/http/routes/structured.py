@@ -17,20 +17,6 @@ from server.http.errors import InvalidRequestError
 from server.http.schemas.tools import ToolPlan
 
 
-def refuse_stop(constraint: Any, stop: tuple[str, ...]) -> None:
-    """400 for stop strings on constrained output: the grammar decides where it ends.
-
-    A stop string matching inside the document cut it there and still called the
-    end ``stop``: a ``json_schema`` answer came back as ``{"``, a forced tool call
-    as its truncated JSON in ``content``.
-    """
-    if constraint is not None and stop:
-        raise InvalidRequestError(
-            f"stop cannot be combined with {constraint.kind} output (response_format or a "
-            "forced tool call): the grammar decides where the output ends, and a stop string "
-            "matching inside the JSON would cut it; leave stop out", param="stop")
-
-
 async def output_constraint(engine: Any, response_format: dict[str, Any] | None,
                             tools: ToolPlan | None = None) -> Any:
     """The compiled constraint for a request, or None when its output is free text.
