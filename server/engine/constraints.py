@@ -296,7 +296,8 @@ def compile_json_schema(schema: dict[str, Any], tokenizer: Any, *, name: str = "
     """
     if not isinstance(schema, dict):
         raise ConstraintError(f"{param}: the schema must be a JSON Schema object", param)
-    return _COMPILER.compile("json_schema", name, bound_integers(schema), tokenizer, param)
+    return _COMPILER.compile("json_schema", name, close_objects(bound_integers(schema)),
+                             tokenizer, param)
 
 
 def bound_integers(schema: Any) -> Any:
@@ -319,6 +320,46 @@ def bound_integers(schema: Any) -> Any:
             out["minimum"] = -SAFE_INTEGER
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = SAFE_INTEGER
+    return out
+
+
+# Keywords that already say what other properties an object may have.
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Keywords whose value maps names to schemas (the map itself is no schema).
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+
+
+def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """A copy of ``schema`` whose objects with ``properties`` allow no others, unless it says.
+
+    JSON Schema lets an object carry any other key by default, and the grammar
+    then lets a model add keys of its own (and repeat one): SmolLM2 wrote
+    ``"city"`` three times into one object, and tools from LangChain's
+    ``@tool`` or instructor, whose schemas leave ``additionalProperties`` out,
+    came back with invented arguments cut off by ``max_tokens``. vLLM's default
+    grammar backend (xgrammar's strict mode) closes them the same way, and
+    OpenAI's strict mode demands ``additionalProperties: false``. An object
+    that says ``additionalProperties`` (or ``patternProperties``,
+    ``unevaluatedProperties``) keeps its meaning; one without ``properties``
+    (``{"type": "object"}``, JSON mode) stays free; the branches of an ``allOf``
+    stay open, since each must accept the others' properties.
+    """
+    if isinstance(schema, list):
+        return [close_objects(item, in_all_of) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = close_objects(value, key == "allOf")
+    if (isinstance(schema.get("properties"), dict) and not in_all_of
+            and not any(key in schema for key in _OPEN_KEYWORDS)):
+        out["additionalProperties"] = False
     return out
 
 

@@ -19,6 +19,7 @@ from server.engine.constraints import (
     ConstraintError,
     ConstraintViolation,
     bound_integers,
+    close_objects,
     compile_json_schema,
     compile_response_format,
     mask_words,
@@ -168,6 +169,31 @@ def test_unbounded_integers_get_the_safe_range_and_data_is_untouched():
     assert props["tag"] == {"const": {"type": "integer"}}  # data, not a schema
     assert props["items"]["items"]["maximum"] == SAFE_INTEGER
     assert "minimum" not in schema["properties"]["n"]  # the client's schema is not changed
+
+
+def test_objects_with_properties_take_no_others_unless_the_schema_says(tokenizer):
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {}}},  # a property so named
+        "free": {"type": "object"}, "open": {"properties": {"y": {}},
+                                             "additionalProperties": {"type": "string"}},
+        "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}},
+        "$defs": {"D": {"properties": {"z": {}}}}, "const": {"properties": {}}}
+    out = close_objects(schema)
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"]  # JSON mode's shape: any object
+    assert props["open"]["additionalProperties"] == {"type": "string"}
+    assert all("additionalProperties" not in branch for branch in props["both"]["allOf"])
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert out["const"] == {"properties": {}}  # data
+    assert "additionalProperties" not in schema  # the client's schema is not changed
+    # Compiled: a key the schema does not name cannot start.
+    constraint = compile_response_format(_schema_format(
+        {"type": "object", "properties": {"city": {"type": "string"}}}), tokenizer)
+    matcher = constraint.matcher()
+    fed = tokenizer.encode('{"city": "Paris", "', add_special_tokens=False)
+    assert not all(matcher.ll.consume_token(t) for t in fed)
 
 
 def test_an_integer_longer_than_sixteen_digits_is_refused(tokenizer):
