@@ -98,6 +98,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
+        self.crash: str | None = None  # why the loop stopped on its own (it serves no more)
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
         self.output: OutputProcessor | None = None
@@ -328,8 +329,10 @@ class Engine:
                     self.steps.step()
                     self.steps.sample_memory()
                     self.clock.lap("memory")
-            except Exception:  # a bug in the loop itself: fail everything cleanly
+            except Exception as exc:  # a bug, or a lost rank: fail everything cleanly
                 log.exception("engine loop crashed")
+                self.crash = (f"the engine stopped after an error ({type(exc).__name__}: "
+                              f"{exc}); restart the server")
                 self._stopping.set()  # not ready from now on: /health says 503
             finally:
                 self._shutdown()
@@ -380,12 +383,12 @@ class Engine:
 
     def _shutdown(self) -> None:
         self.steps.end(list(self.scheduler.running.values()), FinishReason.ERROR,
-                        Reason.SHUTTING_DOWN, SHUTTING_DOWN)
+                        Reason.SHUTTING_DOWN, self.crash or SHUTTING_DOWN)
         self.steps.send_events()
         self.runner.close()
         # Before the inbox is drained: what the workers still deliver lands there.
         self._preparer.close()
-        self.scheduler.close(Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN))
+        self.scheduler.close(Rejected(Reason.SHUTTING_DOWN, self.crash or SHUTTING_DOWN))
         while True:
             try:
                 item = self._inbox.get_nowait()

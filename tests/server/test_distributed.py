@@ -188,7 +188,11 @@ def test_a_lost_rank_fails_requests_with_503_and_health_goes_503(tiny_model_path
                            json={"prompt": "x", "max_tokens": 4, "temperature": 0})
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] in ("shutting_down", "unavailable")
-        assert httpx.get(base + "/health", timeout=10).status_code == 503
+            # The cause, not "shutting down" (a planned drain) or "not loaded yet".
+            message = r.json()["error"]["message"]
+            assert "lost the other ranks" in message and "restart the server" in message
+        health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 503 and "lost the other ranks" in health.text
         pool = httpx.get(base + "/admin/pool", timeout=30,
                          headers={"Authorization": f"Bearer {ADMIN}"})
         assert pool.status_code == 503 and "ranks did not answer" in pool.text

@@ -46,7 +46,9 @@ def get_engine(request: Request) -> Any:
     """The app's engine, or 503 when the model is not loaded yet."""
     engine = request.app.state.engine
     if not engine.is_ready:
-        raise UnavailableError("the model is not loaded yet (or failed to load); see GET /health")
+        raise UnavailableError(getattr(engine, "crash", None)
+                               or "the model is not loaded yet (or failed to load); "
+                                  "see GET /health")
     if stalled := getattr(engine, "stalled", None):  # it would wait on a hung engine
         raise UnavailableError(stalled)
     return engine

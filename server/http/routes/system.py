@@ -48,7 +48,8 @@ async def health(request: Request) -> JSONResponse:
             body.update(status="degraded", reason=degraded)
         return JSONResponse(body)
     reason = getattr(engine, "load_error", None)
-    message = f"model failed to load: {reason}" if reason else "model loading or engine stopped"
+    message = (f"model failed to load: {reason}" if reason
+               else getattr(engine, "crash", None) or "model loading or engine stopped")
     return error_response(UnavailableError(message), request.app.state.settings)
 
 
