@@ -87,6 +87,20 @@ def _header(scope: Scope, wanted: bytes) -> str | None:
     return None
 
 
+def _declare_json(scope: Scope) -> None:
+    """Declare ``scope``'s body JSON, whatever (or whether) the client declared.
+
+    Every POST body here is JSON. ``curl -d '{...}'`` without ``-H`` sends it
+    as ``application/x-www-form-urlencoded``, and FastAPI then never parsed it
+    ("Input should be a valid dictionary"); llama-server reads such bodies as
+    JSON too. A body that is no JSON still gets the JSON parse error, a 400.
+    """
+    kind = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+        scope["headers"] = [*headers, (b"content-type", b"application/json")]
+
+
 def _content_length(scope: Scope) -> int | None:
     value = _header(scope, b"content-length")
     try:
@@ -125,6 +139,8 @@ class Guards:
         if path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        if scope.get("method") == "POST":
+            _declare_json(scope)
         client = None
         if self.per_client and path in GENERATION_PATHS:
             client = (scope.get("client") or ("?", 0))[0]

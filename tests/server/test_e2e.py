@@ -165,6 +165,18 @@ def test_a_stream_the_client_cuts_counts_as_499(live_server):
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded",
+                                          "text/plain"])
+def test_a_json_body_is_read_whatever_its_content_type(live_server, content_type):
+    # curl -d '{...}' without -H declares a form; the body is JSON all the same.
+    headers = {"content-type": content_type} if content_type else {}
+    url = live_server.base_url + "/v1/completions"
+    ok = httpx.post(url, content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    bad = httpx.post(url, content=b"prompt=hi", headers=headers)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+
+
 def test_server_is_idle_afterwards(live_server):
     m = live_server.wait_idle()
     assert m["veloxquant_block_pool_blocks_in_use"] == 0
