@@ -336,18 +336,40 @@ def test_forced_call_with_closed_arguments_is_exact(client):
     assert isinstance(args["exact"], bool) and set(args) == {"op", "exact"}
 
 
-def test_forced_call_streams_as_one_tool_call(live_server):
+def test_a_forced_call_streams_its_arguments_as_they_are_written(live_server, client):
     import httpx
 
     body = {"messages": [{"role": "user", "content": "Pick."}], "tools": [ADD, PICK],
             "tool_choice": {"type": "function", "function": {"name": "pick"}},
             "max_tokens": 60, "temperature": 0, "stream": True}
     chunks = chat_stream(httpx.post(live_server.base_url + CHAT, json=body, timeout=60))
-    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
-    assert len(calls) == 1 and calls[0].function.name == "pick"
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    # As OpenAI streams a call: id and name first (no arguments yet), then argument text.
+    assert len(pieces) > 2 and {p.index for p in pieces} == {0}
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "pick"
+    assert pieces[0].function.arguments == "" and all(p.id is None for p in pieces[1:])
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    assert set(json.loads(arguments)) == {"op", "exact"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"  # named
-    assert set(json.loads(calls[0].function.arguments)) == {"op", "exact"}
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = httpx.post(live_server.base_url + CHAT, json={**body, "stream": False}, timeout=60)
+    (call,) = whole.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == json.loads(arguments)
+    # The SDK's stream helper puts the pieces together into the same call.
+    del body["stream"]
+    with client.chat.completions.stream(model="tiny", **body) as stream:
+        for _ in stream:
+            pass
+        (sdk_call,) = stream.get_final_completion().choices[0].message.tool_calls
+    assert json.loads(sdk_call.function.arguments) == json.loads(arguments)
+    # Cut by max_tokens mid-arguments: what was written, and finish "length".
+    short = whole.json()["usage"]["completion_tokens"] - 3
+    cut = chat_stream(httpx.post(live_server.base_url + CHAT, timeout=60,
+                                 json={**body, "stream": True, "max_tokens": short}))
+    cut_args = "".join(t.function.arguments or "" for c in cut if c.choices
+                       for t in c.choices[0].delta.tool_calls or ())
+    assert cut_args and arguments.startswith(cut_args) and cut_args != arguments
+    assert [c.choices[0].finish_reason for c in cut if c.choices][-1] == "length"
 
 
 # -- the openai client's own structured helpers --------------------------------------------
@@ -418,7 +440,9 @@ def test_a_forced_call_cut_short_is_a_call_not_text(live_server, stream):
         chunks = chat_stream(out)
         assert chunks[0].choices[0].delta.content is None  # null, as OpenAI opens a call
         assert not any(c.choices[0].delta.content for c in chunks if c.choices)
-        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        calls = [pieces[0].model_copy(update={"function": pieces[0].function.model_copy(
+            update={"arguments": "".join(p.function.arguments or "" for p in pieces)})})]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
     else:
         message = out.json()["choices"][0]["message"]

@@ -146,6 +146,8 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         if want_logprobs:
             pending[i] += [chat_entry(r) for r in event.logprobs]
         text = event.text if held[i] is None else held[i].feed(event.text)
+        if held[i] is not None and (piece := held[i].call_delta()) is not None:
+            return delta(i, {"tool_calls": [piece]}, None)  # a forced call, as it is written
         if not text and (held[i] is not None or not pending[i]):
             return None  # nothing to send yet (held back: it may be part of a tool call)
         if pending[i]:
@@ -159,6 +161,13 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         if stream is None:
             return [delta(i, {"content": event.text} if event.text else {}, event.reason.value)]
         now = stream.feed(event.text)
+        if stream.call is not None:  # a forced call already streaming: its last piece
+            piece, whole = stream.finish_call()
+            entries, pending[i] = pending[i], []
+            chunks = [delta(i, {"tool_calls": [piece]}, None)] if piece else []
+            if entries:
+                chunks.insert(0, delta(i, {}, None, {"content": entries}))
+            return chunks + [delta(i, {}, _finish(tools, event.reason.value))]
         rest, calls = stream.finish()
         rest = now + rest
         entries, pending[i] = pending[i], []

@@ -109,13 +109,20 @@ class ToolStream:
     Text is passed on as content until it could be the start of a call: a
     ``<tool_call>`` tag (or the start of one at the end of what came so far),
     or an answer that opens with ``{`` or ``[``. From there it is held, and
-    :meth:`finish` says whether it was a call. A forced call is held whole.
+    :meth:`finish` says whether it was a call. A forced call is never content:
+    :meth:`call_delta` streams it as OpenAI streams calls, its name (with the
+    call's id) once the grammar's ``{"name": ..., "arguments": `` wrapper has
+    it, then its arguments as they are written, all but the last character,
+    which may be the wrapper's closing brace.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""  # everything so far
         self.sent = 0  # characters of text already passed on as content
+        self.call: dict[str, Any] | None = None  # a forced call whose name went out
+        self.args_at = 0  # where its arguments start in text
+        self.args_sent = 0  # characters of its arguments already sent
 
     def feed(self, piece: str) -> str:
         """Add generated text; returns what can be sent as content now."""
@@ -131,6 +138,41 @@ class ToolStream:
                     break
         out, self.sent = self.text[self.sent:held], max(self.sent, held)
         return out
+
+    def call_delta(self) -> dict[str, Any] | None:
+        """A forced call's next streamed piece (``delta.tool_calls[0]``), if one is ready."""
+        if not self.plan.forced_call:
+            return None
+        piece: dict[str, Any] = {"index": 0}
+        if self.call is None:
+            match = _CUT_CALL.match(self.text)
+            # Past the separator's whitespace: the arguments' first character is here.
+            if (match is None or match.end() == len(self.text)
+                    or match.group(1) not in {f.name for f in self.plan.offered}):
+                return None
+            self.call, self.args_at = _tool_call(match.group(1), ""), match.end()
+            piece.update(id=self.call["id"], type="function",
+                         function={"name": match.group(1), "arguments": ""})
+        ready = max(len(self.text) - 1 - self.args_at, self.args_sent)
+        more = self.text[self.args_at + self.args_sent: self.args_at + ready]
+        self.args_sent = ready
+        if more:
+            piece.setdefault("function", {})["arguments"] = more
+        return piece if len(piece) > 1 else None
+
+    def finish_call(self) -> tuple[dict[str, Any] | None, bool]:
+        """At the end of a streamed forced call: its last piece, and whether it was whole.
+
+        The arguments sent are exactly the model's text: the end strips the
+        wrapper's closing brace of a whole call; a call ``max_tokens`` cut keeps all.
+        """
+        whole = bool(_split(self.text, self.plan)[1])
+        args = self.text[self.args_at:]
+        if whole:
+            args = args.rstrip()[:-1]
+        more = args[self.args_sent:]
+        self.args_sent = len(args)
+        return ({"index": 0, "function": {"arguments": more}} if more else None), whole
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: content not yet sent (text outside calls) and the calls."""
