@@ -325,12 +325,14 @@ def bound_integers(schema: Any) -> Any:
 
 # Keywords that already say what other properties an object may have.
 _OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Keywords that combine an object with other schemas, which may add its keys.
+_COMBINERS = ("anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas")
 # Keywords whose value maps names to schemas (the map itself is no schema).
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                           "dependentSchemas"})
 
 
-def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+def close_objects(schema: Any) -> Any:
     """A copy of ``schema`` whose objects with ``properties`` allow no others, unless it says.
 
     JSON Schema lets an object carry any other key by default, and the grammar
@@ -342,11 +344,31 @@ def close_objects(schema: Any, in_all_of: bool = False) -> Any:
     OpenAI's strict mode demands ``additionalProperties: false``. An object
     that says ``additionalProperties`` (or ``patternProperties``,
     ``unevaluatedProperties``) keeps its meaning; one without ``properties``
-    (``{"type": "object"}``, JSON mode) stays free; the branches of an ``allOf``
-    stay open, since each must accept the others' properties.
+    (``{"type": "object"}``, JSON mode) stays free. A schema that composes
+    objects is left as it is: one with an ``allOf`` anywhere, or an object with
+    ``properties`` beside ``anyOf``, ``oneOf``, ``$ref`` and the like, whose
+    parts (and the definitions they reach) must each accept the others' keys.
     """
+    if _composes(schema):
+        return schema
+    return _closed(schema)
+
+
+def _composes(schema: Any) -> bool:
+    """Whether ``schema`` has an ``allOf``, or an object whose keys a combiner adds to."""
     if isinstance(schema, list):
-        return [close_objects(item, in_all_of) for item in schema]
+        return any(_composes(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    if "allOf" in schema or ("properties" in schema
+                             and any(key in schema for key in _COMBINERS)):
+        return True
+    return any(_composes(value) for key, value in schema.items() if key not in _DATA_KEYWORDS)
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -354,10 +376,10 @@ def close_objects(schema: Any, in_all_of: bool = False) -> Any:
         if key in _DATA_KEYWORDS:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
-            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
         else:
-            out[key] = close_objects(value, key == "allOf")
-    if (isinstance(schema.get("properties"), dict) and not in_all_of
+            out[key] = _closed(value)
+    if (isinstance(schema.get("properties"), dict)
             and not any(key in schema for key in _OPEN_KEYWORDS)):
         out["additionalProperties"] = False
     return out

@@ -176,7 +176,8 @@ def test_objects_with_properties_take_no_others_unless_the_schema_says(tokenizer
         "properties": {"type": "object", "properties": {"x": {}}},  # a property so named
         "free": {"type": "object"}, "open": {"properties": {"y": {}},
                                              "additionalProperties": {"type": "string"}},
-        "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}},
+        "either": {"anyOf": [{"properties": {"a": {}}}, {"type": "null"}]},
+        "ref": {"$ref": "#/$defs/D"}},
         "$defs": {"D": {"properties": {"z": {}}}}, "const": {"properties": {}}}
     out = close_objects(schema)
     props = out["properties"]
@@ -184,10 +185,21 @@ def test_objects_with_properties_take_no_others_unless_the_schema_says(tokenizer
     assert props["properties"]["additionalProperties"] is False
     assert "additionalProperties" not in props["free"]  # JSON mode's shape: any object
     assert props["open"]["additionalProperties"] == {"type": "string"}
-    assert all("additionalProperties" not in branch for branch in props["both"]["allOf"])
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False  # a whole alternative
     assert out["$defs"]["D"]["additionalProperties"] is False
     assert out["const"] == {"properties": {}}  # data
     assert "additionalProperties" not in schema  # the client's schema is not changed
+    # Composed objects stay as they are: each part must accept the others' keys.
+    base = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    for composed in (
+            {"$defs": {"Base": base}, "allOf": [{"$ref": "#/$defs/Base"}, {
+                "type": "object", "properties": {"name": {"type": "string"}},
+                "required": ["name"]}]},
+            {**base, "allOf": [{"properties": {"b": {}}, "required": ["b"]}]},
+            {**base, "anyOf": [{"properties": {"b": {}}, "required": ["b"]}]},
+            {**base, "$ref": "#/$defs/E", "$defs": {"E": {"properties": {"e": {}}}}}):
+        assert close_objects(composed) == composed
+        compile_response_format(_schema_format(composed), tokenizer)  # satisfiable
     # Compiled: a key the schema does not name cannot start.
     constraint = compile_response_format(_schema_format(
         {"type": "object", "properties": {"city": {"type": "string"}}}), tokenizer)

@@ -456,3 +456,27 @@ def test_a_forced_call_cut_short_is_a_call_not_text(live_server, stream):
     assert '{"name"' not in call.function.arguments  # the wrapper is the server's own
     with pytest.raises(ValueError):
         json.loads(call.function.arguments)  # cut: what was written so far
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_a_stop_string_cuts_ends_stop_not_tool_calls(live_server, stream):
+    import httpx
+
+    # "exact" occurs only in the arguments: the call is cut after '{"op": "...", "'.
+    body = {"messages": [{"role": "user", "content": "Pick."}], "tools": [PICK],
+            "tool_choice": "required", "max_tokens": 60, "temperature": 0,
+            "stop": ['exact"'], "stream": stream}
+    out = httpx.post(live_server.base_url + CHAT, json=body, timeout=60)
+    if stream:
+        chunks = chat_stream(out)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        arguments = "".join(t.function.arguments or "" for c in chunks if c.choices
+                            for t in c.choices[0].delta.tool_calls or ())
+    else:
+        choice = out.json()["choices"][0]
+        finish, arguments = choice["finish_reason"], choice["message"]["tool_calls"][0][
+            "function"]["arguments"]
+    assert finish == "stop"  # not "tool_calls": the client must not run a cut call
+    assert arguments.startswith('{"op": "') and "exact" not in arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)

@@ -30,7 +30,7 @@ from server.http.routes.params import (
 )
 from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
 from server.http.routes.structured import output_constraint
-from server.http.routes.tool_calls import ToolStream, parse_calls
+from server.http.routes.tool_calls import ToolStream, parse_calls, whole_calls
 from server.http.schemas import ChatCompletionRequest, ChatMessage
 from server.http.schemas.refusals import refuse_unsupported
 from server.http.schemas.tools import ToolPlan, tool_plan
@@ -64,11 +64,12 @@ async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engi
     return dataclasses.replace(params, constraint=constraint, stop=stop)
 
 
-def _finish(tools: ToolPlan, finish: str) -> str:
+def _finish(tools: ToolPlan, finish: str, whole: bool = True) -> str:
     """The finish reason of an answer with calls: ``tool_calls``, but ``stop`` for a call the
     request named in ``tool_choice``, as OpenAI's API answers (streamed or not); ``length``
-    when ``max_tokens`` cut the answer (a later call may have been lost)."""
-    if finish == "length":
+    when ``max_tokens`` cut the answer (a later call may have been lost), and ``stop`` when
+    a stop string cut a forced call (``whole`` false): its arguments are unfinished."""
+    if finish == "length" or not whole:
         return finish
     return "stop" if tools.mode == "named" else "tool_calls"
 
@@ -78,8 +79,9 @@ def _message(text: str, finish: str, tools: ToolPlan) -> tuple[dict[str, Any], s
     content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
     if not calls:
         return {"role": "assistant", "content": content}, finish
+    whole = not tools.forced_call or bool(whole_calls(text, tools))
     return {"role": "assistant", "content": content, "tool_calls": calls}, \
-        _finish(tools, finish)
+        _finish(tools, finish, whole)
 
 
 @router.post("/v1/chat/completions")
@@ -167,7 +169,7 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
             chunks = [delta(i, {"tool_calls": [piece]}, None)] if piece else []
             if entries:
                 chunks.insert(0, delta(i, {}, None, {"content": entries}))
-            return chunks + [delta(i, {}, _finish(tools, event.reason.value))]
+            return chunks + [delta(i, {}, _finish(tools, event.reason.value, whole))]
         rest, calls = stream.finish()
         rest = now + rest
         entries, pending[i] = pending[i], []

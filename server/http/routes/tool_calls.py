@@ -66,6 +66,11 @@ def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
     return (kept, calls) if calls else (text, [])
 
 
+def whole_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
+    """The calls of ``text`` that are complete (parse and name an offered function)."""
+    return _split(text, plan)[1]
+
+
 def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
     """Split a finished answer into its text and its tool calls.
 
@@ -166,7 +171,7 @@ class ToolStream:
         The arguments sent are exactly the model's text: the end strips the
         wrapper's closing brace of a whole call; a call ``max_tokens`` cut keeps all.
         """
-        whole = bool(_split(self.text, self.plan)[1])
+        whole = bool(whole_calls(self.text, self.plan))
         args = self.text[self.args_at:]
         if whole:
             args = args.rstrip()[:-1]
