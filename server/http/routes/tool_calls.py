@@ -156,8 +156,9 @@ class ToolStream:
                     or match.group(1) not in {f.name for f in self.plan.offered}):
                 return None
             self.call, self.args_at = _tool_call(match.group(1), ""), match.end()
-            piece.update(id=self.call["id"], type="function",
-                         function={"name": match.group(1), "arguments": ""})
+            # The name alone, arguments "" (as OpenAI's first piece); they follow.
+            return {**piece, "id": self.call["id"], "type": "function",
+                    "function": {"name": match.group(1), "arguments": ""}}
         ready = max(len(self.text) - 1 - self.args_at, self.args_sent)
         more = self.text[self.args_at + self.args_sent: self.args_at + ready]
         self.args_sent = ready
