@@ -60,12 +60,14 @@ class LoadedModel:
     # Positions a request may reach (prompt + generated tokens): the model's
     # max_position_embeddings, or limits.max_context_tokens; None: no bound stated.
     context_length: int | None = None
-    context_source: str = "the model's max_position_embeddings"  # for error messages
+    context_configured: bool = False  # set by limits.max_context_tokens, not the model
 
     def context_phrase(self) -> str:
         """The context bound as refusals state it, naming where it comes from."""
-        whose = "the model's" if self.context_source.startswith("the model") else "the served"
-        return f"{whose} context of {self.context_length} tokens ({self.context_source})"
+        if self.context_configured:
+            return f"the served context of {self.context_length} tokens (limits.max_context_tokens)"
+        return (f"the model's context of {self.context_length} tokens "
+                "(the model's max_position_embeddings)")
 
 
 def resolve_model_path(section: ModelSection) -> Path:

@@ -38,6 +38,13 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 SAFE_INTEGER = 2**53 - 1
 # Keywords whose values are data, not schemas: never rewritten.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords that already say what other properties an object may have.
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Keywords that combine an object with other schemas, which may add its keys.
+_COMBINERS = ("anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas")
+# Keywords whose value maps names to schemas (the map itself is no schema).
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
 _CACHE_SIZE = 256  # compiled constraints kept (clients repeat their schemas)
 
 
@@ -308,28 +315,38 @@ def bound_integers(schema: Any) -> Any:
     at most 16 digits, which every JSON parser reads exactly. Values of
     ``const``, ``enum``, ``default`` and ``examples`` are data and kept as they are.
     """
-    if isinstance(schema, list):
-        return [bound_integers(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in _DATA_KEYWORDS else bound_integers(value)
-           for key, value in schema.items()}
+    return _rewritten(schema, _bound_integer)
+
+
+def _bound_integer(schema: dict[str, Any], out: dict[str, Any]) -> None:
     kind = schema.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -SAFE_INTEGER
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = SAFE_INTEGER
+
+
+def _rewritten(schema: Any, rewrite: Any) -> Any:
+    """A copy of ``schema`` in which ``rewrite(node, copy)`` amended each subschema's copy.
+
+    Data keywords' values are copied as they are; a map of names to schemas
+    (``properties``, ``$defs``, ...) is walked into, never taken for a schema.
+    """
+    if isinstance(schema, list):
+        return [_rewritten(item, rewrite) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: _rewritten(sub, rewrite) for name, sub in value.items()}
+        else:
+            out[key] = _rewritten(value, rewrite)
+    rewrite(schema, out)
     return out
-
-
-# Keywords that already say what other properties an object may have.
-_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-# Keywords that combine an object with other schemas, which may add its keys.
-_COMBINERS = ("anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas")
-# Keywords whose value maps names to schemas (the map itself is no schema).
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                          "dependentSchemas"})
 
 
 def close_objects(schema: Any) -> Any:
@@ -351,7 +368,7 @@ def close_objects(schema: Any) -> Any:
     """
     if _composes(schema):
         return schema
-    return _closed(schema)
+    return _rewritten(schema, _close)
 
 
 def _composes(schema: Any) -> bool:
@@ -366,23 +383,10 @@ def _composes(schema: Any) -> bool:
     return any(_composes(value) for key, value in schema.items() if key not in _DATA_KEYWORDS)
 
 
-def _closed(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
-            out[key] = {name: _closed(sub) for name, sub in value.items()}
-        else:
-            out[key] = _closed(value)
+def _close(schema: dict[str, Any], out: dict[str, Any]) -> None:
     if (isinstance(schema.get("properties"), dict)
             and not any(key in schema for key in _OPEN_KEYWORDS)):
         out["additionalProperties"] = False
-    return out
 
 
 def _build_matcher(schema: dict[str, Any], tokenizer: llguidance.LLTokenizer,

@@ -161,8 +161,7 @@ class Engine:
         ``shutting_down``, so a client can retry elsewhere at once) and any that
         still arrive; the running ones go on."""
         if self.scheduler is not None:
-            self.run_on_engine(lambda: self.scheduler.close(
-                Rejected(Reason.SHUTTING_DOWN, SHUTTING_DOWN)))
+            self.run_on_engine(lambda: self.scheduler.close(self._stopping_refusal()))
 
     def run_on_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread between two steps; returns its future."""
@@ -388,7 +387,7 @@ class Engine:
         self.runner.close()
         # Before the inbox is drained: what the workers still deliver lands there.
         self._preparer.close()
-        self.scheduler.close(Rejected(Reason.SHUTTING_DOWN, self.crash or SHUTTING_DOWN))
+        self.scheduler.close(self._stopping_refusal())
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -398,6 +397,10 @@ class Engine:
                 item.future.set_exception(RuntimeError("the engine stopped"))
             elif item is not None:
                 self.scheduler.intake(item)  # refused by the closed scheduler
+
+    def _stopping_refusal(self) -> Rejected:
+        """What a request that has not started gets once the engine stops taking work."""
+        return Rejected(Reason.SHUTTING_DOWN, self.crash or SHUTTING_DOWN)
 
 
 def _run_command(command: _Command) -> None:

@@ -110,7 +110,7 @@ def apply_context_limit(limits: LimitsSection, loaded: LoadedModel) -> None:
         log.warning("limits.max_context_tokens=%d is over the %d positions the model states "
                     "(max_position_embeddings): past those its output is unreliable",
                     chosen, stated)
-    loaded.context_length, loaded.context_source = chosen, "limits.max_context_tokens"
+    loaded.context_length, loaded.context_configured = chosen, True
 
 
 def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
