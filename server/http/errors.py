@@ -197,6 +197,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     param = ".".join(loc) or None
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return ("request body is empty: send a JSON object with this endpoint's fields "
+                "(see GET /docs)"), None, "invalid_value"
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON: " + str(first.get("msg", "")), None, \
             "invalid_value"

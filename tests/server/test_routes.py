@@ -152,6 +152,26 @@ def test_invalid_json_and_wrong_content(client):
                              headers={"content-type": "application/json"}), 400)
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/chat/completions", "/v1/responses",
+                                  "/tokenize"])
+def test_an_empty_body_is_named_as_empty(client, path):
+    err = assert_error(client.post(path, content=b""), 400)
+    assert err["message"].startswith("request body is empty"), err
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "top_p": Infinity}', "top_p"),
+    (b'{"prompt": "hi", "logit_bias": {"5": -Infinity}}', "logit_bias.5"),
+])
+def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
+    # Python's JSON parser reads these non-JSON tokens; the range check alone said
+    # "less than or equal to 2" of a NaN.
+    err = assert_error(client.post(COMPLETIONS, content=raw,
+                                   headers={"content-type": "application/json"}), 400, param)
+    assert "finite number" in err["message"], err
+
+
 def test_unknown_model_is_404(client):
     err = assert_error(client.post(COMPLETIONS, json={"prompt": "hi", "model": "gpt-9"}), 404)
     assert err["code"] == "model_not_found"

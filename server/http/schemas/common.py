@@ -20,7 +20,9 @@ class OpenAIModel(BaseModel):
     instead of a nullable type on every field.
     """
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NaN and Infinity are not JSON, but Python's parser reads them: refused as what
+    # they are, instead of failing a range check ("less than or equal to 2") they never met.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -36,7 +38,7 @@ class OpenAIModel(BaseModel):
 # ``openai`` package's request types is declared (tests/server/test_openai_fields.py).
 # Nested objects (messages, tools) stay lenient: clients send back the SDK's own
 # message objects, whose extra keys differ between releases.
-STRICT_BODY = ConfigDict(extra="forbid", strict=True)
+STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
