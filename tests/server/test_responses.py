@@ -83,14 +83,40 @@ def test_forced_call_streams_to_a_completed_response(client: openai.OpenAI):
     with client.responses.stream(model="default", input="Add or subtract?", tools=[PICK],
                                  tool_choice={"type": "function", "name": "pick"},
                                  max_output_tokens=40) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_response()
+    kinds = [event.type for event in events]
     assert kinds[-1] == "response.completed" and final.status == "completed"
     (call,) = final.output  # only the call: no empty message item
     assert call.type == "function_call" and call.name == "pick"
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), PICK["parameters"])
-    assert "response.function_call_arguments.done" in kinds
+    # The call streams as it is written: its item opens first, then several argument
+    # pieces that join to the final arguments, all under the final item's id.
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (added,) = [e for e in events if e.type == "response.output_item.added"]
+    assert len(deltas) > 1 and kinds.index("response.output_item.added") < kinds.index(
+        "response.function_call_arguments.delta")
+    assert "".join(d.delta for d in deltas) == done.arguments == call.arguments
+    assert {d.item_id for d in deltas} == {done.item_id, added.item.id} == {call.id}
+    assert added.item.call_id == call.call_id and added.item.status == "in_progress"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_forced_call_cut_by_max_output_tokens_streams_what_was_written(
+        client: openai.OpenAI):
+    # (The SDK's stream helper wants response.completed; the raw stream ends incomplete.)
+    events = list(client.responses.create(
+        model="default", input="Add or subtract?", tools=[PICK], stream=True,
+        tool_choice={"type": "function", "name": "pick"}, max_output_tokens=16,
+        temperature=0))
+    final = events[-1].response
+    assert final.status == "incomplete" and events[-1].type == "response.incomplete"
+    (call,) = final.output
+    assert call.status == "incomplete"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments and call.arguments.startswith("{")
 
 
 def test_tool_history_renders_like_chat(client: openai.OpenAI, live_server: LiveServer):

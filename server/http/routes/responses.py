@@ -13,6 +13,8 @@ line each, numbered by ``sequence_number``::
     response.content_part.done, response.output_item.done
     per call: response.output_item.added, response.function_call_arguments.delta / .done,
               response.output_item.done
+    (a forced call streams its item and argument deltas as they are written; calls
+    the model chose to make are parsed from its text, so they come whole at the end)
     response.completed  (response.incomplete when max_output_tokens ran out)
 
 A failure after the first event is sent as ``response.failed``. Nothing is stored:
@@ -120,9 +122,14 @@ class ResponseShape:
             status = "completed"
         except ValueError:
             status = "incomplete"
-        return {"type": "function_call", "id": f"fc_{call['id'].removeprefix('call_')}",
+        return {"type": "function_call", "id": ResponseShape.call_id(call),
                 "call_id": call["id"], "name": function["name"],
                 "arguments": function["arguments"], "status": status}
+
+    @staticmethod
+    def call_id(call: dict[str, Any]) -> str:
+        """The ``function_call`` item's id, made from the call's own."""
+        return f"fc_{call['id'].removeprefix('call_')}"
 
     def items(self, content: str | None, calls: list[dict[str, Any]],
               logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,6 +203,23 @@ async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
                       part={"type": "output_text", "text": "", "annotations": [],
                             "logprobs": []})]
 
+    def call_pieces() -> list[bytes]:
+        """A forced call's events for what the model has written of it so far."""
+        piece = held.call_delta() if held is not None else None
+        if piece is None:
+            return []
+        frames = []
+        if "id" in piece:  # the name is known: the call's item opens
+            item = shape.call_item(held.streamed_call())
+            frames.append(event("response.output_item.added", output_index=0,
+                                item={**item, "status": "in_progress"}))
+        more = piece.get("function", {}).get("arguments")
+        if more:
+            frames.append(event("response.function_call_arguments.delta",
+                                item_id=shape.call_id(held.call), output_index=0,
+                                delta=more))
+        return frames
+
     def delta(text: str) -> list[bytes]:
         nonlocal pending
         frames = opened()
@@ -213,9 +237,18 @@ async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
                 text = item.text if held is None else held.feed(item.text)
                 if text:
                     yield b"".join(delta(text))
+                elif frames := call_pieces():
+                    yield b"".join(frames)
                 continue
             finished: Finished = item
-            rest, calls = (finished.text, []) if held is None else _finish(held, finished.text)
+            streaming_call = held is not None and held.call is not None
+            if streaming_call:  # its item is open: its last arguments, then it closes
+                held.feed(finished.text)
+                last, _ = held.finish_call()
+                rest, calls = "", [held.streamed_call()]
+            else:
+                rest, calls = (finished.text, []) if held is None \
+                    else _finish(held, finished.text)
             frames = delta(rest) if rest else []
             text = "".join(sent)
             done = shape.response(shape.items(text, calls, logprobs if not calls else []),
@@ -229,12 +262,18 @@ async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
                         event("response.content_part.done", **where, part=part)]
                 else:
                     at = {"item_id": out["id"], "output_index": index}
-                    frames += [event("response.output_item.added", output_index=index,
-                                     item={**out, "arguments": "", "status": "in_progress"}),
-                               event("response.function_call_arguments.delta", **at,
-                                     delta=out["arguments"]),
-                               event("response.function_call_arguments.done", **at,
-                                     arguments=out["arguments"], name=out["name"])]
+                    if streaming_call:
+                        tail = (last or {}).get("function", {}).get("arguments")
+                        frames += [event("response.function_call_arguments.delta", **at,
+                                         delta=tail)] if tail else []
+                    else:
+                        frames += [event("response.output_item.added", output_index=index,
+                                         item={**out, "arguments": "",
+                                               "status": "in_progress"}),
+                                   event("response.function_call_arguments.delta", **at,
+                                         delta=out["arguments"])]
+                    frames.append(event("response.function_call_arguments.done", **at,
+                                        arguments=out["arguments"], name=out["name"]))
                 frames.append(event("response.output_item.done", output_index=index, item=out))
             kind = "response.incomplete" if done["status"] == "incomplete" \
                 else "response.completed"

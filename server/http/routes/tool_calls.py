@@ -180,6 +180,12 @@ class ToolStream:
         self.args_sent = len(args)
         return ({"index": 0, "function": {"arguments": more}} if more else None), whole
 
+    def streamed_call(self) -> dict[str, Any]:
+        """The forced call as streamed so far (after :meth:`finish_call`: the whole of it)."""
+        assert self.call is not None, "no forced call has started streaming"
+        arguments = self.text[self.args_at:self.args_at + self.args_sent]
+        return {**self.call, "function": {**self.call["function"], "arguments": arguments}}
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: content not yet sent (text outside calls) and the calls."""
         kept, calls = _split(self.text, self.plan)
