@@ -67,3 +67,7 @@ class PoolArgumentTypeError(VeloxQuantError, TypeError):
 
 class KVFormatError(VeloxQuantError, ValueError):
     """A KV storage format is unknown or cannot hold this model's keys and values."""
+
+
+class CacheReleasedError(VeloxQuantError, ValueError):
+    """A pool-accounted cache was used after ``release()`` gave its blocks back."""

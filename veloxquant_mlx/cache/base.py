@@ -124,6 +124,11 @@ class KVCache(ABC):
         """Say why ``config.head_dim`` is unsupported, or ``None`` if it is fine."""
         return None
 
+    @classmethod
+    def knob_error(cls, config: KVCacheConfig) -> str | None:
+        """Say which of the method's other settings is unusable (naming it), or ``None``."""
+        return None
+
     # ------------------------------------------------------------------ public
     @property
     @abstractmethod

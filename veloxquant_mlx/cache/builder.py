@@ -74,12 +74,18 @@ class KVCacheConfig:
             raise ValueError(
                 f"head_dim={self.head_dim} is not supported by {self.method!r}: {problem}"
             )
+        problem = cls.knob_error(self)
+        if problem:
+            raise ValueError(f"method {self.method!r} cannot run with this config: {problem}")
 
     def _check_knobs(self) -> None:
         # Counts first: a float group_size would only fail later, inside MLX.
         for name in ("group_size", "residual_length", "calibration_tokens", "outlier_channels"):
             if not _whole(getattr(self, name)):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        # The seed feeds numpy's generator, whose own errors would not name it.
+        if not _whole(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
         if self.rank is not None and not _whole(self.rank):
             raise ValueError(f"rank must be an int or None, got {self.rank!r}")
         if self.group_size < 1:

@@ -45,10 +45,15 @@ class KIVICache(KVCache):
                 f"kivi quantizes values in groups of group_size={config.group_size} channels; "
                 "use a head_dim that is a multiple of group_size or change group_size"
             )
+        return None
+
+    @classmethod
+    def knob_error(cls, config) -> str | None:
         if config.residual_length == 0 or config.residual_length % config.group_size:
             return (
-                f"kivi needs residual_length ({config.residual_length}) to be a positive "
-                f"multiple of group_size ({config.group_size})"
+                f"residual_length={config.residual_length} must be a positive multiple of "
+                f"group_size={config.group_size} (kivi quantizes its float16 window a "
+                "whole number of token groups at a time)"
             )
         return None
 

@@ -56,6 +56,7 @@ _load_allocator_source_if_needed()
 
 from veloxquant_mlx.exceptions import (  # noqa: E402 (after the loader above)
     BlockPoolExhaustedError,
+    CacheReleasedError,
     ForeignBlockError,
     OwnerAlreadyActiveError,
     PoolArgumentError,
@@ -97,6 +98,7 @@ __all__ = [
     "Block",
     "BlockPoolAllocator",
     "BlockPoolExhaustedError",
+    "CacheReleasedError",
     "ForeignBlockError",
     "MLXBlockStorage",
     "NATIVE_ALLOCATOR",

@@ -441,8 +441,10 @@ class BlockPoolAllocator:
             )
         return block
 
-    def free_all(self, owner: int) -> None:
+    def free_all(self, owner: object) -> None:
         """Return every block checked out to ``owner`` and retire the owner id."""
+        if type(owner) is not int:
+            owner = _as_owner(owner)
         self._acquire()
         try:
             owned = self._owned.pop(owner, None)
@@ -522,8 +524,10 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
-    def release_owner(self, owner: int) -> None:
+    def release_owner(self, owner: object) -> None:
         """Drop ``owner`` from the active set without freeing its blocks."""
+        if type(owner) is not int:
+            owner = _as_owner(owner)
         self._acquire()
         try:
             owned = self._owned.get(owner)
@@ -542,8 +546,10 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
-    def blocks_for(self, owner: int) -> list[Block]:
+    def blocks_for(self, owner: object) -> list[Block]:
         """Blocks checked out to ``owner``, in allocation order."""
+        if type(owner) is not int:
+            owner = _as_owner(owner)
         self._acquire()
         try:
             owned = self._owned.get(owner)
@@ -551,8 +557,10 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
-    def n_blocks_held(self, owner: int) -> int:
+    def n_blocks_held(self, owner: object) -> int:
         """How many blocks ``owner`` holds, without copying them."""
+        if type(owner) is not int:
+            owner = _as_owner(owner)
         self._acquire()
         try:
             owned = self._owned.get(owner)
@@ -560,13 +568,15 @@ class BlockPoolAllocator:
         finally:
             self._release()
 
-    def n_blocks_held_per_stream(self, owner: int) -> dict[str, int]:
+    def n_blocks_held_per_stream(self, owner: object) -> dict[str, int]:
         """How many blocks ``owner`` holds on each stream it holds any of.
 
         What admission asks of every running request (blocks reserved less
         blocks held, per stream), so the counts are kept as blocks change hands
         (allocate, free, transfer), not recounted: O(streams), not O(blocks).
         """
+        if type(owner) is not int:
+            owner = _as_owner(owner)
         self._acquire()
         try:
             return dict(self._per_stream.get(owner, {}))

@@ -8,37 +8,70 @@ was reused by a new request, which gets a new lease) do nothing.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from veloxquant_mlx.exceptions import VeloxQuantError
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
 
 class OwnerLease:
-    """One request's claim on a pool, shared by all of its layers' caches."""
+    """One request's claim on a pool, shared by all of its layers' caches.
 
-    __slots__ = ("pool", "owner", "released")
+    ``members`` are those caches (weakly: the lease must not keep a dropped
+    cache alive), so a step that fails part-way through the layers can put
+    the layers that already took it back (:meth:`undo_step`).
+    """
+
+    __slots__ = ("pool", "owner", "released", "members", "__weakref__")
 
     def __init__(self, pool: BlockPoolAllocator, owner: int) -> None:
         self.pool = pool
         self.owner = owner
         self.released = False
+        self.members: list[weakref.ref[Any]] = []
+
+    def join(self, cache: Any) -> None:
+        """Count ``cache`` among the layers sharing this lease."""
+        self.members = [ref for ref in self.members if ref() is not None]
+        self.members.append(weakref.ref(cache))
+
+    def undo_step(self, failed: Any, start: int, n_tokens: int) -> None:
+        """Trim the ``n_tokens`` a step appended from ``start`` off every other member.
+
+        A model call appends the same tokens to each layer in turn; when the pool
+        runs out in layer ``i``, layers ``0..i-1`` already hold them. Giving them
+        back leaves every layer at ``start`` (and their blocks in the pool), so
+        the caller can free room and run the same step again.
+        """
+        for ref in self.members:
+            cache = ref()
+            if cache is not None and cache is not failed and cache.offset == start + n_tokens:
+                cache.trim(n_tokens)
 
 
 # id(pool) -> {owner: live lease}. Caches made for the same (pool, owner)
-# while a lease is live share it; a released lease leaves the table (and an
-# emptied table goes too), so a reused owner id starts a fresh lease that old
-# caches cannot touch. Keyed by id, not weakly by the pool: the compiled
-# allocator (setup.py) cannot be weakly referenced. A live lease holds its
-# pool, so an id in the table always belongs to a live pool.
-_LEASES: dict[int, dict[int, OwnerLease]] = {}
+# while a lease is live share it; a released lease leaves the table, so a
+# reused owner id starts a fresh lease that old caches cannot touch. Keyed by
+# id, not weakly by the pool: the compiled allocator (setup.py) cannot be
+# weakly referenced. The leases are held weakly: the table must not keep a
+# pool alive whose caches were dropped without release() (each such pool used
+# to stay in memory for good). A live lease holds its pool, so a lease found
+# under an id belongs to that live pool; an emptied table (its pool's leases
+# all gone) is dropped when the next lease is made.
+_LEASES: dict[int, weakref.WeakValueDictionary[int, OwnerLease]] = {}
 _LEASES_LOCK = threading.Lock()
 
 
 def lease_for(pool: BlockPoolAllocator, owner: int) -> OwnerLease:
     """The live lease of ``(pool, owner)``, created if there is none."""
     with _LEASES_LOCK:
-        table = _LEASES.setdefault(id(pool), {})
+        table = _LEASES.get(id(pool))
+        if table is None:
+            for key in [key for key, leases in _LEASES.items() if not len(leases)]:
+                del _LEASES[key]
+            table = _LEASES[id(pool)] = weakref.WeakValueDictionary()
         lease = table.get(owner)
         if lease is None:
             lease = table[owner] = OwnerLease(pool, owner)
@@ -54,8 +87,6 @@ def release_lease(lease: OwnerLease) -> bool:
         table = _LEASES.get(id(lease.pool))
         if table is not None and table.get(lease.owner) is lease:
             del table[lease.owner]
-            if not table:
-                del _LEASES[id(lease.pool)]
     lease.pool.free_all(lease.owner)
     return True
 

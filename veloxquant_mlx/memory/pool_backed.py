@@ -40,7 +40,12 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
-from veloxquant_mlx.exceptions import PoolArgumentTypeError, VeloxQuantError
+from veloxquant_mlx.exceptions import (
+    BlockPoolExhaustedError,
+    CacheReleasedError,
+    PoolArgumentTypeError,
+    VeloxQuantError,
+)
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.leases import OwnerLease, lease_for, release_lease, require_owned
 from veloxquant_mlx.memory.pool_config import check_count
@@ -147,6 +152,7 @@ class PoolBackedKVCache(ContiguousKVBuffer):
             # Stay detached so the caller can attach to a roomier pool.
             self.pool = self.owner = self.step = self._lease = None
             raise
+        self._lease.join(self)
 
     def _require_live(self) -> None:
         if self._lease is None:
@@ -155,7 +161,7 @@ class PoolBackedKVCache(ContiguousKVBuffer):
                 "call cache.attach(pool, owner) or use load_pooled_prompt_cache()"
             )
         if self._lease.released:
-            raise VeloxQuantError(
+            raise CacheReleasedError(
                 f"the caches of owner {self.owner} were released; build new caches with "
                 "build_pooled_caches() for a new request"
             )
@@ -216,7 +222,9 @@ class PoolBackedKVCache(ContiguousKVBuffer):
 
         Raises:
             BlockPoolExhaustedError: The pool cannot cover the new tokens; the
-                cache is left unchanged.
+                cache is left unchanged, and the other layers of its owner that
+                already took these tokens in this step trim them off again, so all
+                layers are where the step began.
             PoolArgumentTypeError: ``keys``/``values`` are not ``mx.array``s.
             PoolArgumentError: They are not 4-D with the same token count.
             VeloxQuantError: The cache is detached or was released, or its
@@ -235,7 +243,13 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         require_owned(self._v_blocks, self.owner, prev // bs)
         held = len(k_blocks)
         if end > held * bs:
-            self._grow_to(end, keys.dtype)
+            try:
+                self._grow_to(end, keys.dtype)
+            except BlockPoolExhaustedError:
+                # This layer is unchanged; the layers this step already ran are put
+                # back too, so the request's caches agree and the step can be rerun.
+                lease.undo_step(self, prev, end - prev)
+                raise
         try:
             self._write_columns(prev, end, keys, values, self.buffer_step)
         except BaseException:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import KVCache
+from veloxquant_mlx.exceptions import CacheReleasedError, PoolArgumentTypeError
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.memory.leases import require_owned
 from veloxquant_mlx.memory.records import Block
@@ -55,6 +56,9 @@ class PooledKVCache(KVCache):
                 f"inner must be a veloxquant_mlx KVCache, got {type(inner).__name__}; "
                 "build one with KVCacheBuilder"
             )
+        if not isinstance(pool, BlockPoolAllocator):
+            raise PoolArgumentTypeError(
+                f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
         super().__init__(inner.config)
         self.inner = inner
         self.pool = pool
@@ -140,7 +144,7 @@ class PooledKVCache(KVCache):
         all-or-nothing too).
         """
         if self._released:
-            raise ValueError(
+            raise CacheReleasedError(
                 f"PooledKVCache for owner {self.owner} was released; its blocks are back in "
                 "the pool. Build a new cache (new owner id) for the next request"
             )

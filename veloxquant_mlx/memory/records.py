@@ -193,20 +193,24 @@ class AllocationStats:
             raise PoolArgumentError(
                 f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
                 f"got {prefix!r}")
+        # Values rendered here, each as its own type: in one tuple with the float
+        # fragmentation, a compiled build made every count a float ("3.0").
         rows = (
-            ("blocks_in_use", "gauge", "Blocks currently checked out", self.blocks_in_use()),
-            ("blocks_total", "gauge", "Blocks the pool manages", self.n_blocks),
+            ("blocks_in_use", "gauge", "Blocks currently checked out",
+             str(self.blocks_in_use())),
+            ("blocks_total", "gauge", "Blocks the pool manages", str(self.n_blocks)),
             ("fragmentation", "gauge", "Share of blocks allocated but not full",
-             self.fragmentation()),
+             repr(self.fragmentation())),
             ("peak_blocks_in_use", "gauge", "High-water mark of blocks in use",
-             self.peak_blocks_in_use),
-            ("allocations_total", "counter", "Blocks handed out", self.n_allocations),
-            ("frees_total", "counter", "Blocks returned", self.n_frees),
-            ("reused_total", "counter", "Blocks handed out again after a free", self.n_reused),
+             str(self.peak_blocks_in_use)),
+            ("allocations_total", "counter", "Blocks handed out", str(self.n_allocations)),
+            ("frees_total", "counter", "Blocks returned", str(self.n_frees)),
+            ("reused_total", "counter", "Blocks handed out again after a free",
+             str(self.n_reused)),
             ("exhausted_total", "counter", "Failed allocate() calls (pool exhausted)",
-             self.n_exhausted),
-            ("grown_total", "counter", "Blocks added by growth", self.n_grown),
-            ("retired_total", "counter", "Blocks removed by shrink", self.n_retired),
+             str(self.n_exhausted)),
+            ("grown_total", "counter", "Blocks added by growth", str(self.n_grown)),
+            ("retired_total", "counter", "Blocks removed by shrink", str(self.n_retired)),
         )
         lines = []
         for name, kind, help_text, value in rows:

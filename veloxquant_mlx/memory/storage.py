@@ -127,6 +127,14 @@ class MLXBlockStorage:
         self._checkouts[key] = block.checkouts
         return buffer
 
+    def _require_ours(self, block: Block, verb: str) -> None:
+        if not isinstance(block, Block) or block._pool is not self.pool:
+            # Buffers are keyed by id: another pool's block would reach (and, handed
+            # out a different number of times, zero) our block of the same id.
+            raise ForeignBlockError(
+                f"{block!r} is not a block of this storage's pool (or was retired); "
+                f"{verb} each pool's blocks through that pool's storage")
+
     def write(self, block: Block, offset: int, values: mx.array) -> None:
         """Write token rows into a block, starting at slot ``offset``.
 
@@ -142,11 +150,7 @@ class MLXBlockStorage:
             ValueError: If the block is free, the shape or dtype is wrong, or
                 ``offset + n`` passes ``block_size``.
         """
-        if not isinstance(block, Block) or block._pool is not self.pool:
-            # Buffers are keyed by id: another pool's block would overwrite ours.
-            raise ForeignBlockError(
-                f"{block!r} is not a block of this storage's pool (or was retired); "
-                "write each pool's blocks into that pool's storage")
+        self._require_ours(block, "write")
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise PoolArgumentTypeError(f"offset must be an int, got {type(offset).__name__}")
         if block.owner is None:
@@ -182,12 +186,16 @@ class MLXBlockStorage:
         """The live rows of a block.
 
         Args:
-            block: Any block of the pool.
+            block: Any block of the pool (a free one has no live rows).
 
         Returns:
             Array of shape ``(block.n_used, head_dim)``; rows the current owner
             has not written are zeros.
+
+        Raises:
+            ForeignBlockError: If ``block`` is not one of this pool's blocks.
         """
+        self._require_ours(block, "read")
         return self._buffer(block)[: block.n_used]
 
     def resident_bytes(self) -> int:
