@@ -26,8 +26,8 @@ from veloxquant_mlx.memory import (
     PoolBackedKVCache,
     PoolConfig,
     PooledKVCache,
+    leases,
 )
-from veloxquant_mlx.memory import leases
 
 BS, LAYERS = 4, 3
 
@@ -43,7 +43,7 @@ def test_a_step_that_runs_out_in_a_later_layer_leaves_every_layer_where_it_began
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=2 * (LAYERS * 2 + 1)))
     caches = [PoolBackedKVCache(pool, owner=1) for _ in range(LAYERS)]
     prompt = [kv(8, seed) for seed in range(LAYERS)]
-    for cache, (k, v) in zip(caches, prompt):
+    for cache, (k, v) in zip(caches, prompt, strict=True):
         cache.update_and_fetch(k, v)
     step = kv(1, 99)
     caches[0].update_and_fetch(*step)  # takes the spare block
