@@ -144,12 +144,17 @@ class BatchSettings:
     def of(cls, params: list[SamplingParams]) -> BatchSettings:
         """The settings of ``params``, one per row."""
         top_p = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
-        top_k = [max(p.top_k, 0) for p in params]
+        # Past the vocabulary top_k keeps every token, so capping it there (and within
+        # int32) changes nothing; an uncapped 2**31 failed the whole batch's step.
+        top_k = [min(max(p.top_k, 0), _TOP_K_CAP) for p in params]
         min_p = [max(p.min_p, 0.0) for p in params]
         return cls(mx.array([p.temperature for p in params], dtype=mx.float32),
                    mx.array(top_p, dtype=mx.float32), mx.array(top_k, dtype=mx.int32),
                    mx.array(min_p, dtype=mx.float32),
                    (min(top_p) < 1.0, max(min_p) > 0.0, max(top_k) > 0))
+
+
+_TOP_K_CAP = 2**31 - 1
 
 
 def _keep_top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:

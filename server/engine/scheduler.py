@@ -203,14 +203,10 @@ class Scheduler:
         if self.loaded.context_length is not None:  # no request goes past the context
             n_tokens = min(n_tokens, self.loaded.context_length)
         need = self.planner.reservation(n_tokens)
-        config = self.pool.config
-        if config.grow_on_exhaustion and config.max_blocks is None:
+        room = self._room(retiring)
+        if room is None:
             return None  # the pool grows back without bound
-        headroom = 0
-        total = self.pool.stats.n_blocks - sum(retiring.values())
-        if config.grow_on_exhaustion:
-            headroom = max(config.max_blocks - total, 0)
-        after = {s: self.stream_capacity(s) - retiring.get(s, 0) for s in config.streams}
+        after, headroom = room
         short = [s for s, n in need.per_stream.items() if n > after[s] + headroom]
         if not short and need.total <= sum(after.values()) + headroom:
             return None
@@ -218,6 +214,27 @@ class Scheduler:
         have = (after[stream] if short else sum(after.values())) + headroom
         return (f"{n_tokens} tokens need {need.per_stream.get(stream, need.total)} blocks on "
                 f"stream {stream!r}, the pool holds {have} there")
+
+    def _room(self, retiring: dict[str, int]) -> tuple[dict[str, int], int] | None:
+        """Blocks a request could reach per stream once ``retiring`` is retired, and the
+        growth headroom shared by the streams; None when the pool grows without bound."""
+        config = self.pool.config
+        if config.grow_on_exhaustion and config.max_blocks is None:
+            return None
+        headroom = 0
+        total = self.pool.stats.n_blocks - sum(retiring.values())
+        if config.grow_on_exhaustion:
+            headroom = max(config.max_blocks - total, 0)
+        return ({s: self.stream_capacity(s) - retiring.get(s, 0) for s in config.streams},
+                headroom)
+
+    def _reach(self, retiring: dict[str, int]) -> tuple[int, ...] | None:
+        """Blocks one request could reach: per stream, then all streams together."""
+        room = self._room(retiring)
+        if room is None:
+            return None
+        after, headroom = room
+        return (*(n + headroom for n in after.values()), sum(after.values()) + headroom)
 
     def shrink(self, stream: str, target_free: int, force: bool) -> tuple[int, dict[str, int]]:
         """Retire free blocks down to ``target_free`` per stream; see ``Engine.shrink``.
@@ -243,14 +260,25 @@ class Scheduler:
         retiring = {s: max(self.pool.n_free(s) + evictable.get(s, 0) - floors[s], 0)
                     for s in targets}
         why = self.maximal_request_misfit(retiring)
-        # Refused only when the shrink takes that ability away: a pool that cannot hold a
-        # maximal request already has nothing to protect.
+        # A pool that already cannot hold a maximal request (the default model's, at its
+        # whole context) is refused too when the shrink lowers the longest request it
+        # serves: an unforced target_free 0 retired all of the default model's pool.
+        already = why is not None and self.maximal_request_misfit() is not None
+        # Retired blocks that growth can bring back (under max_blocks) lower nothing.
+        lowers = already and any(
+            after < before for after, before in
+            zip(self._reach(retiring) or (), self._reach({}) or (), strict=True))
         if why is not None and not force and any(retiring.values()) \
-                and self.maximal_request_misfit() is None:
+                and (lowers or not already):
             raise ShrinkRefused(
-                "shrink refused: the pool could no longer hold one maximal request "
-                f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}; keep more "
-                "free blocks, lower those limits, or pass \"force\": true")
+                "shrink refused: " + ("the pool already cannot hold one maximal request, and "
+                                      f"retiring {sum(retiring.values())} more blocks lowers "
+                                      "the longest request it can serve"
+                                      if already else
+                                      "the pool could no longer hold one maximal request")
+                + f" (limits.max_prompt_tokens + limits.max_tokens_cap, at most the model's "
+                f"context): {why}; keep more free blocks, lower those limits, or pass "
+                "\"force\": true")
         # Evict only what the free blocks cannot cover, the retirements and the running
         # requests' outstanding reservations (their growth takes free blocks, it does not
         # evict): the rest of the cache stays warm (any shrink used to empty it).

@@ -74,6 +74,18 @@ def test_greedy_and_top_k_1_rows_take_the_argmax_next_to_sampled_rows():
         assert _kept(_keep_min_p(lp, mx.array([0.0, 0.0, 0.0, 0.1])))[3][tokens[3]]
 
 
+@pytest.mark.parametrize("top_k", [2**31, 2**63])
+def test_a_top_k_past_int32_keeps_every_token_beside_other_rows(top_k):
+    # It was cast to int32 unchecked: std::bad_cast failed every row of the step.
+    lp = _logprobs(2, 3)
+    params = [SamplingParams(max_tokens=1, temperature=1.0, top_k=top_k),
+              SamplingParams(max_tokens=1, temperature=0.0)]
+    settings = BatchSettings.of(params)
+    assert _kept(_keep_top_k(lp, settings.top_k))[0].all()
+    tokens = np.array(sample_batch(lp, settings))
+    assert tokens[1] == np.array(mx.argmax(lp, axis=-1))[1]
+
+
 def test_draws_follow_the_tempered_distribution():
     # Two tokens with probabilities 0.8 / 0.2; temperature 1 keeps them, 0.5 sharpens
     # them to 0.8^2 : 0.2^2 = 0.941 : 0.059.

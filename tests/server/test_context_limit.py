@@ -156,9 +156,16 @@ def test_degraded_means_shrunk_below_what_the_pool_started_with(tiny_model_path,
     with run_server(settings) as server:
         base = server.base_url
         assert httpx.get(f"{base}/health").json()["status"] == "ok"
-        # Nothing to protect: the shrink goes ahead without "force".
-        shrink = httpx.post(f"{base}/admin/shrink", headers=admin,
-                            json={"stream": "k", "target_free": 200})
+        body = {"stream": "k", "target_free": 200}
+        if not grows:
+            # The pool already cannot hold a maximal request, but the shrink would lower
+            # the longest one it can (1,200 -> 800 tokens): not without "force".
+            refused = httpx.post(f"{base}/admin/shrink", headers=admin, json=body)
+            assert refused.status_code == 409, refused.text
+            assert "already cannot hold one maximal request" in refused.text
+            body["force"] = True
+        # Growing (up to max_blocks) brings retired blocks back: nothing is lowered.
+        shrink = httpx.post(f"{base}/admin/shrink", headers=admin, json=body)
         assert shrink.status_code == 200 and shrink.json()["retired"] == 100, shrink.text
         health = httpx.get(f"{base}/health").json()
         if grows:  # the pool may grow back: a request can still hold all it could at start
