@@ -28,7 +28,11 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from server.engine.protocol import ConstraintError  # noqa: F401 - raised here, part of this API
+from server.engine.protocol import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ConstraintError,  # noqa: F401 - raised here, part of this API
+)
 
 # How JSON is laid out: fixed separators, no free whitespace (see the module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -226,7 +230,7 @@ class _Compiler:
                 self._cache.move_to_end(key)
                 return hit
             ll_tok = self._tokenizer(tokenizer)
-            matcher = _build_matcher(schema, ll_tok, param)
+            matcher = _build_matcher(kind, schema, ll_tok, param)
             constraint = Constraint(kind, name, matcher, ll_tok.vocab_size)
             self._cache[key] = constraint
             if len(self._cache) > _CACHE_SIZE:
@@ -245,8 +249,8 @@ class _Compiler:
 _COMPILER = _Compiler()
 
 
-def compile_response_format(response_format: dict[str, Any] | None,
-                            tokenizer: Any) -> Constraint | None:
+def compile_response_format(response_format: dict[str, Any] | None, tokenizer: Any,
+                            calls: dict[str, Any] | None = None) -> Constraint | None:
     """Compile an OpenAI ``response_format`` for ``tokenizer`` (cached; any thread).
 
     Args:
@@ -255,6 +259,9 @@ def compile_response_format(response_format: dict[str, Any] | None,
             (None: no constraint).
         tokenizer: The served model's tokenizer (mlx-lm's wrapper or a Hugging
             Face fast tokenizer).
+        calls: With tools the model may call (``tool_choice`` auto),
+            ``{"schema": <one call's JSON Schema>, "parallel": bool}``: a JSON
+            answer may then be tagged calls instead (:func:`compile_answer_or_calls`).
 
     Returns:
         The constraint for :attr:`SamplingParams.constraint`, or None for text.
@@ -274,6 +281,9 @@ def compile_response_format(response_format: dict[str, Any] | None,
     if kind == "text":
         return None
     if kind == "json_object":
+        if calls is not None:
+            return compile_answer_or_calls({"type": "object"}, calls["schema"], tokenizer,
+                                           name=kind, parallel=calls["parallel"])
         return _COMPILER.compile(kind, kind, {"type": "object"}, tokenizer, "response_format")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
@@ -287,7 +297,49 @@ def compile_response_format(response_format: dict[str, Any] | None,
     if strict is not None and not isinstance(strict, bool):
         raise ConstraintError("response_format.json_schema.strict must be true or false")
     # strict or not, the schema is enforced in full: masks cannot be "mostly" followed.
+    if calls is not None:
+        return compile_answer_or_calls(schema, calls["schema"], tokenizer, name=name,
+                                       parallel=calls["parallel"])
     return compile_json_schema(schema, tokenizer, name=name)
+
+
+def compile_answer_or_calls(answer: dict[str, Any], call: dict[str, Any], tokenizer: Any, *,
+                            name: str = "schema", parallel: bool = False) -> Constraint:
+    """A JSON answer following ``answer``, or one or more ``<tool_call>`` tagged calls.
+
+    A JSON ``response_format`` beside tools the model may call: the format shapes
+    the answer, as in OpenAI's API, and leaves the model free to call a tool
+    instead (a grammar of the answer alone made every call impossible). The calls
+    are written as the chat templates teach (``<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>``), each held to ``call``, and parsed from the
+    text as calls in auto mode are. One call unless ``parallel``: a small model
+    offered more repeats its call until ``max_tokens`` cuts the last one.
+
+    Raises:
+        ConstraintError: llguidance cannot compile a schema (``param`` is
+            ``response_format`` for the answer's, ``tools`` for the calls').
+    """
+    # Each alone first (cached): a schema llguidance refuses is blamed on its own field.
+    compile_json_schema(answer, tokenizer, name=name)
+    compile_json_schema(call, tokenizer, name="tool_call", param="tools")
+    # Separators as in every other JSON output here (llguidance reads "x-guidance").
+    schemas: dict[str, Any] = {
+        part: {**close_objects(bound_integers(schema)), "x-guidance": JSON_OPTIONS}
+        for part, schema in (("answer", answer), ("call", call))}
+    schemas["parallel"] = parallel
+    return _COMPILER.compile("answer_or_calls", name, schemas, tokenizer, "response_format")
+
+
+def _answer_or_calls_grammar(schemas: dict[str, Any]) -> str:
+    """The Lark grammar of :func:`compile_answer_or_calls` (llguidance's ``%json``)."""
+    return "\n".join([
+        "start: answer | calls",
+        f"answer: %json {json.dumps(schemas['answer'])}",
+        "calls: tagged (WS? tagged)*" if schemas["parallel"] else "calls: tagged",
+        f"tagged: {json.dumps(TOOL_CALL_OPEN)} WS? call WS? {json.dumps(TOOL_CALL_CLOSE)}",
+        f"call: %json {json.dumps(schemas['call'])}",
+        r"WS: /[ \t\r\n]{1,8}/",
+    ])
 
 
 def compile_json_schema(schema: dict[str, Any], tokenizer: Any, *, name: str = "schema",
@@ -389,11 +441,15 @@ def _close(schema: dict[str, Any], out: dict[str, Any]) -> None:
         out["additionalProperties"] = False
 
 
-def _build_matcher(schema: dict[str, Any], tokenizer: llguidance.LLTokenizer,
+def _build_matcher(kind: str, schema: dict[str, Any], tokenizer: llguidance.LLTokenizer,
                    param: str) -> llguidance.LLMatcher:
     """llguidance's matcher for ``schema``, or ConstraintError with llguidance's reason."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if kind == "answer_or_calls":
+            grammar = llguidance.LLMatcher.grammar_from_lark(_answer_or_calls_grammar(schema))
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,
+                                                                    defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"{param} schema is not valid JSON: {exc}", param) from exc
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)

@@ -171,8 +171,12 @@ class Engine:
 
     def compile_constraint(self, response_format: dict[str, Any] | None = None,
                            schema: dict[str, Any] | None = None, *, name: str = "schema",
-                           param: str = "response_format") -> Any:
+                           param: str = "response_format",
+                           calls: dict[str, Any] | None = None) -> Any:
         """The grammar for a ``response_format``, or for a JSON ``schema`` (tool calls).
+
+        ``calls`` (the schema of one call to the tools the model may call) lets a
+        JSON ``response_format`` be answered with tagged tool calls instead.
 
         Blocks for the first schema of a model (~0.4 s: llguidance's token
         index); call it from a worker thread. Cached, thread-safe
@@ -190,7 +194,7 @@ class Engine:
         tokenizer = self.loaded.tokenizer
         if schema is not None:
             return compile_json_schema(schema, tokenizer, name=name, param=param)
-        return compile_response_format(response_format, tokenizer)
+        return compile_response_format(response_format, tokenizer, calls)
 
     def prompt_scorer(self, prompt: str | list[int],
                       top_n: int | None) -> ScoringJob | Rejected:

@@ -279,3 +279,44 @@ def test_stop_strings_apply_to_constrained_output(live_server, path, fields):
     text = choice.get("text", (choice.get("message") or {}).get("content")) or ""
     assert "{" not in text and not (choice.get("message") or {}).get("tool_calls")
     assert live_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+
+
+# -- a JSON format beside tools the model may call --------------------------------------
+
+CALL = {"type": "object", "properties": {"name": {"const": "add"},
+                                         "arguments": {"type": "object",
+                                                       "properties": {"a": {"type": "integer"}},
+                                                       "required": ["a"]}},
+        "required": ["name", "arguments"], "additionalProperties": False}
+ONE_CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+
+def _accepts(constraint, tokenizer, text: str) -> bool:
+    """Whether ``text`` (tokenized as the model would write it) is a whole answer."""
+    matcher = constraint.matcher()
+    try:
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            matcher.consume(token)
+    except ConstraintViolation:
+        return False
+    return matcher.ll.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_json_format_beside_tools_takes_the_answer_or_tagged_calls(tokenizer, parallel):
+    constraint = compile_response_format(_schema_format(), tokenizer,
+                                         calls={"schema": CALL, "parallel": parallel})
+    assert _accepts(constraint, tokenizer, '{"n": 3, "tag": "x"}')
+    assert _accepts(constraint, tokenizer, ONE_CALL)
+    assert _accepts(constraint, tokenizer, ONE_CALL + "\n" + ONE_CALL) is parallel
+    assert not _accepts(constraint, tokenizer, '{"n": 3}')  # the answer's schema holds
+    assert not _accepts(constraint, tokenizer, '<tool_call>{"name": "sub", "arguments": {}}')
+    assert not _accepts(constraint, tokenizer, "Sure! " + ONE_CALL)
+
+
+def test_a_bad_tool_schema_beside_a_json_format_is_blamed_on_tools(tokenizer):
+    bad = {**CALL, "properties": {**CALL["properties"], "arguments": {"type": "integr"}}}
+    with pytest.raises(ConstraintError) as info:
+        compile_response_format({"type": "json_object"}, tokenizer,
+                                calls={"schema": bad, "parallel": False})
+    assert info.value.param == "tools"

@@ -480,3 +480,45 @@ def test_a_forced_call_a_stop_string_cuts_ends_stop_not_tool_calls(live_server, 
     assert arguments.startswith('{"op": "') and "exact" not in arguments
     with pytest.raises(ValueError):
         json.loads(arguments)
+
+
+@pytest.mark.parametrize("text", [
+    "Sure! " + TWO_CALLS.split("Let me check. ")[1],
+    "\n" + TWO_CALLS.split("Let me check. ")[1],
+    TWO_CALLS + "\n\nDone. ",
+    "  Hello there. " + TWO_CALLS.split("Let me check. ")[1] + "  ",
+])
+def test_streamed_content_around_calls_is_the_non_streamed_content(text):
+    # QA pass 23: the stream sent whitespace before a call (an item of "\n" alone) and the
+    # space of "Sure! ", which the non-streamed answer strips.
+    content, calls = parse_calls(text, auto())
+    stream = ToolStream(auto())
+    sent = "".join(stream.feed(text[i:i + 2]) for i in range(0, len(text), 2))
+    rest, streamed_calls = stream.finish()
+    assert (sent + rest or None) == content
+    assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
+
+
+def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
+    # QA pass 23: the format's grammar made any call impossible (openai-agents' tools with an
+    # output_type). The tag's first token, pushed up, must now lead to a call.
+    import httpx
+
+    tag = httpx.post(live_server.base_url + "/tokenize",
+                     json={"prompt": "<tool_call>", "add_special_tokens": False}).json()
+    first = tag["tokens"][0]
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    messages = [{"role": "user", "content": "Pick."}]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[PICK], response_format=fmt, max_tokens=60,
+        temperature=0, logit_bias={str(first): 100}, parallel_tool_calls=False)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+    assert set(json.loads(call.function.arguments)) == {"op", "exact"}
+    # Pushed away from the tag, the answer follows the format.
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[PICK], response_format=fmt, max_tokens=60,
+        temperature=0, logit_bias={str(first): -100})
+    if plain.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(plain.choices[0].message.content)["ok"], bool)

@@ -23,6 +23,8 @@ async def output_constraint(engine: Any, response_format: dict[str, Any] | None,
 
     A forced tool call (``tool_choice`` "required" or a named function) takes
     precedence: the answer is then the call, whatever ``response_format`` says.
+    With tools the model may call, a JSON format holds the answer and leaves
+    ``<tool_call>`` tagged calls open.
 
     Raises:
         InvalidRequestError: Unknown ``response_format`` type, a malformed
@@ -36,6 +38,11 @@ async def output_constraint(engine: Any, response_format: dict[str, Any] | None,
                                            param="tools")
         if response_format is None or response_format.get("type") == "text":
             return None
-        return await asyncio.to_thread(engine.compile_constraint, response_format)
+        # Tools the model may call (auto): the format shapes the answer and leaves the
+        # calls open, as OpenAI's does (openai-agents' tools with an output_type).
+        calls = ({"schema": tools.call_schema(), "parallel": tools.parallel}
+                 if tools is not None and tools.offered else None)
+        return await asyncio.to_thread(engine.compile_constraint, response_format,
+                                       calls=calls)
     except ConstraintError as exc:
         raise InvalidRequestError(exc.message, param=exc.param, code="invalid_value") from None

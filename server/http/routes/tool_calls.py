@@ -82,7 +82,8 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     kept, calls = _split(text, plan)
     if not calls:
         return (None, _cut_call(text, plan)) if plan.forced_call else (text, [])
-    return (kept.strip() or None), calls if plan.parallel else calls[:1]
+    # Trailing whitespace only (the stream cannot take back leading whitespace it sent).
+    return (kept.rstrip() or None), calls if plan.parallel else calls[:1]
 
 
 _CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
@@ -141,7 +142,10 @@ class ToolStream:
                 if TOOL_CALL_OPEN.startswith(self.text[-k:]):
                     held -= k
                     break
-        out, self.sent = self.text[self.sent:held], max(self.sent, held)
+        # Whitespace waits for the text after it: before a call (or at the end of an
+        # answer with calls) it is not content, as the non-streamed answer strips it.
+        out = self.text[self.sent:held].rstrip()
+        self.sent += len(out)
         return out
 
     def call_delta(self) -> dict[str, Any] | None:
