@@ -22,12 +22,21 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine.protocol import Failed, FinishReason, Reason, Rejected
+from server.http.validation_messages import field_path, validation_message
 from server.settings import Settings
 from veloxquant_mlx.exceptions import VeloxQuantError
 
 log = logging.getLogger("veloxquant.server")
 # Where server.http.app.RequestIds keeps the HTTP request's id (``request.state``).
 REQUEST_ID_STATE = "request_id"
+
+
+def quoted(value: str, limit: int = 80) -> str:
+    """``value`` as a message quotes it: whole when short, else its start and its length
+    (a client's megabyte model name is not sent back to it)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
 
 
 def fresh_request_id() -> str:
@@ -195,25 +204,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if not errors:
         return "invalid request body", None, "invalid_value"
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
         return ("request body is empty: send a JSON object with this endpoint's fields "
                 "(see GET /docs)"), None, "invalid_value"
     if first.get("type") == "json_invalid":
-        return "request body is not valid JSON: " + str(first.get("msg", "")), None, \
-            "invalid_value"
-    unknown = [".".join(str(p) for p in e["loc"] if p != "body") for e in errors
-               if e.get("type") == "extra_forbidden"]
+        # The parser's reason and where (FastAPI puts the character offset in loc).
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        at = [p for p in first.get("loc", ()) if isinstance(p, int)]
+        where = f" at character {at[0]}" if at else ""
+        return f"request body is not valid JSON: {reason}{where}", None, "invalid_value"
+    unknown = [field_path(tuple(e["loc"])) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         return (f"unrecognized request argument supplied: {', '.join(unknown)} (not a field "
                 "of this endpoint in OpenAI's API or this server's; a misspelling, or another "
                 "server's extension?)"), unknown[0], "unknown_parameter"
-    parts = []
-    for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts), param, "invalid_value"
+    message, param = validation_message(errors)
+    return message, param, "invalid_value"
 
 
 _STATUS_TYPES = {

@@ -127,7 +127,7 @@ def test_chat_json_and_stream(client, engine):
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
          "top_logprobs"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "messages.0.content"),
+         "messages[0].content"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
@@ -170,6 +170,45 @@ def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
     err = assert_error(client.post(COMPLETIONS, content=raw,
                                    headers={"content-type": "application/json"}), 400, param)
     assert "finite number" in err["message"], err
+
+
+@pytest.mark.parametrize("path,body,message,param", [
+    (COMPLETIONS, {"prompt": 5}, "prompt: must be a string or a list, got a number", "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "stop": 5}, "stop: must be a string or a list, got a number",
+     "stop"),
+    ("/v1/chat/completions", {"messages": [5]}, "messages[0]: must be an object, got a number",
+     "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5},
+     "tool_choice: must be a string or an object, got a number", "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                         "text": 5}]}]},
+     "messages[0].content: part 0 is a text part without a string 'text'",
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     "messages[0] is not valid Unicode: a lone surrogate (U+D800)", "messages[0]"),
+    ("/tokenize", {}, "give exactly one of prompt and messages", None),
+])
+def test_validation_messages_say_what_was_wrong_in_json_terms(client, path, body, message,
+                                                              param):
+    # QA pass 22: union branches came back as "stop.str: ...; stop.list[str]: ..." with
+    # param "stop.str", list items as "messages.0", validators as "body: Value error, ...".
+    raw = json.dumps(body).encode()  # the lone surrogate as JSON escapes it: valid JSON
+    err = assert_error(client.post(path, content=raw), 400, param)
+    assert err["message"].startswith(message), err
+
+
+def test_a_body_that_is_not_an_object_or_not_json_says_so(client):
+    err = assert_error(client.post(COMPLETIONS, content=b"[1]"), 400, None)
+    assert err["message"] == "request body must be a JSON object with this endpoint's fields"
+    err = assert_error(client.post(COMPLETIONS, content=b'{"prompt": "hi",}'), 400, None)
+    assert err["message"] == ("request body is not valid JSON: Expecting property name "
+                              "enclosed in double quotes at character 16")
+
+
+def test_a_long_model_name_is_not_quoted_back_whole(client):
+    err = assert_error(client.post(COMPLETIONS, json={"prompt": "hi", "model": "m" * 100_000}),
+                       404, "model")
+    assert len(err["message"]) < 300 and "(100000 characters)" in err["message"]
 
 
 def test_unknown_model_is_404(client):

@@ -62,7 +62,7 @@ def test_detokenize_gives_back_the_text(live_server: LiveServer):
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "messages.0.content"),
+     400, "messages[0].content"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
      400, "tools[0]"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),

@@ -505,7 +505,7 @@ def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
     import httpx
 
     tag = httpx.post(live_server.base_url + "/tokenize",
-                     json={"prompt": "<tool_call>", "add_special_tokens": False}).json()
+                     json={"prompt": "<tool_call>"}).json()
     first = tag["tokens"][0]
     answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -50,8 +51,24 @@ def chat_prompt(messages: list[ChatMessage], tools: ToolPlan) -> ChatPrompt:
             rendered.append(message.rendered())
         except ValueError as exc:
             raise InvalidRequestError(f"messages[{i}].content: {exc}",
-                                      param=f"messages.{i}.content") from None
-    return ChatPrompt(tuple(rendered), tuple(f.as_tool() for f in tools.offered))
+                                      param=f"messages[{i}].content") from None
+        _require_unicode(rendered[-1], f"messages[{i}]")
+    offered = tuple(f.as_tool() for f in tools.offered)
+    for i, tool in enumerate(offered):
+        _require_unicode(tool, f"tools[{i}]")
+    return ChatPrompt(tuple(rendered), offered)
+
+
+def _require_unicode(value: Any, where: str) -> None:
+    """Refuse a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON) before the tokenizer
+    does, in its own words ("TextEncodeInput must be Union[...]")."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{where} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}); "
+            "send whole surrogate pairs", param=where, code="invalid_prompt") from None
 
 
 async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engine: Any,

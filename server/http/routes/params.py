@@ -14,6 +14,7 @@ from server.http.errors import (
     APIError,
     InvalidRequestError,
     fresh_request_id,
+    quoted,
 )
 from server.http.schemas.common import SamplingFields
 from server.settings import Settings
@@ -40,7 +41,7 @@ def _token_id(key: str) -> int:
         InvalidRequestError: The key is not a decimal integer.
     """
     if _TOKEN_ID.fullmatch(key) is None:
-        raise InvalidRequestError(f"logit_bias key {key!r} is not a token id: use a decimal "
+        raise InvalidRequestError(f"logit_bias key {quoted(key)} is not a token id: use a decimal "
                                   "integer such as \"50256\"", param="logit_bias",
                                   code="invalid_value")
     return int(key)
@@ -50,7 +51,7 @@ def check_model(requested: str | None, engine: Any) -> None:
     """404 when the client names a model this server does not serve."""
     if requested and requested not in (engine.model_name, "default"):
         raise APIError(
-            f"model {requested!r} is not served here; this server serves "
+            f"model {quoted(requested)} is not served here; this server serves "
             f"{engine.model_name!r} (see GET /v1/models)",
             param="model", code="model_not_found", status=404,
         )

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
 from server.http.auth import require_metrics_key
-from server.http.errors import APIError, UnavailableError, error_response
+from server.http.errors import APIError, UnavailableError, error_response, quoted
 
 router = APIRouter()
 models_router = APIRouter()
@@ -85,7 +85,7 @@ async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
                        "lists the served model", param="model", code="model_not_found",
                        status=404)
     if not served or model_id != served:
-        raise APIError(f"model {model_id!r} is not served here; this server serves "
+        raise APIError(f"model {quoted(model_id)} is not served here; this server serves "
                        f"{served!r} (see GET /v1/models)", param="model",
                        code="model_not_found", status=404)
     return JSONResponse(_model_object(request))

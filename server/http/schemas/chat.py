@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field
@@ -54,9 +55,12 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         texts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text":
+                raise ValueError(f"only text content parts are supported; part {j} has type "
+                                 f"{json.dumps(part.get('type'))}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {j} is a text part without a string 'text'")
             texts.append(part["text"])
         return "".join(texts)
 

@@ -273,6 +273,9 @@ def in_responses_terms(exc: APIError) -> APIError:
         if head.startswith("tools[") and rest.startswith("function"):
             rest = rest.removeprefix("function").lstrip(".")
             exc.param = head + ("." + rest if rest else "")
+        elif head.startswith("messages"):
+            # The chat messages are instructions and input items, not one to one.
+            exc.param = "input"
         else:
             exc.param = RESPONSES_PARAMS.get(head, head) + dot + rest
     message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", exc.message)
