@@ -326,3 +326,30 @@ def test_failure_after_the_stream_began(fake):
     error = events[-1]["response"]["error"]
     assert error["code"] == "server_error" and "injected" in error["message"]
     assert any(e["type"] == "response.output_text.delta" for e in events)
+
+
+def test_truncation_auto_drops_the_oldest_input_items_that_do_not_fit(client: openai.OpenAI):
+    # The tiny model's context is 4,096 tokens: two ~3,000-token items cannot both stay.
+    long = "word " * 3000
+    items = [{"role": "user", "content": long}, {"role": "assistant", "content": long},
+             {"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.responses.create(model="default", input=items, max_output_tokens=4)
+    out = client.responses.create(model="default", input=items, max_output_tokens=4,
+                                  instructions="Be brief.", truncation="auto", temperature=0)
+    assert out.truncation == "auto" and out.usage.output_tokens == 4
+    # The first item went; instructions, the assistant's turn and the last item stayed.
+    alone = client.responses.create(model="default", input=items[1:], max_output_tokens=4,
+                                    instructions="Be brief.", temperature=0)
+    assert out.usage.input_tokens == alone.usage.input_tokens
+    assert out.output_text == alone.output_text
+
+
+def test_a_completed_response_says_when_and_echoes_the_request_hints(client: openai.OpenAI):
+    out = client.responses.create(model="default", input="Pick.", tools=[PICK],
+                                  tool_choice="required", max_output_tokens=40, user="u-1",
+                                  prompt_cache_key="k-1", temperature=0)
+    assert out.status == "completed" and out.completed_at >= out.created_at
+    assert (out.user, out.prompt_cache_key) == ("u-1", "k-1")
+    cut = client.responses.create(model="default", input="Hi", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.completed_at is None

@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import Finished, FinishReason, TokenEvent, Usage
+from server.engine.protocol import Finished, FinishReason, SamplingParams, TokenEvent, Usage
 from server.http.errors import CLIENT_CLOSED, APIError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.chat import chat_prompt, with_grammar
@@ -42,6 +42,7 @@ from server.http.routes.logprobs import chat_entry
 from server.http.routes.params import check_model, new_id, resolve_params
 from server.http.routes.sse import SSE_HEADERS, sse
 from server.http.routes.tool_calls import ToolStream, parse_calls
+from server.http.schemas.chat import ChatMessage
 from server.http.schemas.responses import (
     ResponsesRequest,
     chat_request,
@@ -67,9 +68,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                                 logprobs=chat.logprobs, top_logprobs=chat.top_logprobs or 0,
                                 max_tokens_field="max_output_tokens")
         params = await with_grammar(params, chat, engine, tools)
-        fanout = Fanout([GenerationCall(request, engine, chat_prompt(chat.messages, tools),
-                                        params, rid)])
-        await fanout.start()
+        fanout = await _admitted(request, engine, chat.messages, tools, params, rid,
+                                 truncate=body.truncation == "auto")
     except APIError as exc:  # a check shared with chat names chat's fields
         raise in_responses_terms(exc) from None
     except ClientGone:
@@ -88,6 +88,40 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(shape.response(shape.items(content, calls, entries), out.finished))
 
 
+async def _admitted(request: Request, engine: Any, messages: list[ChatMessage],
+                    tools: ToolPlan, params: SamplingParams, rid: str, *,
+                    truncate: bool) -> Fanout:
+    """The request's generation, started; with ``truncate`` (``truncation: "auto"``), the
+    oldest input items go, one at a time, while the rest leaves the context no room.
+
+    System and developer messages (``instructions`` among them) and the last item stay;
+    a tool result whose call went is dropped with it (templates expect the pair).
+    """
+    while True:
+        fanout = Fanout([GenerationCall(request, engine, chat_prompt(messages, tools),
+                                        params, rid)])
+        try:
+            await fanout.start()
+            return fanout
+        except APIError as exc:
+            shorter = _without_oldest(messages) if truncate else None
+            if exc.code != "context_length_exceeded" or shorter is None:
+                raise
+            messages = shorter
+
+
+def _without_oldest(messages: list[ChatMessage]) -> list[ChatMessage] | None:
+    """``messages`` less their oldest droppable item, or None when none can go."""
+    first = next((i for i, m in enumerate(messages[:-1])
+                  if m.role not in ("system", "developer")), None)
+    if first is None:
+        return None
+    out = messages[:first] + messages[first + 1:]
+    while first < len(out) - 1 and out[first].role == "tool":  # results of a dropped call
+        del out[first]
+    return out
+
+
 class ResponseShape:
     """The ``response`` object of one request, and its output items."""
 
@@ -103,7 +137,11 @@ class ResponseShape:
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": {"format": (body.text or {}).get("format")
                                                 or {"type": "text"}},
-            "store": False, "metadata": body.metadata or {}, "truncation": "disabled",
+            "store": False, "metadata": body.metadata or {},
+            "truncation": body.truncation or "disabled", "user": body.user,
+            "prompt_cache_key": body.prompt_cache_key,
+            "safety_identifier": body.safety_identifier,
+            "service_tier": "default", "completed_at": None,
             "previous_response_id": None, "usage": None}
 
     def message(self, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,6 +184,7 @@ class ResponseShape:
             if cut and item["type"] == "message":
                 item["status"] = "incomplete"
         return {**self.base, "status": "incomplete" if cut else "completed", "output": output,
+                "completed_at": None if cut else int(time.time()),
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
                 "usage": _usage(finished.usage)}
 

@@ -69,7 +69,8 @@ class ResponsesRequest(OpenAIModel):
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None
     stream_options: dict[str, Any] | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" would drop input: refused
+    # "auto": input items that leave no room in the context are dropped from the start.
+    truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Refused unless left out: they need stored responses or model features this lacks.
