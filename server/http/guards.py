@@ -170,6 +170,12 @@ class Guards:
         length = _content_length(scope)
         if length is not None and length > self.max_body:
             return self._too_large(length)
+        encoding = _header(scope, b"content-encoding")
+        if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+            # Read as JSON it was "not valid JSON (must be UTF-8)"; say what is wrong.
+            return APIError(f"Content-Encoding {encoding.strip()!r} is not supported: send "
+                            "the body uncompressed", param=None,
+                            code="unsupported_content_encoding", status=415)
         if self.per_client and path in GENERATION_PATHS:
             client = (scope.get("client") or ("?", 0))[0]
             if self.by_client.get(client, 0) >= self.per_client:

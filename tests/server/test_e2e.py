@@ -177,6 +177,20 @@ def test_a_json_body_is_read_whatever_its_content_type(live_server, content_type
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
 
 
+def test_a_compressed_body_is_415_saying_so(live_server):
+    import gzip
+
+    url = live_server.base_url + "/v1/completions"
+    body = gzip.compress(b'{"prompt": "hi", "max_tokens": 2}')
+    resp = httpx.post(url, content=body, headers={"content-encoding": "gzip"})
+    assert resp.status_code == 415, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and "'gzip'" in error["message"]
+    ok = httpx.post(url, content=b'{"prompt": "hi", "max_tokens": 2}',
+                    headers={"content-encoding": "identity"})
+    assert ok.status_code == 200
+
+
 def test_server_is_idle_afterwards(live_server):
     m = live_server.wait_idle()
     assert m["veloxquant_block_pool_blocks_in_use"] == 0

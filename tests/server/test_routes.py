@@ -187,6 +187,8 @@ def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
      "messages[0] is not valid Unicode: a lone surrogate (U+D800)", "messages[0]"),
     ("/tokenize", {}, "give exactly one of prompt and messages", None),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -1},
+     "max_tokens must be at least 1; 0 is allowed only with echo: true", "max_tokens"),
 ])
 def test_validation_messages_say_what_was_wrong_in_json_terms(client, path, body, message,
                                                               param):
@@ -226,10 +228,12 @@ def test_404_and_405_are_openai_shaped(client):
     ({"prompt": ""}, "empty_prompt", "prompt"),
     ({"prompt": []}, "empty_prompt", "prompt"),
     ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, "invalid_value", "max_tokens"),
     ({"prompt": "hi", "stop": ["x" * 1000]}, "invalid_value", "stop"),
     ({"prompt": "hi", "best_of": 2}, "unsupported_parameter", "best_of"),
     (b'{"prompt": "\xff"}', "invalid_value", None),  # not UTF-8
-], ids=["empty", "empty-list", "max_tokens-0", "long-stop", "best_of", "not-utf8"])
+], ids=["empty", "empty-list", "max_tokens-0", "max_tokens-negative", "long-stop", "best_of",
+        "not-utf8"])
 def test_every_400_has_a_code_from_the_readme_table(client, body, code, param):
     resp = (client.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
             if isinstance(body, bytes) else client.post(COMPLETIONS, json=body))

@@ -55,7 +55,7 @@ def _check(body: CompletionRequest, n_prompts: int, settings: Any) -> None:
             f"generates, so best_of must equal n ({body.n}) or be left out", param="best_of",
             code="unsupported_parameter")
     check_choices(body.n, n_prompts, settings)
-    if body.max_tokens == 0 and not body.echo:
+    if body.max_tokens is not None and body.max_tokens < (0 if body.echo else 1):
         raise InvalidRequestError("max_tokens must be at least 1; 0 is allowed only with "
                                   "echo: true (to score the prompt)", param="max_tokens")
 

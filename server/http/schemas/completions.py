@@ -19,8 +19,9 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="Prompt text or token ids, or a list of either (a batch).")
-    # 0 only with echo: true (score the prompt, generate nothing).
-    max_tokens: int | None = Field(default=None, ge=0, description="Most tokens to generate.")
+    # At least 1, or 0 with echo: true (score the prompt, generate nothing): checked by
+    # the route with echo in view, so -1 and 0 get the same message.
+    max_tokens: int | None = Field(default=None, description="Most tokens to generate.")
     logprobs: int | None = Field(default=None, ge=0, le=20,
                                  description="Return this many top log-probabilities.")
     echo: bool = Field(default=False, description="Prepend the prompt (and, with logprobs, "
