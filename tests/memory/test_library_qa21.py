@@ -147,3 +147,17 @@ def test_pooled_cache_refuses_a_missing_pool_and_typed_use_after_release():
     cache.release()
     with pytest.raises(CacheReleasedError):
         cache.append(mx.ones((1, 8)), mx.ones((1, 8)))
+
+
+def test_a_paired_allocation_that_cannot_fit_moves_no_counter_but_exhausted():
+    from veloxquant_mlx.memory.pool_kv_common import allocate_kv
+
+    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=3))  # k: 2 blocks, v: 1
+    with pytest.raises(BlockPoolExhaustedError) as info:
+        allocate_kv(pool, 1, 2 * BS, "fp16")
+    assert info.value.stream == "v"
+    stats = pool.stats
+    assert (stats.n_allocations, stats.n_frees, stats.peak_blocks_in_use) == (0, 0, 0)
+    assert stats.n_exhausted == 1
+    k, v = allocate_kv(pool, 1, BS, "fp16")  # and the pair still comes back as (k, v)
+    assert [b.stream for b in k + v] == ["k", "v"]

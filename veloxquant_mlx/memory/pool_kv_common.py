@@ -109,13 +109,18 @@ def allocate_kv(
     Raises:
         BlockPoolExhaustedError: One stream did not fit; nothing stays allocated.
     """
-    k_new = pool.allocate("k", n_tokens, owner, format=fmt)
+    # The stream with fewer free blocks first: on a split pool that cannot cover both
+    # it is the one that fails, before the other's blocks were taken and given back
+    # (which moved the allocation, free and peak counters for a call that failed).
+    v_first = pool.config.separate_kv and pool.n_free("v") < pool.n_free("k")
+    first, second = ("v", "k") if v_first else ("k", "v")
+    taken = pool.allocate(first, n_tokens, owner, format=fmt)
     try:
-        v_new = pool.allocate("v", n_tokens, owner, format=fmt)
+        other = pool.allocate(second, n_tokens, owner, format=fmt)
     except BaseException:
-        pool.free(k_new)
+        pool.free(taken)
         raise
-    return k_new, v_new
+    return (other, taken) if v_first else (taken, other)
 
 
 def free_past(pool: BlockPoolAllocator, k: list[Block], v: list[Block], keep: int) -> None:
