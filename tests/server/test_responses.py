@@ -292,13 +292,18 @@ def test_calls_before_a_cut_still_make_the_response_incomplete(fake):
     out = client.post("/v1/responses", json=body).json()
     assert out["status"] == "incomplete"
     assert out["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert [o["type"] for o in out["output"]] == ["message", "function_call"]
+    # The second call, cut inside its arguments, is the call so far (not text).
+    assert [o["type"] for o in out["output"]] == ["message", "function_call", "function_call"]
+    assert [o.get("status") for o in out["output"][1:]] == ["completed", "incomplete"]
+    assert "<tool_call>" not in out["output"][0]["content"][0]["text"]
     chat = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "SCRIPTCUT:" + TWO_CALLS[:-40]}],
         "tools": [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                   for t in (WEATHER, PICK)]}).json()
     assert chat["choices"][0]["finish_reason"] == "length"
-    assert len(chat["choices"][0]["message"]["tool_calls"]) == 1
+    whole, cut = chat["choices"][0]["message"]["tool_calls"]
+    assert whole["function"]["name"] == "get_weather" and cut["function"]["name"] == "pick"
+    assert cut["function"]["arguments"] == "{"  # the arguments so far, as OpenAI cuts them
 
 
 def test_streamed_calls_hold_back_their_text(fake):

@@ -522,3 +522,17 @@ def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
         temperature=0, logit_bias={str(first): -100})
     if plain.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(plain.choices[0].message.content)["ok"], bool)
+
+
+@pytest.mark.parametrize("cut,calls", [
+    ('Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b', ["add"]),  # the call so far
+    ('Sure. <tool_call>{"name": "ad', []),  # its name unfinished: dropped, not content
+])
+def test_a_call_cut_in_its_json_is_not_content(cut, calls):
+    # QA pass 23: a length cut left '<tool_call>{"name": "get' in the visible text.
+    content, parsed = parse_calls(cut, auto())
+    assert content == "Sure." and [c["function"]["name"] for c in parsed] == calls
+    stream = ToolStream(auto())
+    sent = "".join(stream.feed(cut[i:i + 3]) for i in range(0, len(cut), 3))
+    rest, streamed = stream.finish()
+    assert (sent + rest).strip() == "Sure." and len(streamed) == len(calls)

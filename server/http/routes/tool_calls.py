@@ -56,19 +56,32 @@ def _bare(text: str, names: set[str]) -> list[dict[str, Any]]:
 
 
 def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
-    """The text outside the calls (unstripped) and the calls, in order."""
+    """The text outside the calls (unstripped) and the calls, in order.
+
+    A last tag that ``max_tokens`` cut inside its JSON is not content either: it
+    is the call so far when its name was written (as a forced call cut short),
+    else nothing (a half tag is markup, not text for the user).
+    """
     names = {f.name for f in plan.offered}
     calls = _bare(text.strip(), names)
     if calls:
         return "", calls
-    kept = _TAGGED.sub(lambda m: "" if _call(_loads(m.group(1)), names) else m.group(0), text)
-    calls = [c for c in (_call(_loads(m.group(1)), names) for m in _TAGGED.finditer(text)) if c]
-    return (kept, calls) if calls else (text, [])
+    kept, calls = [], []
+    at = 0
+    for match in _TAGGED.finditer(text):
+        call = _call(_loads(match.group(1)), names)
+        cut = call is None and match.end() == len(text) and not text.endswith(TOOL_CALL_CLOSE)
+        if call is None and not cut:
+            continue  # not a call: stays text
+        kept.append(text[at:match.start()])
+        at = match.end()
+        calls += [call] if call is not None else _cut_call(match.group(1), plan)
+    return "".join(kept) + text[at:], calls
 
 
 def whole_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
     """The calls of ``text`` that are complete (parse and name an offered function)."""
-    return _split(text, plan)[1]
+    return [c for c in _split(text, plan)[1] if _loads(c["function"]["arguments"]) is not None]
 
 
 def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
@@ -81,7 +94,9 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     """
     kept, calls = _split(text, plan)
     if not calls:
-        return (None, _cut_call(text, plan)) if plan.forced_call else (text, [])
+        # A dropped half tag leaves the whitespace before it, which is not content.
+        return ((None, _cut_call(text, plan)) if plan.forced_call
+                else (kept if kept == text else kept.rstrip(), []))
     # Trailing whitespace only (the stream cannot take back leading whitespace it sent).
     return (kept.rstrip() or None), calls if plan.parallel else calls[:1]
 
@@ -196,6 +211,7 @@ class ToolStream:
         if not calls and self.plan.forced_call:  # cut short: nothing of it was sent
             return "", _cut_call(self.text, self.plan)
         if not calls:
-            return self.text[self.sent:], []
+            rest = kept[self.sent:]
+            return (rest if kept == self.text else rest.rstrip()), []
         # What was sent all lies before the first call, so it is a prefix of ``kept``.
         return kept[self.sent:].rstrip(), calls if self.plan.parallel else calls[:1]
