@@ -358,3 +358,13 @@ def test_a_completed_response_says_when_and_echoes_the_request_hints(client: ope
     assert (out.user, out.prompt_cache_key) == ("u-1", "k-1")
     cut = client.responses.create(model="default", input="Hi", max_output_tokens=2)
     assert cut.status == "incomplete" and cut.completed_at is None
+
+
+def test_allowed_tools_narrow_a_required_call(client: openai.OpenAI):
+    out = client.responses.create(
+        model="default", input="Pick.", tools=[WEATHER, PICK], max_output_tokens=40,
+        temperature=0, tool_choice={"type": "allowed_tools", "mode": "required",
+                                    "tools": [{"type": "function", "name": "pick"}]})
+    (call,) = out.output
+    assert call.type == "function_call" and call.name == "pick" and out.status == "completed"
+    assert out.tool_choice.type == "allowed_tools"

@@ -67,6 +67,11 @@ def auto(parallel: bool | None = None):
     (None, "required", "tool_choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
     (TOOLS, {"type": "function"}, "tool_choice"),
+    (TOOLS, {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}},
+     "tool_choice.allowed_tools"),
+    (TOOLS, {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}},
+     "tool_choice.allowed_tools.tools[0]"),
 ])
 def test_bad_tool_fields_name_the_field(tools, choice, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -81,6 +86,16 @@ def test_plan_modes():
     named = tool_plan(TOOLS, {"type": "function", "function": {"name": "add"}}, False)
     assert (named.mode, named.forced_call, named.parallel) == ("named", True, False)
     assert [f.name for f in named.offered] == ["add"]
+
+
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_allowed_tools_offer_only_those(mode):
+    plan = tool_plan(TOOLS, {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": "add"}}]}}, None)
+    assert plan.mode == mode and [f.name for f in plan.offered] == ["add"]
+    assert plan.forced_call is (mode == "required")
+    # A call to a function left out of the allowed ones is text, not a call.
+    assert parse_calls(TWO_CALLS, plan)[1][0]["function"]["name"] == "add"
 
 
 def test_call_schema_accepts_calls_and_only_calls():

@@ -216,6 +216,14 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        # Responses: {"type": "allowed_tools", "mode", "tools": [{"type", "name"}]}.
+        tools = choice.get("tools")
+        tools = [{"type": t.get("type"), "function": {"name": t.get("name")}}
+                 if isinstance(t, dict) else t for t in tools] if isinstance(tools, list) \
+            else tools
+        return {"type": "allowed_tools",
+                "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
     return choice  # strings, and other shapes for the tool plan to refuse by name
 
 

@@ -51,6 +51,7 @@ class ToolPlan:
     mode: str  # "none" | "auto" | "required" | "named"
     forced: str | None  # the function's name in "named" mode
     parallel: bool
+    allowed: tuple[str, ...] | None = None  # tool_choice allowed_tools: the only ones offered
 
     @property
     def offered(self) -> tuple[Function, ...]:
@@ -59,6 +60,8 @@ class ToolPlan:
             return ()
         if self.mode == "named":
             return tuple(f for f in self.functions if f.name == self.forced)
+        if self.allowed is not None:
+            return tuple(f for f in self.functions if f.name in self.allowed)
         return self.functions
 
     @property
@@ -160,6 +163,28 @@ def _function(i: int, tool: Any) -> Function:
     return Function(name, description, parameters)
 
 
+def _allowed(spec: Any, names: set[str]) -> tuple[str, tuple[str, ...]]:
+    """``(mode, names)`` of ``tool_choice`` ``{"type": "allowed_tools", "allowed_tools":
+    {"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name"}}]}}``."""
+    where = "tool_choice.allowed_tools"
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    tools = spec.get("tools") if isinstance(spec, dict) else None
+    if mode not in ("auto", "required") or not isinstance(tools, list) or not tools:
+        raise InvalidRequestError(f"{where} must be {{\"mode\": \"auto\" or \"required\", "
+                                  "\"tools\": [{\"type\": \"function\", \"function\": "
+                                  "{\"name\": ...}}, ...]}", param=where)
+    chosen = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or name not in names:
+            raise InvalidRequestError(f"{where}.tools[{i}] must name a function in tools "
+                                      f"(got {json.dumps(tool)[:80]})",
+                                      param=f"{where}.tools[{i}]")
+        chosen.append(name)
+    return mode, tuple(chosen)
+
+
 def _choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
     """``(mode, forced name)`` from ``tool_choice`` (None: "auto" with tools, else "none")."""
     if choice is None:
@@ -197,5 +222,9 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any,
     names = {f.name for f in functions}
     if len(names) != len(functions):
         raise InvalidRequestError("tools has two functions of the same name", param="tools")
+    parallel = parallel_tool_calls is not False
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        mode, allowed = _allowed(tool_choice.get("allowed_tools"), names)
+        return ToolPlan(functions, mode, None, parallel, allowed)
     mode, forced = _choice(tool_choice, names)
-    return ToolPlan(functions, mode, forced, parallel_tool_calls is not False)
+    return ToolPlan(functions, mode, forced, parallel)
