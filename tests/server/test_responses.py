@@ -368,3 +368,18 @@ def test_allowed_tools_narrow_a_required_call(client: openai.OpenAI):
     (call,) = out.output
     assert call.type == "function_call" and call.name == "pick" and out.status == "completed"
     assert out.tool_choice.type == "allowed_tools"
+
+
+def test_a_replayed_refusal_part_is_the_assistants_words(client: openai.OpenAI,
+                                                          live_server: LiveServer):
+    # A client replays earlier output items as input; a refusal part was a 400.
+    out = client.responses.create(model="default", max_output_tokens=2, input=[
+        {"role": "user", "content": "Do the bad thing."},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+        {"role": "user", "content": "Fine."}])
+    messages = [{"role": "user", "content": "Do the bad thing."},
+                {"role": "assistant", "content": "I can't help with that."},
+                {"role": "user", "content": "Fine."}]
+    counted = httpx.post(live_server.base_url + "/tokenize", json={"messages": messages}).json()
+    assert out.usage.input_tokens == counted["count"]

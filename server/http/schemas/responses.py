@@ -143,6 +143,9 @@ def _text(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])  # an earlier answer's refusal, replayed: its words
+            continue
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequestError(
                 f"{param}[{j}] must be a text part ({', '.join(_TEXT_PARTS)} with \"text\"); "
