@@ -277,7 +277,7 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
     kind = response_format.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise ConstraintError(f"response_format.type must be one of "
-                              f"{', '.join(RESPONSE_FORMAT_TYPES)}; got {kind!r}")
+                              f"{', '.join(RESPONSE_FORMAT_TYPES)}; got {_as_json(kind)}")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -340,6 +340,11 @@ def _answer_or_calls_grammar(schemas: dict[str, Any]) -> str:
         f"call: %json {json.dumps(schemas['call'])}",
         r"WS: /[ \t\r\n]{1,8}/",
     ])
+
+
+def _as_json(value: Any) -> str:
+    """A client's value as JSON writes it (``null``, not Python's ``None``), or "nothing"."""
+    return "nothing" if value is None else json.dumps(value)[:80]
 
 
 def compile_json_schema(schema: dict[str, Any], tokenizer: Any, *, name: str = "schema",

@@ -66,7 +66,7 @@ def test_json_object_and_schema_compile_and_are_cached(tokenizer):
 
 @pytest.mark.parametrize(("response_format", "says"), [
     ({"type": "sound"}, "response_format.type must be one of text, json_object, json_schema"),
-    ({}, "got None"),
+    ({}, "got nothing"),
     ("json", "response_format must be an object"),
     ({"type": "json_schema"}, "response_format.json_schema must be an object"),
     ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "json_schema.name"),

@@ -143,7 +143,8 @@ def _function(i: int, tool: Any) -> Function:
     name = spec.get("name")
     if not isinstance(name, str) or _NAME.fullmatch(name) is None:
         raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, "
-                                  f"'_' or '-'; got {name!r}", param=f"{where}.function.name")
+                                  f"'_' or '-'; got {json.dumps(name)[:80]}",
+                                  param=f"{where}.function.name")
     description = spec.get("description") or ""
     parameters = spec.get("parameters")
     if parameters is None:  # left out, or null as SDKs send it for a function without any
