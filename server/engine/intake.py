@@ -56,10 +56,13 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
         if isinstance(prompt, ChatPrompt):
             return render_ids(tokenizer, prompt)
         if isinstance(prompt, str):
+            utf8(prompt)  # a lone surrogate: said plainly, not in the tokenizer's words
             return list(tokenizer.encode(prompt))
         if out_of_vocab(loaded, prompt) is not None:
             raise ValueError(f"prompt token ids must be in 0..{vocab_size(loaded) - 1}")
         return list(prompt)
+    except RequestRejected:
+        raise
     except Exception as exc:
         param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
         raise RequestRejected(Rejected(Reason.INVALID_PROMPT,
@@ -101,3 +104,20 @@ def check_token_params(loaded: LoadedModel, params: SamplingParams) -> None:
             raise RequestRejected(Rejected(
                 Reason.INVALID_VALUE, f"logit_bias token id {token} is not in this model's "
                 f"vocabulary (0..{vocab - 1})", "logit_bias"))
+
+
+def utf8(prompt: str) -> bytes:
+    """The prompt's UTF-8 bytes.
+
+    JSON can carry a lone UTF-16 surrogate (``"\\ud800"``), which Python keeps in the
+    string but no UTF-8 encoder (nor the tokenizer) accepts.
+
+    Raises:
+        RequestRejected: The prompt holds such a surrogate (400 ``invalid_prompt``).
+    """
+    try:
+        return prompt.encode()
+    except UnicodeEncodeError as exc:
+        raise RequestRejected(Rejected(
+            Reason.INVALID_PROMPT, f"the prompt is not valid Unicode: a lone surrogate "
+            f"(U+{ord(prompt[exc.start]):04X}) at character {exc.start}", "prompt")) from None

@@ -28,6 +28,7 @@ from server.engine.intake import (
     check_token_params,
     no_room,
     tokenize_prompt,
+    utf8,
 )
 from server.engine.prompt_bound import max_bytes_per_token
 from server.engine.protocol import ChatPrompt, GenerationRequest, Reason, Rejected
@@ -197,20 +198,3 @@ class PromptPreparer:
             self._pending.clear()
         for request in left:
             self.reject(request, Rejected(Reason.SHUTTING_DOWN, "the server is shutting down"))
-
-
-def utf8(prompt: str) -> bytes:
-    """The prompt's UTF-8 bytes.
-
-    JSON can carry a lone UTF-16 surrogate (``"\\ud800"``), which Python keeps in the
-    string but no UTF-8 encoder (nor the tokenizer) accepts.
-
-    Raises:
-        RequestRejected: The prompt holds such a surrogate (400 ``invalid_prompt``).
-    """
-    try:
-        return prompt.encode()
-    except UnicodeEncodeError as exc:
-        raise RequestRejected(Rejected(
-            Reason.INVALID_PROMPT, f"the prompt is not valid Unicode: a lone surrogate "
-            f"(U+{ord(prompt[exc.start]):04X}) at character {exc.start}", "prompt")) from None

@@ -8,6 +8,7 @@ Prometheus counts, and typed errors the compiled and pure allocators share.
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -26,10 +27,12 @@ from veloxquant_mlx.memory import (
     PoolBackedKVCache,
     PoolConfig,
     PooledKVCache,
+    build_pooled_caches,
     leases,
 )
 
 BS, LAYERS = 4, 3
+MODEL = SimpleNamespace(layers=[None] * LAYERS)  # all build_pooled_caches reads of a model
 
 
 def kv(n: int, seed: int) -> tuple[mx.array, mx.array]:
@@ -41,7 +44,7 @@ def test_a_step_that_runs_out_in_a_later_layer_leaves_every_layer_where_it_began
     # Per stream: 3 layers x 2 blocks (8 tokens) + 1 spare block, so the 9th token
     # fits layer 0 only.
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=2 * (LAYERS * 2 + 1)))
-    caches = [PoolBackedKVCache(pool, owner=1) for _ in range(LAYERS)]
+    caches = build_pooled_caches(MODEL, pool, owner=1)
     prompt = [kv(8, seed) for seed in range(LAYERS)]
     for cache, (k, v) in zip(caches, prompt, strict=True):
         cache.update_and_fetch(k, v)
@@ -63,6 +66,21 @@ def test_a_step_that_runs_out_in_a_later_layer_leaves_every_layer_where_it_began
     assert mx.array_equal(keys, want).item()
     caches[0].release()
     assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_draft_models_caches_on_the_same_owner_are_not_trimmed_by_its_failure():
+    # QA pass 24: the undo went over every cache of the owner, so a second model's layers
+    # that happened to sit at the failing step's end lost a token they had rightly taken.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=2 * 6))
+    main, draft = (build_pooled_caches(SimpleNamespace(layers=[None] * 2), pool, owner=1)
+                   for _ in "md")
+    for cache in main + draft:
+        cache.update_and_fetch(*kv(BS, 0))
+    for cache in main:
+        cache.update_and_fetch(*kv(1, 1))  # takes the last free blocks
+    with pytest.raises(BlockPoolExhaustedError):
+        draft[0].update_and_fetch(*kv(1, 1))
+    assert [c.offset for c in main] == [BS + 1] * 2 and [c.offset for c in draft] == [BS] * 2
 
 
 def test_caches_dropped_without_release_do_not_keep_their_pool():

@@ -383,3 +383,12 @@ def test_a_replayed_refusal_part_is_the_assistants_words(client: openai.OpenAI,
                 {"role": "user", "content": "Fine."}]
     counted = httpx.post(live_server.base_url + "/tokenize", json={"messages": messages}).json()
     assert out.usage.input_tokens == counted["count"]
+
+
+@pytest.mark.parametrize("fields", [{"input": "a\ud800"},
+                                    {"input": "hi", "instructions": "\ud800"}])
+def test_a_lone_surrogate_is_named_in_responses_terms(live_server: LiveServer, fields):
+    resp = httpx.post(live_server.base_url + "/v1/responses", content=json.dumps(fields))
+    error = assert_openai_error(resp, 400)
+    assert error["param"] == "input" and "messages" not in error["message"]
+    assert "the input or instructions is not valid Unicode" in error["message"]

@@ -80,7 +80,10 @@ def test_bad_input_is_a_typed_client_error(live_server: LiveServer, path, body, 
 def test_lone_surrogate_is_refused(live_server: LiveServer):
     resp = httpx.post(live_server.base_url + "/tokenize", content=b'{"prompt": "a\\ud800"}',
                       headers={"content-type": "application/json"}, timeout=30)
-    assert assert_openai_error(resp, 400, "invalid_prompt")["param"] == "prompt"
+    error = assert_openai_error(resp, 400, "invalid_prompt")
+    assert error["param"] == "prompt"
+    # Said plainly, as /v1/completions says it, not in the tokenizer's words (QA pass 24).
+    assert "not valid Unicode: a lone surrogate (U+D800)" in error["message"]
 
 
 def test_a_too_long_prompt_is_counted_not_refused(tiny_model_path):

@@ -542,11 +542,14 @@ def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
 @pytest.mark.parametrize("cut,calls", [
     ('Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b', ["add"]),  # the call so far
     ('Sure. <tool_call>{"name": "ad', []),  # its name unfinished: dropped, not content
+    ('Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_', ["add"]),
 ])
 def test_a_call_cut_in_its_json_is_not_content(cut, calls):
     # QA pass 23: a length cut left '<tool_call>{"name": "get' in the visible text.
     content, parsed = parse_calls(cut, auto())
     assert content == "Sure." and [c["function"]["name"] for c in parsed] == calls
+    if cut.endswith("</tool_"):  # cut in the closing tag: the call itself is whole
+        assert json.loads(parsed[0]["function"]["arguments"]) == {"a": 1, "b": 2}
     stream = ToolStream(auto())
     sent = "".join(stream.feed(cut[i:i + 3]) for i in range(0, len(cut), 3))
     rest, streamed = stream.finish()

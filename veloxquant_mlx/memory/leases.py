@@ -17,37 +17,39 @@ from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
 
 class OwnerLease:
-    """One request's claim on a pool, shared by all of its layers' caches.
+    """One request's claim on a pool, shared by all of its layers' caches."""
 
-    ``members`` are those caches (weakly: the lease must not keep a dropped
-    cache alive), so a step that fails part-way through the layers can put
-    the layers that already took it back (:meth:`undo_step`).
-    """
-
-    __slots__ = ("pool", "owner", "released", "members", "__weakref__")
+    __slots__ = ("pool", "owner", "released", "__weakref__")
 
     def __init__(self, pool: BlockPoolAllocator, owner: int) -> None:
         self.pool = pool
         self.owner = owner
         self.released = False
-        self.members: list[weakref.ref[Any]] = []
 
-    def join(self, cache: Any) -> None:
-        """Count ``cache`` among the layers sharing this lease."""
-        self.members = [ref for ref in self.members if ref() is not None]
-        self.members.append(weakref.ref(cache))
+
+class LayerGroup:
+    """The caches of one model's layers for one request, in layer order.
+
+    A model call appends the same tokens to each layer in turn; when the pool
+    runs out in layer ``i``, layers ``0..i-1`` already hold them.
+    :meth:`undo_step` gives them back, so the caller can free room and run the
+    same step again. A group, not the whole lease: a draft model's caches may
+    share the request's owner id, and its layers' offsets say nothing about
+    this model's step. Members are held weakly (caches hold the group).
+    """
+
+    __slots__ = ("members",)
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        self.members = [weakref.ref(cache) for cache in caches]
 
     def undo_step(self, failed: Any, start: int, n_tokens: int) -> None:
-        """Trim the ``n_tokens`` a step appended from ``start`` off every other member.
-
-        A model call appends the same tokens to each layer in turn; when the pool
-        runs out in layer ``i``, layers ``0..i-1`` already hold them. Giving them
-        back leaves every layer at ``start`` (and their blocks in the pool), so
-        the caller can free room and run the same step again.
-        """
+        """Trim the ``n_tokens`` appended from ``start`` off the members before ``failed``."""
         for ref in self.members:
             cache = ref()
-            if cache is not None and cache is not failed and cache.offset == start + n_tokens:
+            if cache is failed:
+                return  # later layers have not run this step
+            if cache is not None and cache.offset == start + n_tokens:
                 cache.trim(n_tokens)
 
 

@@ -47,7 +47,13 @@ from veloxquant_mlx.exceptions import (
     VeloxQuantError,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.memory.leases import OwnerLease, lease_for, release_lease, require_owned
+from veloxquant_mlx.memory.leases import (
+    LayerGroup,
+    OwnerLease,
+    lease_for,
+    release_lease,
+    require_owned,
+)
 from veloxquant_mlx.memory.pool_config import check_count
 from veloxquant_mlx.memory.pool_kv_common import (
     DEFAULT_BUFFER_STEP,
@@ -110,6 +116,7 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         self.step: int | None = None
         self.buffer_step = DEFAULT_BUFFER_STEP
         self._lease: OwnerLease | None = None
+        self._layers: LayerGroup | None = None  # set by build_pooled_caches
         self._k_blocks: list[Block] = []
         self._v_blocks: list[Block] = []
         self._block_size = 0
@@ -152,7 +159,6 @@ class PoolBackedKVCache(ContiguousKVBuffer):
             # Stay detached so the caller can attach to a roomier pool.
             self.pool = self.owner = self.step = self._lease = None
             raise
-        self._lease.join(self)
 
     def _require_live(self) -> None:
         if self._lease is None:
@@ -222,9 +228,10 @@ class PoolBackedKVCache(ContiguousKVBuffer):
 
         Raises:
             BlockPoolExhaustedError: The pool cannot cover the new tokens; the
-                cache is left unchanged, and the other layers of its owner that
-                already took these tokens in this step trim them off again, so all
-                layers are where the step began.
+                cache is left unchanged, and the earlier layers of its model (caches
+                made together by ``build_pooled_caches`` or
+                ``load_pooled_prompt_cache``) that already took these tokens in this
+                step trim them off again, so all layers are where the step began.
             PoolArgumentTypeError: ``keys``/``values`` are not ``mx.array``s.
             PoolArgumentError: They are not 4-D with the same token count.
             VeloxQuantError: The cache is detached or was released, or its
@@ -248,7 +255,8 @@ class PoolBackedKVCache(ContiguousKVBuffer):
             except BlockPoolExhaustedError:
                 # This layer is unchanged; the layers this step already ran are put
                 # back too, so the request's caches agree and the step can be rerun.
-                lease.undo_step(self, prev, end - prev)
+                if self._layers is not None:
+                    self._layers.undo_step(self, prev, end - prev)
                 raise
         try:
             self._write_columns(prev, end, keys, values, self.buffer_step)
@@ -398,7 +406,15 @@ def build_pooled_caches(
     """
     require_plain_kv_model(model, "PoolBackedKVCache",
                            "use mlx_lm's make_prompt_cache(model) for this model")
-    return [PoolBackedKVCache(pool, owner, step) for _ in range(len(model.layers))]
+    return _as_layers([PoolBackedKVCache(pool, owner, step) for _ in range(len(model.layers))])
+
+
+def _as_layers(caches: list[PoolBackedKVCache]) -> list[PoolBackedKVCache]:
+    """Mark ``caches`` as one model's layers, in order (see ``LayerGroup``)."""
+    group = LayerGroup(caches)
+    for cache in caches:
+        cache._layers = group
+    return caches
 
 
 def load_pooled_prompt_cache(
@@ -446,4 +462,5 @@ def load_pooled_prompt_cache(
         if caches and caches[0]._lease is not None:
             caches[0].release()
         raise
+    _as_layers(caches)
     return (caches, metadata) if return_metadata else caches

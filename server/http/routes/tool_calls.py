@@ -69,14 +69,25 @@ def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
     kept, calls = [], []
     at = 0
     for match in _TAGGED.finditer(text):
-        call = _call(_loads(match.group(1)), names)
-        cut = call is None and match.end() == len(text) and not text.endswith(TOOL_CALL_CLOSE)
+        inside = match.group(1)
+        cut = match.end() == len(text) and not text.endswith(TOOL_CALL_CLOSE)
+        if cut:  # the cut may fall inside the closing tag, after a whole call
+            inside = inside[:len(inside) - _tag_start_at_end(inside, TOOL_CALL_CLOSE)]
+        call = _call(_loads(inside), names)
         if call is None and not cut:
             continue  # not a call: stays text
         kept.append(text[at:match.start()])
         at = match.end()
-        calls += [call] if call is not None else _cut_call(match.group(1), plan)
+        calls += [call] if call is not None else _cut_call(inside, plan)
     return "".join(kept) + text[at:], calls
+
+
+def _tag_start_at_end(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` begin ``tag`` (0 if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
 
 
 def whole_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
@@ -152,11 +163,7 @@ class ToolStream:
             return ""
         held = self.text.find(TOOL_CALL_OPEN, self.sent)
         if held < 0:  # keep back a tail that may be the start of a tag
-            held = len(self.text)
-            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
-                    held -= k
-                    break
+            held = len(self.text) - _tag_start_at_end(self.text[self.sent:], TOOL_CALL_OPEN)
         # Whitespace waits for the text after it: before a call (or at the end of an
         # answer with calls) it is not content, as the non-streamed answer strips it.
         out = self.text[self.sent:held].rstrip()

@@ -296,5 +296,7 @@ def in_responses_terms(exc: APIError) -> APIError:
     message = re.sub(r"\bresponse_format\.json_schema\.(\w+)", r"text.format.\1", message)
     message = re.sub(r"\bresponse_format\b", "text.format", message)
     message = re.sub(r"\bshorten the messages\b", "shorten the input", message)
+    # Chat's message index counts the instructions too: not an input item's index.
+    message = re.sub(r"\bmessages\[\d+\]", "the input or instructions", message)
     exc.message = message
     return exc
