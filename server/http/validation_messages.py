@@ -58,7 +58,7 @@ def _message(errors: list[dict[str, Any]]) -> str:
     """One field's errors (a union's branches give several) as one sentence."""
     first = errors[0]
     kinds = [_EXPECTED.get(e.get("type", "")) for e in errors]
-    if len(errors) > 1 and all(kinds):
+    if all(kinds):
         wanted = " or ".join(dict.fromkeys(k for k in kinds if k))
         return f"must be {wanted}, got {_json_kind(first.get('input'))}"
     kind = first.get("type", "")
@@ -76,6 +76,12 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     by_field: dict[str, list[dict[str, Any]]] = {}
     for error in errors:
         by_field.setdefault(field_path(tuple(error.get("loc", ()))), []).append(error)
+    # A list sent where a union also takes a scalar: the scalar branch's "must be a
+    # string" is beside the point when the list branch says which item is wrong.
+    for path in [p for p in by_field if p and any(q.startswith(p + "[") for q in by_field)]:
+        if all(e.get("type") in _EXPECTED and isinstance(e.get("input"), list)
+               for e in by_field[path]):
+            del by_field[path]
     parts = []
     for path, field_errors in list(by_field.items())[:5]:
         text = _message(field_errors)

@@ -187,6 +187,8 @@ def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
      "messages[0] is not valid Unicode: a lone surrogate (U+D800)", "messages[0]"),
     ("/tokenize", {}, "give exactly one of prompt and messages", None),
+    (COMPLETIONS, {"prompt": "hi", "stop": [1, "x"]}, "stop[0]: must be a string, got a number",
+     "stop[0]"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1},
      "max_tokens must be at least 1; 0 is allowed only with echo: true", "max_tokens"),
 ])
