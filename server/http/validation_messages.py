@@ -64,6 +64,8 @@ def _message(errors: list[dict[str, Any]]) -> str:
     kind = first.get("type", "")
     if kind in _OBJECT_TYPES:
         return f"must be an object, got {_json_kind(first.get('input'))}"
+    if kind == "missing":
+        return "required (null counts as not given)"
     if kind == "string_unicode":
         return ("is not valid Unicode (a lone surrogate such as \\ud800); send whole "
                 "surrogate pairs")
