@@ -82,6 +82,8 @@ def test_a_stop_string_cuts_the_logprobs_with_the_text(live_server: LiveServer, 
     want = [t for k, t in enumerate(tokens) if len("".join(tokens[:k])) < cut]
     assert _text(stopped, chat) == text[:cut]
     assert _tokens(stopped, chat) == want
+    # usage counts the stop string's tokens too (generated, then cut): 7 here (README).
+    assert stopped["usage"]["completion_tokens"] == 7 > len(want)
     assert _streamed(live_server, path, body, chat) == (text[:cut], want)
 
 
