@@ -179,3 +179,12 @@ def test_a_paired_allocation_that_cannot_fit_moves_no_counter_but_exhausted():
     assert stats.n_exhausted == 1
     k, v = allocate_kv(pool, 1, BS, "fp16")  # and the pair still comes back as (k, v)
     assert [b.stream for b in k + v] == ["k", "v"]
+
+
+@pytest.mark.parametrize("value", [2.0, True, "1"])
+def test_n_used_refuses_a_non_int_with_the_typed_error_in_either_build(value):
+    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4))
+    (block,) = pool.allocate("k", 2, owner=1)
+    with pytest.raises(PoolArgumentTypeError, match="n_used must be an int"):
+        block.n_used = value
+    assert block.n_used == 2

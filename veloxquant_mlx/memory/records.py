@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from veloxquant_mlx.exceptions import PoolArgumentError
+from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
 from veloxquant_mlx.memory.pool_config import SHARED_STREAM
 
 if TYPE_CHECKING:
@@ -66,7 +66,11 @@ class Block:
         return self._n_used
 
     @n_used.setter
-    def n_used(self, value: int) -> None:
+    def n_used(self, value: object) -> None:
+        # Typed object, checked here: a compiled build would refuse a float with a bare
+        # TypeError of its own, where the pure one raises PoolArgumentTypeError.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PoolArgumentTypeError(f"n_used must be an int, got {type(value).__name__}")
         pool = self._pool
         if pool is None:
             self._n_used = value
