@@ -260,8 +260,8 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
         tokenizer: The served model's tokenizer (mlx-lm's wrapper or a Hugging
             Face fast tokenizer).
         calls: With tools the model may call (``tool_choice`` auto),
-            ``{"schema": <one call's JSON Schema>, "parallel": bool}``: a JSON
-            answer may then be tagged calls instead (:func:`compile_answer_or_calls`).
+            the JSON Schema of one call (``ToolPlan.call_schema``): a JSON answer
+            may then be a tagged call instead (:func:`compile_answer_or_calls`).
 
     Returns:
         The constraint for :attr:`SamplingParams.constraint`, or None for text.
@@ -282,8 +282,7 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
         return None
     if kind == "json_object":
         if calls is not None:
-            return compile_answer_or_calls({"type": "object"}, calls["schema"], tokenizer,
-                                           name=kind, parallel=calls["parallel"])
+            return compile_answer_or_calls({"type": "object"}, calls, tokenizer, name=kind)
         return _COMPILER.compile(kind, kind, {"type": "object"}, tokenizer, "response_format")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
@@ -298,22 +297,22 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
         raise ConstraintError("response_format.json_schema.strict must be true or false")
     # strict or not, the schema is enforced in full: masks cannot be "mostly" followed.
     if calls is not None:
-        return compile_answer_or_calls(schema, calls["schema"], tokenizer, name=name,
-                                       parallel=calls["parallel"])
+        return compile_answer_or_calls(schema, calls, tokenizer, name=name)
     return compile_json_schema(schema, tokenizer, name=name)
 
 
 def compile_answer_or_calls(answer: dict[str, Any], call: dict[str, Any], tokenizer: Any, *,
-                            name: str = "schema", parallel: bool = False) -> Constraint:
-    """A JSON answer following ``answer``, or one or more ``<tool_call>`` tagged calls.
+                            name: str = "schema") -> Constraint:
+    """A JSON answer following ``answer``, or one ``<tool_call>`` tagged call.
 
     A JSON ``response_format`` beside tools the model may call: the format shapes
     the answer, as in OpenAI's API, and leaves the model free to call a tool
     instead (a grammar of the answer alone made every call impossible). The calls
     are written as the chat templates teach (``<tool_call>{"name": ...,
     "arguments": {...}}</tool_call>``), each held to ``call``, and parsed from the
-    text as calls in auto mode are. One call unless ``parallel``: a small model
-    offered more repeats its call until ``max_tokens`` cuts the last one.
+    text as calls in auto mode are. One call, even with ``parallel_tool_calls``
+    (as a forced call): offered more, SmolLM2 wrote the same call again until
+    ``max_tokens`` cut it (LangChain then raised, openai-agents saw ``incomplete``).
 
     Raises:
         ConstraintError: llguidance cannot compile a schema (``param`` is
@@ -326,7 +325,6 @@ def compile_answer_or_calls(answer: dict[str, Any], call: dict[str, Any], tokeni
     schemas: dict[str, Any] = {
         part: {**close_objects(bound_integers(schema)), "x-guidance": JSON_OPTIONS}
         for part, schema in (("answer", answer), ("call", call))}
-    schemas["parallel"] = parallel
     return _COMPILER.compile("answer_or_calls", name, schemas, tokenizer, "response_format")
 
 
@@ -335,8 +333,7 @@ def _answer_or_calls_grammar(schemas: dict[str, Any]) -> str:
     return "\n".join([
         "start: answer | calls",
         f"answer: %json {json.dumps(schemas['answer'])}",
-        "calls: tagged (WS? tagged)*" if schemas["parallel"] else "calls: tagged",
-        f"tagged: {json.dumps(TOOL_CALL_OPEN)} WS? call WS? {json.dumps(TOOL_CALL_CLOSE)}",
+        f"calls: {json.dumps(TOOL_CALL_OPEN)} WS? call WS? {json.dumps(TOOL_CALL_CLOSE)}",
         f"call: %json {json.dumps(schemas['call'])}",
         r"WS: /[ \t\r\n]{1,8}/",
     ])

@@ -171,7 +171,8 @@ class Guards:
         if length is not None and length > self.max_body:
             return self._too_large(length)
         encoding = _header(scope, b"content-encoding")
-        if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        if scope.get("method") == "POST" and encoding is not None \
+                and encoding.strip().lower() not in ("", "identity"):
             # Read as JSON it was "not valid JSON (must be UTF-8)"; say what is wrong.
             return APIError(f"Content-Encoding {encoding.strip()!r} is not supported: send "
                             "the body uncompressed", param=None,

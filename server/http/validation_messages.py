@@ -11,6 +11,7 @@ the common shapes get plain words.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -64,6 +65,9 @@ def _message(errors: list[dict[str, Any]]) -> str:
     kind = first.get("type", "")
     if kind in _OBJECT_TYPES:
         return f"must be an object, got {_json_kind(first.get('input'))}"
+    if kind == "literal_error":
+        expected = (first.get("ctx") or {}).get("expected", "one of the allowed values")
+        return f"must be {expected}, got {json.dumps(first.get('input'))[:80]}"
     if kind == "missing":
         return "required (null counts as not given)"
     if kind == "string_unicode":

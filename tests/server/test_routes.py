@@ -189,6 +189,9 @@ def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
     ("/tokenize", {}, "give exactly one of prompt and messages", None),
     (COMPLETIONS, {"prompt": "hi", "stop": [1, "x"]}, "stop[0]: must be a string, got a number",
      "stop[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
+     "messages[0].role: must be 'system', 'developer', 'user', 'assistant' or 'tool', "
+     'got "wizard"', "messages[0].role"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1},
      "max_tokens must be at least 1; 0 is allowed only with echo: true", "max_tokens"),
 ])

@@ -527,7 +527,7 @@ def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
     messages = [{"role": "user", "content": "Pick."}]
     out = client.chat.completions.create(
         model="tiny", messages=messages, tools=[PICK], response_format=fmt, max_tokens=60,
-        temperature=0, logit_bias={str(first): 100}, parallel_tool_calls=False)
+        temperature=0, logit_bias={str(first): 100})
     (call,) = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
     assert set(json.loads(call.function.arguments)) == {"op", "exact"}
@@ -554,3 +554,13 @@ def test_a_call_cut_in_its_json_is_not_content(cut, calls):
     sent = "".join(stream.feed(cut[i:i + 3]) for i in range(0, len(cut), 3))
     rest, streamed = stream.finish()
     assert (sent + rest).strip() == "Sure." and len(streamed) == len(calls)
+
+
+def test_a_replayed_assistant_refusal_part_is_its_words():
+    # OpenAI's assistant content takes text or refusal parts; a replay was a 400 (QA 26).
+    from server.http.schemas.chat import ChatMessage
+
+    said = ChatMessage(role="assistant", content=[{"type": "refusal", "refusal": "I can't."}])
+    assert said.text() == "I can't."
+    with pytest.raises(ValueError, match="part 0 has type"):
+        ChatMessage(role="user", content=[{"type": "refusal", "refusal": "x"}]).text()

@@ -40,8 +40,7 @@ async def output_constraint(engine: Any, response_format: dict[str, Any] | None,
             return None
         # Tools the model may call (auto): the format shapes the answer and leaves the
         # calls open, as OpenAI's does (openai-agents' tools with an output_type).
-        calls = ({"schema": tools.call_schema(), "parallel": tools.parallel}
-                 if tools is not None and tools.offered else None)
+        calls = tools.call_schema() if tools is not None and tools.offered else None
         return await asyncio.to_thread(engine.compile_constraint, response_format,
                                        calls=calls)
     except ConstraintError as exc:

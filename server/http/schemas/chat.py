@@ -56,6 +56,10 @@ class ChatMessage(OpenAIModel):
             return self.content
         texts = []
         for j, part in enumerate(self.content):
+            if (part.get("type") == "refusal" and self.role == "assistant"
+                    and isinstance(part.get("refusal"), str)):
+                texts.append(part["refusal"])  # a replayed answer's refusal: its words
+                continue
             if part.get("type") != "text":
                 raise ValueError(f"only text content parts are supported; part {j} has type "
                                  f"{json.dumps(part.get('type'))}")

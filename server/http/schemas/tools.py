@@ -179,9 +179,9 @@ def _allowed(spec: Any, names: set[str]) -> tuple[str, tuple[str, ...]]:
         function = tool.get("function") if isinstance(tool, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or name not in names:
-            raise InvalidRequestError(f"{where}.tools[{i}] must name a function in tools "
-                                      f"(got {json.dumps(tool)[:80]})",
-                                      param=f"{where}.tools[{i}]")
+            named = f" (it names {json.dumps(name)[:80]})" if isinstance(name, str) else ""
+            raise InvalidRequestError(f"{where}.tools[{i}] must be a function of tools"
+                                      f"{named}", param=f"{where}.tools[{i}]")
         chosen.append(name)
     return mode, tuple(chosen)
 
