@@ -219,10 +219,9 @@ class BlockPoolAllocator:
         c.n_grown += gap
         return None
 
-    def _set_used(self, block: Block, value: object) -> None:
-        """Back end of ``Block.n_used = value``: keep the partial count exact."""
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise PoolArgumentTypeError(f"n_used must be an int, got {type(value).__name__}")
+    def _set_used(self, block: Block, value: int) -> None:
+        """Back end of ``Block.n_used = value`` (the setter checked its type): keep the
+        partial count exact."""
         if not 0 <= value <= self._block_size:
             raise PoolArgumentError(f"n_used must be in [0, {self._block_size}], got {value}")
         self._acquire()

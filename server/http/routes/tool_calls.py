@@ -60,7 +60,8 @@ def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
 
     A last tag that ``max_tokens`` cut inside its JSON is not content either: it
     is the call so far when its name was written (as a forced call cut short),
-    else nothing (a half tag is markup, not text for the user).
+    else nothing (a half tag is markup, not text for the user); the whitespace
+    before it, which ends the text, goes with it.
     """
     names = {f.name for f in plan.offered}
     calls = _bare(text.strip(), names)
@@ -76,7 +77,8 @@ def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
         call = _call(_loads(inside), names)
         if call is None and not cut:
             continue  # not a call: stays text
-        kept.append(text[at:match.start()])
+        before = text[at:match.start()]
+        kept.append(before.rstrip() if cut else before)
         at = match.end()
         calls += [call] if call is not None else _cut_call(inside, plan)
     return "".join(kept) + text[at:], calls
@@ -105,9 +107,7 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     """
     kept, calls = _split(text, plan)
     if not calls:
-        # A dropped half tag leaves the whitespace before it, which is not content.
-        return ((None, _cut_call(text, plan)) if plan.forced_call
-                else (kept if kept == text else kept.rstrip(), []))
+        return (None, _cut_call(text, plan)) if plan.forced_call else (kept, [])
     # Trailing whitespace only (the stream cannot take back leading whitespace it sent).
     return (kept.rstrip() or None), calls if plan.parallel else calls[:1]
 
@@ -218,7 +218,6 @@ class ToolStream:
         if not calls and self.plan.forced_call:  # cut short: nothing of it was sent
             return "", _cut_call(self.text, self.plan)
         if not calls:
-            rest = kept[self.sent:]
-            return (rest if kept == self.text else rest.rstrip()), []
+            return kept[self.sent:], []
         # What was sent all lies before the first call, so it is a prefix of ``kept``.
         return kept[self.sent:].rstrip(), calls if self.plan.parallel else calls[:1]
