@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 from tests.gguf import synth
 from veloxquant_mlx.gguf import convert_gguf
@@ -27,10 +26,8 @@ def test_second_convert_reuses_folder(synthetic_files, tmp_path):
     }  # fmt: skip
     assert set(_snapshot(first)) == expected_files
     before = _snapshot(first)
-    start = time.perf_counter()
     second = convert_gguf(str(path), str(tmp_path))
-    assert time.perf_counter() - start < 0.5
-    assert second == first and _snapshot(second) == before
+    assert second == first and _snapshot(second) == before  # no file was written again
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == [first.name]  # no temp leftovers
 
 
@@ -48,8 +45,7 @@ def test_different_content_gets_another_folder(tmp_path):
 
 
 def test_smollm2_second_start_is_fast(smollm2_path, smollm2_folder):
-    start = time.perf_counter()
+    before = _snapshot(smollm2_folder)
     again = convert_gguf(smollm2_path, smollm2_folder.parent.parent)
-    elapsed = time.perf_counter() - start
     assert again == smollm2_folder
-    assert elapsed < 2.0  # only the sha256 of the 98 MB file
+    assert _snapshot(again) == before  # only the sha256 of the 98 MB file: nothing rewritten

@@ -160,7 +160,7 @@ def test_stream_options_without_stream_is_400(client, live_server, stream):
 
 
 def test_stream_options_with_stream_gives_one_usage_chunk(live_server):
-    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True,
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     chunks = completion_stream(post(live_server, COMPLETIONS, body))
     assert [c.usage is not None for c in chunks].count(True) == 1

@@ -234,7 +234,9 @@ def test_requests_leaving_mid_prefill_free_their_blocks_and_spare_the_group(tiny
         assert r.json()["choices"][0]["text"] == a.json()["choices"][0]["text"]
     assert m["veloxquant_block_pool_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
-    assert m["veloxquant_request_finished_total{reason=cancelled}"] == 3
+    # Mostly mid-prefill; on a loaded machine one may still be waiting when its client goes.
+    assert (m["veloxquant_request_finished_total{reason=cancelled}"]
+            + m.get("veloxquant_request_rejected_total{reason=cancelled_waiting}", 0)) == 3
 
 
 def test_rows_ending_on_their_first_token_leave_their_group(batch_server: LiveServer):

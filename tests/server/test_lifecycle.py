@@ -141,7 +141,10 @@ async def _admission_scenario(base_url: str) -> dict:
             lines = hog.aiter_lines()
             await lines.__anext__()  # admitted and generating
             waiting = [asyncio.ensure_future(_complete(c, max_tokens=100)) for _ in range(2)]
-            await asyncio.sleep(0.3)
+            for _ in range(100):  # until both wait (at most 10 s)
+                if "veloxquant_requests_waiting 2.0" in (await c.get("/metrics")).text:
+                    break
+                await asyncio.sleep(0.1)
             out["queue_full"] = await _complete(c, max_tokens=100)
             # 4 blocks a stream: it fits the 20 free ones alone, but the two waiting ahead
             # (first come, first served) take them first: the full queue must refuse it.

