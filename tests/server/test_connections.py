@@ -111,7 +111,7 @@ def test_slowloris_flood_is_bounded_and_reaped(tiny_model_path, tmp_path, flood_
             health = httpx.get(server.base_url + "/health", timeout=5)
             health_s = time.monotonic() - t0
             # At the cap even /health is turned away, but at once and in the error shape.
-            assert health.status_code in (200, 503) and health_s < 2
+            assert health.status_code in (200, 503) and health_s < 4
             if health.status_code == 503:
                 assert health.json()["error"]["code"] == "too_many_connections"
                 assert health.headers["Retry-After"]
@@ -155,7 +155,7 @@ def _idle_keep_alive_is_closed(port: int) -> None:
         assert answer.startswith(b"HTTP/1.1 200")
         t0 = time.monotonic()
         assert sock.recv(4096) == b""  # closed by the server: keep-alive timeout 1 s
-        assert 0.5 < time.monotonic() - t0 < 4
+        assert 0.5 < time.monotonic() - t0 < 6
 
 
 class _Transport(asyncio.Transport):

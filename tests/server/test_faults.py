@@ -75,7 +75,8 @@ async def _fault_mix(base_url: str) -> list[httpx.Response]:
             c.post("/v1/completions", json={"prompt": bad, "max_tokens": 20}),
             c.post("/v1/completions", json={"prompt": bad, "max_tokens": 20, "stream": True}),
             c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12}),
+                "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12,
+                "logit_bias": NO_EOS}),
         )
 
 

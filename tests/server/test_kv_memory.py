@@ -97,7 +97,7 @@ def test_mlx_memory_stays_within_pool_bytes_plus_workspace(kv_server):
 
 def _check_memory(kv_server) -> None:
     idle, samples = asyncio.run(_scenario(kv_server.base_url, shorts=12, long_prompt=1500))
-    assert len(samples) > 20
+    assert len(samples) > 10
     workspace = idle["kv_bytes:workspace"]
     # gathered keys+values of 32 rows, twice (the copy that appends the new columns),
     # plus 32 held decode columns of every layer and row with their copies (write-back:
@@ -110,9 +110,13 @@ def _check_memory(kv_server) -> None:
         over_idle = s["mlx_memory_bytes:active"] - idle["mlx_memory_bytes:active"]
         assert over_idle <= s["kv_bytes:in_use"] + workspace, s
     end = kv_server.wait_idle()
-    time.sleep(0.2)  # one more engine step samples the idle state
-    after = _scrape(httpx.get(kv_server.base_url + "/metrics").text)
     assert end["veloxquant_block_pool_blocks_in_use"] == 0
+    # An idle engine pass (every 50 ms) samples the memory gauge: poll for it, up to 5 s.
+    for _ in range(50):
+        after = _scrape(httpx.get(kv_server.base_url + "/metrics").text)
+        if after["mlx_memory_bytes:active"] - idle["mlx_memory_bytes:active"] <= RETURN_SLACK:
+            break
+        time.sleep(0.1)
     assert after["mlx_memory_bytes:active"] - idle["mlx_memory_bytes:active"] <= RETURN_SLACK
 
 

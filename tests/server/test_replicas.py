@@ -247,7 +247,9 @@ def check_last_replica_drains(rs: ReplicaSet, lb: str, last: Replica) -> None:
 def test_sigterm_on_one_replica_mid_load_costs_no_client_a_5xx(tiny_model_path, tmp_path):
     t0 = time.monotonic()
     nginx_log = tmp_path / "nginx-error.log"
-    with ReplicaSet(2, tmp_path, model=str(tiny_model_path)) as rs:
+    # A grace well past the long streams' time on a loaded 2-core machine.
+    with ReplicaSet(2, tmp_path, model=str(tiny_model_path),
+                    env={"VELOXQUANT_SERVER_SHUTDOWN_GRACE_S": "120"}) as rs:
         first, second = rs.replicas
         lb = rs.balancer_url
         check_public_port(lb, second.url)
