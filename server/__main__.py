@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="veloxquant-serve",
         description="OpenAI-compatible MLX inference server on one shared KV block pool.",
     )
-    parser.add_argument("--config", help="TOML config file (default: config/default.toml)")
+    parser.add_argument("--config", help="TOML config file; values it leaves out keep the "
+                        "built-in defaults (a packaged copy of config/default.toml)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port (default 8000)")
     parser.add_argument("--model", help="model to serve: smollm2 (default, real "

@@ -82,6 +82,20 @@ def resolve_model_path(section: ModelSection) -> Path:
             simply is not there).
     """
     source = section.path or section.preset
+    try:
+        return _resolve(source)
+    except OSError as exc:  # an unwritable cache, an unreadable file: the operator's to fix
+        from veloxquant_mlx.paths import HOME_ENV, models_dir
+
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ModelSourceError(
+            f"model {source!r} cannot be prepared: {exc.strerror or exc}{where}; built and "
+            f"converted models go to {str(models_dir())!r}: set {HOME_ENV} to a folder this "
+            "user can write, or check the model file's permissions") from exc
+
+
+def _resolve(source: str) -> Path:
+    """:func:`resolve_model_path` for ``source``; OSErrors pass through."""
     if source == SMOLLM2:
         return _convert_gguf(None)
     if source in _offline_presets():

@@ -40,6 +40,8 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 # Paths behind the API key (besides the routes that declare require_api_key): the docs.
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+# Keyed routes outside /v1 (server/http/routes/tokens.py, vLLM's paths).
+TOKEN_PATHS = ("/tokenize", "/detokenize")
 
 
 def _token_matches(presented: str, token: str) -> bool:
@@ -61,7 +63,7 @@ def early_refusal(settings: Settings, path: str, authorization: str | None) -> A
     """The auth error a request to ``path`` gets before anything reads its body, if any.
 
     Mirrors the dependencies below: ``/admin/*`` wants the admin token,
-    ``/v1/*`` and the docs the API key (when set), ``/metrics`` the key
+    ``/v1/*``, the token routes and the docs the API key (when set), ``/metrics`` the key
     with ``server.metrics_require_key``.
     """
     if path == "/admin" or path.startswith("/admin/"):
@@ -73,7 +75,7 @@ def early_refusal(settings: Settings, path: str, authorization: str | None) -> A
     key = settings.api_key
     if not key or _header_matches(authorization, key):
         return None
-    if path.startswith("/v1/") or path in DOC_PATHS:
+    if path.startswith("/v1/") or path in DOC_PATHS or path in TOKEN_PATHS:
         return AuthenticationError(_KEY_WRONG)
     if path == "/metrics" and settings.server.metrics_require_key:
         return AuthenticationError(_METRICS_WRONG)

@@ -41,14 +41,15 @@ class _MessageOnly(logging.Formatter):
 def configure(enabled: bool, stream: TextIO | None = None) -> None:
     """Send request lines to ``stream`` (stderr) as bare JSON, or turn them off.
 
-    The logger's level follows the root level (``server.log_level``): at
-    ``warning`` or above no request line is written. Turned off, its own level
+    The logger's own level is INFO whatever ``server.log_level`` says, so an
+    operator who quiets the server's logs keeps the request lines; only
+    ``server.request_log`` turns them off (QA pass 29). Turned off, its level
     is above every record's: ``disabled`` would not last, since uvicorn's
     ``dictConfig`` sets it back to False on every logger it does not name.
     """
     for handler in list(log.handlers):
         log.removeHandler(handler)
-    log.setLevel(logging.NOTSET if enabled else logging.CRITICAL + 1)
+    log.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
     log.propagate = False  # the root handler would wrap the JSON in its text format
     if enabled:
         handler = logging.StreamHandler(stream or sys.stderr)

@@ -74,7 +74,7 @@ def test_trailing_slash_is_404_not_a_redirect_to_the_host_header(live_server: Li
 
 def test_authentication_comes_before_body_parsing(keyed_server: LiveServer):
     url = keyed_server.base_url
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         resp = httpx.post(url + path, content=b"{not json",
                           headers={"content-type": "application/json"})
         assert_openai_error(resp, 401, "invalid_api_key")

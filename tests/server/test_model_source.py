@@ -46,7 +46,8 @@ def _serve(args: list[str], home: Path) -> subprocess.CompletedProcess:
     env.update({"VELOXQUANT_HOME": str(home), "PYTHONPATH": str(REPO),
                 "VELOXQUANT_NO_BLAS_PRELOAD": "1"})
     return subprocess.run([sys.executable, "-m", "server", "--port", "0", *args], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=home)
+                          capture_output=True, text=True, timeout=120,
+                          cwd=home if home.is_dir() else home.parent)
 
 
 def test_a_bad_gguf_stops_start_up_with_one_line_and_writes_nothing(tmp_path: Path):
@@ -82,3 +83,18 @@ def test_a_missing_gguf_says_so(tmp_path: Path):
     out = _serve(["--model", str(tmp_path / "nope.gguf")], tmp_path)
     assert out.returncode == 2
     assert "nope.gguf" in out.stderr and "does not exist" in out.stderr
+
+
+def test_a_cache_folder_that_cannot_be_made_stops_start_up_with_one_line(tmp_path: Path):
+    from tests.gguf import synth
+
+    gguf = synth.write_model(tmp_path / "m.gguf", synth.Spec("Q8_0"))
+    home = tmp_path / "a-file"  # VELOXQUANT_HOME names a file: no models folder in it
+    home.write_text("")
+    for model in ("tiny", str(gguf)):
+        out = _serve(["--model", model], home)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"model {model!r} cannot be prepared: Not a directory" in lines[0]
+        assert "set VELOXQUANT_HOME to a folder this user can write" in lines[0]
