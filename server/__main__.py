@@ -92,8 +92,13 @@ def _serve(settings: Settings) -> int:
     from server.file_limit import import_mlx_lm
 
     import_mlx_lm()  # first import of mlx_lm: keeps it from lowering the open-file limit
+    from server.http.serve import bind_problem
     from server.model_loader import ModelSourceError, resolve_model_path
 
+    problem = bind_problem(settings.server.host, settings.server.port)
+    if problem is not None:  # before a model load that can take minutes
+        print(f"veloxquant-serve: {problem}", file=sys.stderr)
+        return 2
     # Find (build or convert) the model before serving, so a bad source stops
     # start-up with one line and exit code 2 instead of a server that is never ready.
     try:

@@ -20,6 +20,7 @@ import contextlib
 import ipaddress
 import logging
 import signal
+import socket
 from collections.abc import Generator
 from types import FrameType
 from typing import Any
@@ -45,6 +46,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a hostname: it may resolve to any interface
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, else None.
+
+    Checked before the model loads, so a port in use or a host that does not
+    resolve is one line and exit code 2 at once, not uvicorn's exit code 3
+    after a load that can take minutes. uvicorn binds again later (a port
+    taken in between still fails there).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r} does not resolve to an address here ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what holds "
+                    "the port or pick another with --port")
+    return None
 
 
 def bind_warning(settings: Settings) -> str | None:

@@ -98,3 +98,21 @@ def test_a_cache_folder_that_cannot_be_made_stops_start_up_with_one_line(tmp_pat
         assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
         assert f"model {model!r} cannot be prepared: Not a directory" in lines[0]
         assert "set VELOXQUANT_HOME to a folder this user can write" in lines[0]
+
+
+def test_a_port_in_use_or_a_bad_host_stops_start_up_before_the_model_loads(tmp_path: Path):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        taken = _serve(["--port", str(port)], tmp_path)  # the default model, not yet converted
+    assert taken.returncode == 2, taken.stderr
+    assert taken.stderr.strip().splitlines() == [
+        f"veloxquant-serve: cannot listen on 127.0.0.1:{port}: Address already in use; stop "
+        "what holds the port or pick another with --port"]
+    unknown = _serve(["--host", "no-such-host.invalid"], tmp_path)
+    assert unknown.returncode == 2
+    assert "--host 'no-such-host.invalid' does not resolve" in unknown.stderr
+    assert not (tmp_path / "models").exists()  # nothing was built or converted first
