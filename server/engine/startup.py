@@ -82,6 +82,23 @@ def prefill_time_slice(settings: Settings) -> float:
     return settings.batch.max_prefill_s_per_step
 
 
+def _refuse_a_pool_that_holds_no_request(scheduler: Scheduler, pool: BlockPoolAllocator) -> None:
+    """Stop start-up when not even a 1-token prompt with ``max_tokens`` 1 fits the pool.
+
+    Such a server would come up healthy and refuse every request (QA pass 29).
+
+    Raises:
+        ValueError: Saying how many blocks the smallest request needs.
+    """
+    most = scheduler.planner.max_request_tokens()
+    if most is not None and most < 2:
+        need = scheduler.planner.reservation(2)
+        raise ValueError(
+            f"the KV pool ({pool.stats.n_blocks} blocks) holds no request: the smallest (a "
+            f"1-token prompt, max_tokens 1) needs {need.total} blocks, one a layer on each "
+            f"stream ({', '.join(need.per_stream)}); raise pool.n_blocks")
+
+
 def _warn_if_default_requests_never_fit(scheduler: Scheduler, default_max_tokens: int) -> None:
     """Say at start-up when a one-token prompt with the default ``max_tokens`` cannot fit.
 
@@ -188,6 +205,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
         prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),
                                   pool.config.block_size, min_tail=codes_rows + 1)
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
+    _refuse_a_pool_that_holds_no_request(scheduler, pool)
     _warn_if_default_requests_never_fit(scheduler, settings.limits.default_max_tokens)
     batch = settings.batch
     runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,

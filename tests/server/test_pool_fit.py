@@ -58,7 +58,12 @@ def test_impossible_pools_and_formats_stop_start_up_with_exit_2(tiny_model_path)
              ({"VELOXQUANT_POOL_KV_MEMORY": "1000TiB"},
               "model failed to load: ValueError: pool.kv_memory = 1000TiB needs a KV arena"),
              ({"VELOXQUANT_KV_FORMAT": "q4", "VELOXQUANT_KV_GROUP_SIZE": "128"},
-              "model failed to load: KVFormatError: KV format q4 with group_size 128")]
+              "model failed to load: KVFormatError: KV format q4 with group_size 128"),
+             # 4 layers x k and v: 7 blocks hold no request, so the server would come up
+             # healthy and refuse everything (QA pass 29).
+             ({"VELOXQUANT_POOL_N_BLOCKS": "7"},
+              "model failed to load: ValueError: the KV pool (7 blocks) holds no request: the "
+              "smallest (a 1-token prompt, max_tokens 1) needs 8 blocks")]
     for env, reason in cases:
         proc = _start(tiny_model_path, **env)
         last = proc.stderr.strip().splitlines()[-1]
