@@ -17,6 +17,7 @@ What ``--model`` accepts, in the order it is tried:
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -106,6 +107,7 @@ def _resolve(source: str) -> Path:
     if path.suffix.lower() == ".gguf":
         return _convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
+        _require_json(path / "config.json")
         return path.resolve()
     if path.exists():
         raise ModelNotFoundError(
@@ -119,6 +121,15 @@ def _resolve(source: str) -> Path:
         ".gguf file, a local folder nor a Hugging Face repo id (org/name); point --model at "
         "one of those, or leave it unset for the default model"
     )
+
+
+def _require_json(config: Path) -> None:
+    """Name the file when a folder's config.json is not JSON (mlx-lm's error does not)."""
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelSourceError(f"{str(config)!r} is not valid JSON ({exc}); fix or replace "
+                               "the model folder's config.json") from exc
 
 
 def _offline_presets() -> tuple[str, ...]:

@@ -151,10 +151,14 @@ class SectionTomlSource(TomlConfigSettingsSource):
 
     def __init__(self, settings_cls: type[BaseSettings], path: Path | Traversable) -> None:
         super().__init__(settings_cls, toml_file=path)
-        for key in self.toml_data:
-            if key in SECRET_ENV:
-                raise ConfigError(f"config key {key!r}: secrets are read from the environment "
-                                  f"only ({SECRET_ENV[key]}), never from a file")
+        for key, value in self.toml_data.items():
+            # A secret at the top level or in a section ([server] api_key is the likely one).
+            inner = [k for k in value if k in SECRET_ENV] if isinstance(value, dict) else []
+            if key in SECRET_ENV or inner:
+                name = key if key in SECRET_ENV else f"{key}.{inner[0]}"
+                raise ConfigError(f"config key {name!r}: secrets are read from the environment "
+                                  f"only ({SECRET_ENV[name.rpartition('.')[2]]}), never from "
+                                  "a file")
             if key not in SECTIONS:
                 raise ConfigError(
                     f"config key {key!r}: unknown section (known: {', '.join(SECTIONS)})"

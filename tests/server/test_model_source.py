@@ -116,3 +116,12 @@ def test_a_port_in_use_or_a_bad_host_stops_start_up_before_the_model_loads(tmp_p
     assert unknown.returncode == 2
     assert "--host 'no-such-host.invalid' does not resolve" in unknown.stderr
     assert not (tmp_path / "models").exists()  # nothing was built or converted first
+
+
+def test_a_folder_whose_config_is_not_json_is_named(tmp_path: Path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{")
+    out = _serve(["--model", str(folder)], tmp_path)
+    assert out.returncode == 2
+    assert f"'{folder / 'config.json'}' is not valid JSON" in out.stderr.strip().splitlines()[-1]

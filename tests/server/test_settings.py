@@ -63,12 +63,16 @@ def test_packaged_default_is_the_documented_copy():
         ("[model]\nmax_dequantized_bytes = -1\n", "model.max_dequantized_bytes"),
         ("[model]\npreset = \"huge\"\n", "model.preset"),
         ("api_key = \"in-a-file\"\n", "api_key"),  # secrets come from the env only
+        ("[server]\napi_key = \"in-a-file\"\n", "server.api_key"),
+        ("[server]\nadmin_token = \"in-a-file\"\n", "server.admin_token"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, toml, key):
     with pytest.raises(ConfigError) as info:
         load_settings(write(tmp_path, toml), env={})
     assert repr(key) in str(info.value)
+    if key.endswith(("api_key", "admin_token")):  # where the secret goes instead
+        assert "from the environment only (VELOXQUANT_" in str(info.value)
 
 
 def test_env_overrides_file_and_cli_overrides_env(tmp_path):
