@@ -176,6 +176,10 @@ stop_all() {
   exit "$STATUS"
 }
 trap stop_all INT TERM
+# A shell started with SIGINT ignored (a background job of another script) cannot trap it.
+if [ -z "$(trap -p INT)" ] || [ "$(trap -p INT)" = "trap -- '' SIGINT" ]; then
+  echo "run_replicas: SIGINT is ignored in this process (started in the background?): stop it with SIGTERM"
+fi
 
 for ((i = 0; i < N; i++)); do
   port=$((BASE_PORT + i))
