@@ -45,6 +45,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mixed_load import mixed_rounds, run_mixed  # noqa: E402
+from replica_set import default_signals  # noqa: E402
 from server_load import run_requests, summarize  # noqa: E402
 
 from veloxquant_mlx.cpu_backend import OPT_OUT_ENV, child_env  # noqa: E402
@@ -161,7 +162,8 @@ def start_server(name: str, model: Path, env: dict[str, str]) -> Running:
     log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
     log_file = log_path.open("w")
     proc = subprocess.Popen(server_command(name, model, port), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log_file, text=True,
+                            preexec_fn=default_signals)  # it is stopped with SIGINT
     wait_up(base, proc)
     # mlx_lm.server treats an unknown model id as a hub id; its own path selects the loaded one.
     model_id = str(model) if name == PEER else \

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 from benchmark_server import OURS, Running, free_port, process_cpu_s, server_command, wait_up
+from replica_set import default_signals
 from server_load import run_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,8 @@ def start(name: str, model: Path, env: dict[str, str], log_dir: Path,
     log_path = log_dir / f"{name}.log"
     log_file = log_path.open("w")
     proc = subprocess.Popen(server_command(name, model, port) + extra, cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=log_file, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log_file, text=True,
+                            preexec_fn=default_signals)  # the peer is stopped with SIGINT
     server = Running(name, proc, base, str(model), log_path, log_file)
     try:
         wait_up(base, proc)

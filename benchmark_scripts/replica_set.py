@@ -56,7 +56,13 @@ def free_port_block(count: int, attempts: int = 50) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found")
 
 
-def _default_signals() -> None:
+def default_signals() -> None:
+    """``preexec_fn``: SIGINT and SIGQUIT at their defaults in the child.
+
+    A caller started as a background job (``make test &``) has both ignored, and
+    its children inherit that: bash cannot trap them then, and Python raises no
+    KeyboardInterrupt, so a Ctrl-C stop would never happen.
+    """
     for sig in (signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
 
@@ -98,12 +104,9 @@ class ReplicaSet:
                str(base), "--lb-port", str(base + self.n), "--log-dir", str(self.log_dir)]
         # Its own session: a signal meant for it (SIGINT as a terminal's Ctrl-C) reaches
         # its process group only, never the caller's.
-        # SIGINT and SIGQUIT as a terminal leaves them: a caller started as a background
-        # job (`make test &`) has them ignored, and bash cannot trap a signal ignored on
-        # entry, so the script's Ctrl-C drain would never run.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, preexec_fn=_default_signals)
+                                     start_new_session=True, preexec_fn=default_signals)
         threading.Thread(target=self._read, name="run_replicas-output", daemon=True).start()
         self.wait_for_line("ready", self.startup_timeout_s)
         for line in self.output:
