@@ -177,7 +177,7 @@ stop_all() {
 }
 trap stop_all INT TERM
 # A shell started with SIGINT ignored (a background job of another script) cannot trap it.
-if [ -z "$(trap -p INT)" ] || [ "$(trap -p INT)" = "trap -- '' SIGINT" ]; then
+if [ "$(trap -p INT)" = "trap -- '' SIGINT" ]; then
   echo "run_replicas: SIGINT is ignored in this process (started in the background?): stop it with SIGTERM"
 fi
 
