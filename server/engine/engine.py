@@ -214,15 +214,26 @@ class Engine:
         return new_job(loaded, self.settings.limits.max_prompt_tokens,
                        self.settings.batch.prefill_chunk_size, prompt, top_n)
 
-    def tokenize(self, prompt: str | ChatPrompt) -> list[int] | Rejected:
+    def tokenize(self, prompt: str | ChatPrompt, add_special: bool = True,
+                 parse_special: bool = True) -> list[int] | Rejected:
         """The ids a generation request with ``prompt`` would run on, or why not.
 
+        ``add_special=False`` or ``parse_special=False`` (text only) tokenize as
+        llama.cpp's ``/tokenize`` options say, no longer as a generation would.
         Blocks (a long prompt takes about a second): call it from a worker thread.
         """
         try:
-            return tokenize_prompt(self.loaded, prompt)
+            return tokenize_prompt(self.loaded, prompt, add_special, parse_special)
         except RequestRejected as exc:
             return exc.event
+
+    def token_pieces(self, ids: list[int]) -> list[bytes]:
+        """Each id's own bytes (a token may hold part of a UTF-8 character)."""
+        return [self.output.token_bytes(token) for token in ids]
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id as the vocabulary writes it (``Ġworld``), as vLLM's ``token_strs``."""
+        return list(self.loaded.tokenizer.convert_ids_to_tokens(ids))
 
     def detokenize(self, ids: list[int]) -> str | Rejected:
         """The text ``ids`` decode to, or a refusal naming an id outside the vocabulary."""

@@ -45,8 +45,14 @@ def out_of_vocab(loaded: LoadedModel, ids: list[int]) -> int | None:
     return None if vocab is None else next((t for t in ids if not 0 <= t < vocab), None)
 
 
-def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -> list[int]:
+def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt,
+                    add_special: bool = True, parse_special: bool = True) -> list[int]:
     """Prompt ids for text, token ids or chat messages (rendered with the chat template).
+
+    ``add_special`` and ``parse_special`` apply to text only (``/tokenize`` takes
+    them; a generation always runs on the defaults): the tokenizer's own special
+    tokens (a BOS) put in front, and special-token text such as ``<|im_start|>``
+    read as that token rather than as its characters.
 
     Raises:
         RequestRejected: The prompt cannot be tokenized or has ids out of the vocabulary.
@@ -57,7 +63,10 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt) -
             return render_ids(tokenizer, prompt)
         if isinstance(prompt, str):
             utf8(prompt)  # a lone surrogate: said plainly, not in the tokenizer's words
-            return list(tokenizer.encode(prompt))
+            options = {} if parse_special else {"split_special_tokens": True}
+            if not add_special:
+                options["add_special_tokens"] = False
+            return list(tokenizer.encode(prompt, **options))
         if out_of_vocab(loaded, prompt) is not None:
             raise ValueError(f"prompt token ids must be in 0..{vocab_size(loaded) - 1}")
         return list(prompt)

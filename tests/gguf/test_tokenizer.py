@@ -114,3 +114,19 @@ def test_smollm2_eos_and_chatml(smollm2_loaded):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_tokenize_options_on_a_tokenizer_that_adds_a_bos(synth_tokenizer):
+    """/tokenize's add_special and parse_special reach the tokenizer (the BOS is id 0)."""
+    from types import SimpleNamespace
+
+    from server.engine.intake import tokenize_prompt
+
+    loaded = SimpleNamespace(tokenizer=synth_tokenizer)
+    text = "<|im_start|>hello"
+    as_generated = tokenize_prompt(loaded, text)
+    assert as_generated[:2] == [0, 1]  # BOS, then the control token itself
+    assert tokenize_prompt(loaded, text, add_special=False) == as_generated[1:]
+    as_characters = tokenize_prompt(loaded, text, add_special=False, parse_special=False)
+    assert 1 not in as_characters and len(as_characters) > len(as_generated) - 1
+    assert synth_tokenizer.decode(as_characters) == text

@@ -52,7 +52,42 @@ def test_detokenize_gives_back_the_text(live_server: LiveServer):
     ids = post(live_server, "/tokenize", {"prompt": text}).json()["tokens"]
     back = post(live_server, "/detokenize", {"tokens": ids}).json()["prompt"]
     assert back.endswith(text)  # a tokenizer may put a start token first
-    assert post(live_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    assert post(live_server, "/detokenize", {"tokens": []}).json() == {"prompt": "",
+                                                                         "content": ""}
+
+
+def test_llama_cpp_clients_get_llama_cpp_answers(live_server: LiveServer):
+    """llama-server's names: content in, {id, piece} with with_pieces, content back."""
+    text = "Hi \U0001F389 <|im_start|>x"  # the emoji is split into partial-byte tokens
+    ids = post(live_server, "/tokenize", {"prompt": text}).json()["tokens"]
+    plain = post(live_server, "/tokenize", {"content": text}).json()
+    assert plain["tokens"] == ids  # the tiny tokenizer adds no BOS, so the defaults agree
+    pieces = post(live_server, "/tokenize", {"content": text, "with_pieces": True}).json()
+    assert [p["id"] for p in pieces["tokens"]] == ids
+    raw = [p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"])
+           for p in pieces["tokens"]]
+    assert b"".join(raw) == text.encode()  # pieces join to the text, byte for byte
+    assert any(isinstance(p["piece"], list) for p in pieces["tokens"])  # part of the emoji
+    assert {"id": 2, "piece": "<|im_start|>"} in pieces["tokens"]
+    back = post(live_server, "/detokenize", {"tokens": ids}).json()
+    assert back["content"] == back["prompt"] == text
+
+
+def test_parse_special_false_reads_special_text_as_characters(live_server: LiveServer):
+    text = "<|im_start|>user"
+    special = post(live_server, "/tokenize", {"content": text}).json()["tokens"]
+    literal = post(live_server, "/tokenize", {"content": text, "parse_special": False}).json()
+    assert special[0] == 2 and 2 not in literal["tokens"]
+    assert post(live_server, "/detokenize", {"tokens": literal["tokens"]}).json()["content"] \
+        == text
+
+
+def test_vllm_token_strs_are_the_vocabulary_strings(live_server: LiveServer):
+    out = post(live_server, "/tokenize", {"prompt": "Hello world",
+                                          "return_token_strs": True}).json()
+    assert len(out["token_strs"]) == out["count"]
+    assert out["token_strs"][-2:] == ["\u0120w", "orld"]  # byte-level BPE: a space is "Ġ"
+    assert "token_strs" not in post(live_server, "/tokenize", {"prompt": "Hello"}).json()
 
 
 @pytest.mark.parametrize("path,body,status,param", [
@@ -66,6 +101,13 @@ def test_detokenize_gives_back_the_text(live_server: LiveServer):
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]},
      400, "tools[0]"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/tokenize", {"prompt": "x", "content": "x"}, 400, None),
+    ("/tokenize", {"content": "x", "add_special": True, "add_special_tokens": True}, 400, None),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special": True},
+     400, None),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "parse_special": False},
+     400, None),
+    ("/tokenize", {"content": "x", "with_pieces": "yes"}, 400, "with_pieces"),
     ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens"),  # the tiny vocabulary is 4096
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
@@ -77,11 +119,13 @@ def test_bad_input_is_a_typed_client_error(live_server: LiveServer, path, body, 
         assert err["param"] == param, err
 
 
-def test_lone_surrogate_is_refused(live_server: LiveServer):
-    resp = httpx.post(live_server.base_url + "/tokenize", content=b'{"prompt": "a\\ud800"}',
+@pytest.mark.parametrize("field", ["prompt", "content"])
+def test_lone_surrogate_is_refused(live_server: LiveServer, field):
+    body = b'{"%s": "a\\ud800"}' % field.encode()
+    resp = httpx.post(live_server.base_url + "/tokenize", content=body,
                       headers={"content-type": "application/json"}, timeout=30)
     error = assert_openai_error(resp, 400, "invalid_prompt")
-    assert error["param"] == "prompt"
+    assert error["param"] == field
     # Said plainly, as /v1/completions says it, not in the tokenizer's words (QA pass 24).
     assert "not valid Unicode: a lone surrogate (U+D800)" in error["message"]
 

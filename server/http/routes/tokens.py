@@ -3,9 +3,10 @@
 Clients count a prompt's tokens before they send it (to fit
 ``limits.max_prompt_tokens``, or to budget ``max_tokens``), and map ids back
 to text. The ids are exactly those a generation request would run on: the
-same code tokenizes both (``Engine.tokenize``). The
-shape is vLLM's (``count``, ``tokens``; ``prompt`` back from ids); llama.cpp's
-server has the same two routes.
+same code tokenizes both (``Engine.tokenize``). Both servers that have these
+routes are answered in their own terms: vLLM's (``count``, ``tokens``,
+``token_strs``; ``prompt`` back from ids) and llama.cpp's (``content`` in,
+``tokens`` as ``{id, piece}`` with ``with_pieces``; ``content`` back from ids).
 
 Tokenizing a prompt near the body limit takes about a second, so it runs on a
 worker thread, never on the event loop; no model work and no pool block is
@@ -15,6 +16,7 @@ involved.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -38,21 +40,40 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     if body.messages is not None:
         prompt = chat_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None))
     else:
-        prompt = body.prompt
-    ids = await asyncio.to_thread(engine.tokenize, prompt)
+        prompt = body.text
+    ids = await asyncio.to_thread(engine.tokenize, prompt, body.adds_special, body.parse_special)
     if isinstance(ids, Rejected):
+        if body.content is not None and ids.param == "prompt":
+            ids = replace(ids, param="content")  # the field this client sent
         raise engine_error(ids)
     limit = request.app.state.settings.limits.max_prompt_tokens
-    return JSONResponse({"count": len(ids), "tokens": ids, "max_prompt_tokens": limit,
-                         "max_model_len": getattr(engine, "context_length", None)})
+    answer = {"count": len(ids), "tokens": ids, "max_prompt_tokens": limit,
+              "max_model_len": getattr(engine, "context_length", None)}
+    if body.with_pieces:
+        pieces = await asyncio.to_thread(engine.token_pieces, ids)
+        answer["tokens"] = [{"id": token, "piece": as_piece(raw)}
+                            for token, raw in zip(ids, pieces, strict=True)]
+    if body.return_token_strs:
+        answer["token_strs"] = await asyncio.to_thread(engine.token_strs, ids)
+    return JSONResponse(answer)
+
+
+def as_piece(raw: bytes) -> str | list[int]:
+    """A token's bytes as llama.cpp writes a piece: text where they are whole UTF-8,
+    else the byte values (the token holds part of a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    """The text the ids decode to (special tokens included, as the vocabulary writes them)."""
+    """The text the ids decode to (special tokens included, as the vocabulary writes them),
+    under vLLM's name (``prompt``) and llama.cpp's (``content``)."""
     engine = get_engine(request)
     check_model(body.model, engine)
     text = await asyncio.to_thread(engine.detokenize, body.tokens)
     if isinstance(text, Rejected):
         raise engine_error(text)
-    return JSONResponse({"prompt": text})
+    return JSONResponse({"prompt": text, "content": text})
