@@ -27,6 +27,13 @@ from veloxquant_mlx.mlx_env import MLX_ENV_DEFAULTS, apply_mlx_env_defaults  # n
 log = logging.getLogger("veloxquant.server")
 
 
+# The config key each flag sets (a bad value is reported as "config key 'server.port'
+# (from --port)").
+FLAG_KEYS = {"--host": ("server", "host"), "--port": ("server", "port"),
+             "--log-level": ("server", "log_level"), "--model": ("model", "path"),
+             "--distributed": ("distributed", "ranks")}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags (each overrides the config file and the env)."""
     parser = argparse.ArgumentParser(
@@ -49,14 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Merge file, env and flags into the settings (raises ConfigError)."""
-    server = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                ("log_level", args.log_level)) if v is not None}
-    overrides = {"server": server}
-    if args.model is not None:
-        overrides["model"] = {"path": args.model}
-    if args.distributed is not None:
-        overrides["distributed"] = {"ranks": args.distributed}
-    settings = load_settings(args.config, overrides=overrides)
+    overrides: dict[str, dict[str, object]] = {}
+    origins = {}
+    for flag, (section, key) in FLAG_KEYS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+            origins[f"{section}.{key}"] = flag
+    settings = load_settings(args.config, overrides=overrides, origins=origins)
     if settings.distributed.ranks > 1 and settings.cache.prefix_caching:
         # A cache hit changes what one rank computes (server.engine.distributed).
         settings = settings.replace(cache=settings.cache.model_copy(

@@ -77,6 +77,7 @@ SECRET_ENV = {"admin_token": "VELOXQUANT_ADMIN_TOKEN", "api_key": "VELOXQUANT_AP
 class _LoadRequest:
     path: Path | Traversable
     env: Mapping[str, str]
+    origins: Mapping[str, str]  # "server.port" -> "--port": where an override came from
 
 
 # Set only while load_settings runs: a bare Settings() reads nothing, so it
@@ -274,14 +275,18 @@ def _describe(error: Mapping[str, Any]) -> str:
         known = ", ".join(SECTIONS[loc[0]].model_fields)
         return f"config key {key!r}: unknown key (known in [{loc[0]}]: {known})"
     problem = error["msg"].removeprefix("Value error, ")  # pydantic's wording for a ValueError
-    return f"config key {key!r}{_env_source(loc)}: {problem} (got {error['input']!r})"
+    return f"config key {key!r}{_source(loc)}: {problem} (got {error['input']!r})"
 
 
-def _env_source(loc: list[str]) -> str:
-    """`` (from env NAME)`` when the value of config key ``loc`` came from the environment."""
+def _source(loc: list[str]) -> str:
+    """`` (from --port)`` or `` (from env NAME)`` when the value of config key ``loc``
+    came from a named override (the CLI's flags win) or from the environment."""
     request = _LOADING.get()
     if request is None or len(loc) != 2:
         return ""
+    origin = request.origins.get(".".join(loc))
+    if origin is not None:
+        return f" (from {origin})"
     name = f"{ENV_PREFIX}{loc[0]}_{loc[1]}".upper()
     return f" (from env {name})" if name in request.env else ""
 
@@ -295,6 +300,7 @@ def load_settings(
     *,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     env: Mapping[str, str] | None = None,
+    origins: Mapping[str, str] | None = None,
 ) -> Settings:
     """Build the settings: file, then environment, then explicit overrides (CLI).
 
@@ -304,6 +310,8 @@ def load_settings(
         overrides: ``{"server": {"port": 9000}}``-shaped values that win over
             file and environment (the CLI flags).
         env: Environment to read; ``None`` reads ``os.environ``.
+        origins: Where overrides came from, named in errors: ``{"server.port":
+            "--port"}`` makes a bad value "config key 'server.port' (from --port)".
 
     Returns:
         The validated, frozen settings.
@@ -317,7 +325,8 @@ def load_settings(
         raise ConfigError(f"config file {str(path)!r} is a directory")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    token = _LOADING.set(_LoadRequest(path, os.environ if env is None else env))
+    token = _LOADING.set(_LoadRequest(path, os.environ if env is None else env,
+                                      dict(origins or {})))
     try:
         return Settings(**{name: dict(values) for name, values in (overrides or {}).items()})
     except tomllib.TOMLDecodeError as exc:

@@ -234,6 +234,19 @@ def test_cli_flags(monkeypatch):
             settings.server.log_level) == ("0.0.0.0", 1234, "/m", "debug")
 
 
+@pytest.mark.parametrize("argv,start", [
+    (["--port", "70000"], "config key 'server.port' (from --port): "),
+    (["--distributed", "0"], "config key 'distributed.ranks' (from --distributed): "),
+    (["--host", ""], "config key 'server.host' (from --host): "),
+])
+def test_a_bad_flag_value_names_its_flag(monkeypatch, argv, start):
+    """The flag wins over the env, so the error names the flag even when both are set."""
+    monkeypatch.setenv("VELOXQUANT_SERVER_PORT", "8001")
+    with pytest.raises(ConfigError) as info:
+        settings_from_args(parse_args(argv))
+    assert str(info.value).startswith(start)
+
+
 def _serve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "VELOXQUANT_NO_BLAS_PRELOAD": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO, env=env,
