@@ -12,13 +12,19 @@ header and ``veloxquant_mlx/cpu_backend.py``). Without a compiler it is
 simply not there, and MLX's one-row float32 products stay on OpenBLAS's sgemm.
 """
 
+import hashlib
 import os
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE_MODULES = ["veloxquant_mlx/memory/records.py", "veloxquant_mlx/memory/block_pool.py"]
+# Beside each compiled module: the SHA-256 of the source it was built from, so an
+# import can tell a stale build from a fresh one (pip does not keep a wheel's file
+# times, so comparing mtimes would call every wheel install stale).
+SOURCE_STAMP = ".source-sha256"
 
 
 class OptionalBuildExt(build_ext):
@@ -36,6 +42,12 @@ class OptionalBuildExt(build_ext):
             super().build_extension(ext)
         except Exception as exc:
             print(f"veloxquant: skipping native {ext.name} ({exc})", file=sys.stderr)
+            return
+        source = ext.name.replace(".", "/") + ".py"
+        if source in NATIVE_MODULES:
+            stamp = Path(self.get_ext_fullpath(ext.name)).parent / (
+                ext.name.rpartition(".")[2] + SOURCE_STAMP)
+            stamp.write_text(hashlib.sha256(Path(source).read_bytes()).hexdigest() + "\n")
 
 
 def native_extensions() -> list:

@@ -12,6 +12,7 @@ MLX-backed pieces load on first use, so ``import veloxquant_mlx.memory``
 works in a process (or on a machine) that has no MLX.
 """
 
+import hashlib
 import importlib.util
 import os
 import sys
@@ -30,12 +31,8 @@ def _load_allocator_source_if_needed() -> None:
     """
     here = Path(__file__).parent
     names = ("records", "block_pool")  # records first: block_pool imports it
-    stale = []
-    for name in names:
-        source = here / f"{name}.py"
-        for ext in here.glob(f"{name}.*.so"):
-            if ext.stat().st_mtime < source.stat().st_mtime:
-                stale.append(ext.name)
+    stale = [ext.name for name in names for ext in here.glob(f"{name}.*.so")
+             if _built_from_other_source(ext, here / f"{name}.py")]
     if stale:
         warnings.warn(
             f"compiled allocator {stale} is older than its source; using the source "
@@ -50,6 +47,20 @@ def _load_allocator_source_if_needed() -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[full] = module
         spec.loader.exec_module(module)
+
+
+def _built_from_other_source(ext: Path, source: Path) -> bool:
+    """Whether compiled module ``ext`` was built from another text than ``source`` now.
+
+    The build writes the source's SHA-256 beside it (setup.py's SOURCE_STAMP); a
+    build without one is judged by file times, which pip does not keep for a wheel.
+    """
+    stamp = ext.parent / f"{source.stem}.source-sha256"
+    try:
+        built_from = stamp.read_text().strip()
+    except OSError:
+        return ext.stat().st_mtime < source.stat().st_mtime
+    return built_from != hashlib.sha256(source.read_bytes()).hexdigest()
 
 
 _load_allocator_source_if_needed()
