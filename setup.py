@@ -45,9 +45,21 @@ class OptionalBuildExt(build_ext):
             return
         source = ext.name.replace(".", "/") + ".py"
         if source in NATIVE_MODULES:
-            stamp = Path(self.get_ext_fullpath(ext.name)).parent / (
-                ext.name.rpartition(".")[2] + SOURCE_STAMP)
-            stamp.write_text(hashlib.sha256(Path(source).read_bytes()).hexdigest() + "\n")
+            write_stamp(Path(self.get_ext_fullpath(ext.name)).parent, source)
+
+    def copy_extensions_to_source(self) -> None:
+        """An editable install copies the modules into the source tree: the stamps too."""
+        super().copy_extensions_to_source()
+        for ext in self.extensions:
+            source = ext.name.replace(".", "/") + ".py"
+            if source in NATIVE_MODULES and Path(self.get_ext_fullpath(ext.name)).is_file():
+                write_stamp(Path(source).parent, source)
+
+
+def write_stamp(folder: Path, source: str) -> None:
+    """Record, in ``folder``, which text of ``source`` its compiled module was built from."""
+    stamp = folder / (Path(source).stem + SOURCE_STAMP)
+    stamp.write_text(hashlib.sha256(Path(source).read_bytes()).hexdigest() + "\n")
 
 
 def native_extensions() -> list:
