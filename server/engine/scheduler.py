@@ -148,13 +148,14 @@ class Scheduler:
         if why is None:
             return need
         room = self.planner.max_request_tokens() - n_prompt
-        if not params.max_tokens_defaulted:
-            if room >= 1:  # the number to send, beside the pool's arithmetic
-                why += f"; with this prompt, {params.max_tokens_param} can be at most {room}"
+        if room >= 1 and not params.max_tokens_defaulted:
+            # The number to send, beside the pool's arithmetic.
+            why += f"; with this prompt, {params.max_tokens_param} can be at most {room}"
             return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
         if room >= 1:
             request.params = replace(params, max_tokens=min(room, params.max_tokens))
             return self.planner.reservation(n_prompt + request.params.max_tokens)
+        # The prompt alone fills the pool: no max_tokens helps (QA pass 31).
         return no_room(request.prompt, n_prompt,
                        f"the KV pool (at most {n_prompt + room} tokens a request)",
                        ", or raise pool.n_blocks (or pool.max_blocks with "

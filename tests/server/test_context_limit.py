@@ -107,6 +107,10 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     # A prompt that takes the whole pool leaves no room: the prompt is named.
     error = _error(_complete(base, prompt=[7] * 1030))
     assert error["param"] == "prompt" and "at most 1024 tokens a request" in error["message"]
+    # So it is with max_tokens sent: no max_tokens helps, so none is named (QA pass 31).
+    error = _error(_complete(base, prompt=[7] * 1030, max_tokens=5))
+    assert error["param"] == "prompt" and "max_tokens" not in error["message"]
+    assert "shorten the prompt" in error["message"]
     # Past the configured context (2,048) before the pool is even asked.
     error = _error(_complete(base, prompt=[7] * 1100, max_tokens=1000))
     assert "the served context of 2048 tokens (limits.max_context_tokens)" in error["message"]
