@@ -46,8 +46,9 @@ def unknown_variable(name: str, valid: Iterable[str]) -> EnvError:
         valid: Every name the server (or the project) reads.
     """
     close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else ("see the default config for the settings: config/default.toml in the "
-                      "source, server/default_config/default.toml where installed")
+    hint = f"did you mean {close[0]}?" if close else (
+        "see the default config for the settings: config/default.toml in the source, "
+        "server/default_config/default.toml where installed")
     return EnvError(f"environment variable {name} is not a setting of this server ({hint}); "
                     "fix or unset it (VELOXQUANT_<SECTION>_<KEY> sets key <key> of "
                     "[<section>] in the default config)")

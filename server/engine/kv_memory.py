@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from server.settings import Settings
+from server.settings_sections import DEFAULT_N_BLOCKS
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena, KVLayout, workspace_bytes
 from veloxquant_mlx.memory.kv_format import KVFormat
@@ -88,6 +89,34 @@ def blocks_for_bytes(settings: Settings, layout: KVLayout) -> int | None:
         raise ValueError(f"pool.kv_memory = {settings.pool.kv_memory!r} buys {blocks} blocks "
                          f"of {per} bytes; raise it to at least {least * per} bytes")
     return blocks
+
+
+def blocks_for_longest_request(settings: Settings, layout: KVLayout, context: int | None,
+                               device_memory: int) -> int | None:
+    """``pool.n_blocks`` that lets the default pool hold one request of the longest length the
+    limits and the served context allow, when the default holds less (None: keep it).
+
+    Only a pool the operator did not size (``n_blocks`` at its default, no
+    ``kv_memory``) grows, and only while its KV arena stays within a quarter of
+    the device's memory: a server that states a context of 8,192 tokens should
+    take a prompt of 7,000 (SmolLM2's needs 30,720 blocks where the default has
+    16,384; QA pass 31), but a 128k-token model must not claim half a laptop.
+
+    A pool left short is logged at start-up (``_warn_if_the_context_never_fits``).
+    """
+    pool, limits = settings.pool, settings.limits
+    if pool.kv_memory_bytes is not None or pool.n_blocks != DEFAULT_N_BLOCKS:
+        return None
+    longest = limits.max_prompt_tokens + limits.max_tokens_cap
+    if context:
+        longest = min(longest, context)
+    streams = 2  # k and v: split evenly when separate_kv, or both in one stream
+    need = streams * layout.n_layers * -(-longest // pool.block_size)
+    if need <= pool.n_blocks:
+        return None
+    if device_memory > 0 and need * layout.bytes_per_block(pool.block_size) > device_memory // 4:
+        return None
+    return need
 
 
 def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayout,

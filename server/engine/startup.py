@@ -14,7 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.kv_memory import KVMemory, blocks_for_bytes, build_kv_memory, kv_format_of
+from server.engine.kv_memory import (
+    KVMemory,
+    blocks_for_bytes,
+    blocks_for_longest_request,
+    build_kv_memory,
+    kv_format_of,
+)
 from server.engine.kv_memory import describe as describe_kv
 from server.engine.output import OutputProcessor
 from server.engine.pool_fit import arena_problem, device_memory_bytes
@@ -114,6 +120,20 @@ def _warn_if_default_requests_never_fit(scheduler: Scheduler, default_max_tokens
                     scheduler.planner.max_request_tokens(), why)
 
 
+def _warn_if_the_context_never_fits(scheduler: Scheduler, limits: LimitsSection,
+                                    context: int | None) -> None:
+    """Say at start-up when the pool holds less than the longest request the limits and the
+    served context allow: clients read ``max_model_len`` and would meet a 400 instead."""
+    longest = limits.max_prompt_tokens + limits.max_tokens_cap
+    if context:
+        longest = min(longest, context)
+    most = scheduler.planner.max_request_tokens()
+    if most is not None and most < longest:
+        log.warning("the KV pool holds at most %d tokens a request (prompt + max_tokens), less "
+                    "than the %d the limits and the served context allow: longer requests get "
+                    "a 400; raise pool.n_blocks or pool.kv_memory", most, longest)
+
+
 def apply_context_limit(limits: LimitsSection, loaded: LoadedModel) -> None:
     """Set ``loaded.context_length`` from ``limits.max_context_tokens`` (0: the model's).
 
@@ -146,12 +166,18 @@ def plan_kv(settings: Settings, layout: KVLayout, pool: BlockPoolAllocator | Non
     """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
     ``[pool]``) and its KV arena, whose workspace bound counts rows of at most ``context``
     tokens. Call before anything holds blocks."""
-    blocks = blocks_for_bytes(settings, layout)
-    n_blocks = blocks or (pool.config.n_blocks if pool is not None else settings.pool.n_blocks)
     import mlx.core as mx
 
+    device_memory = device_memory_bytes(mx)
+    blocks = blocks_for_bytes(settings, layout)
+    if blocks is None:
+        blocks = blocks_for_longest_request(settings, layout, context, device_memory)
+        if blocks is not None:
+            log.info("the default KV pool (pool.n_blocks = %d) grows to %d blocks to hold one "
+                     "request of the served context", settings.pool.n_blocks, blocks)
+    n_blocks = blocks or (pool.config.n_blocks if pool is not None else settings.pool.n_blocks)
     problem = arena_problem(settings, n_blocks, layout.bytes_per_block(settings.pool.block_size),
-                            device_memory_bytes(mx))
+                            device_memory)
     if problem is not None:  # before anything is allocated
         raise ValueError(problem)
     if blocks is not None or pool is None:
@@ -207,6 +233,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
     _refuse_a_pool_that_holds_no_request(scheduler, pool)
     _warn_if_default_requests_never_fit(scheduler, settings.limits.default_max_tokens)
+    _warn_if_the_context_never_fits(scheduler, settings.limits, loaded.context_length)
     batch = settings.batch
     runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,
                          prefixes, batch.kv_write_back, batch.compile_decode,

@@ -70,3 +70,53 @@ def test_impossible_pools_and_formats_stop_start_up_with_exit_2(tiny_model_path)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert last.startswith(f"veloxquant-serve: {reason}"), last
         assert "Traceback" not in proc.stderr
+
+
+def test_the_default_pool_grows_to_hold_one_request_of_the_served_context() -> None:
+    """A server that states a context should take a prompt that long (QA pass 31: the
+    default 16,384 blocks held 4,368 of SmolLM2's 8,192 tokens a request)."""
+    import mlx.core as mx
+
+    from server.engine.kv_memory import blocks_for_longest_request
+    from veloxquant_mlx.memory.kv_arena import KVLayout
+
+    smollm2 = KVLayout(n_layers=30, n_kv_heads=3, head_dim=64, dtype=mx.float32)
+    default = make_settings()  # max_prompt_tokens 8192 + max_tokens_cap 4096
+    grown = blocks_for_longest_request(default, smollm2, 8192, device_memory=24 * GIB)
+    assert grown == 2 * 30 * 8192 // 16 == 30720
+    # The limits bound it too, and a pool that already holds the request stays as it is.
+    short = make_settings(limits={"max_prompt_tokens": 1024, "max_tokens_cap": 1024})
+    assert blocks_for_longest_request(short, smollm2, 8192, device_memory=24 * GIB) is None
+    # Never past a quarter of the device's memory (360 MiB here), nor over a size the
+    # operator chose.
+    assert blocks_for_longest_request(default, smollm2, 8192, device_memory=GIB) is None
+    for sized in ({"n_blocks": 1000}, {"kv_memory": "64MiB"}):
+        chosen = make_settings(pool=sized)
+        assert blocks_for_longest_request(chosen, smollm2, 8192, 24 * GIB) is None
+
+
+def test_a_default_pool_serves_its_stated_context_and_a_sized_one_warns(tiny_model_path,
+                                                                        caplog):
+    """Live: the tiny model (4 layers) with a 40,960-token context needs 20,480 blocks."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server.conftest import run_server
+
+    limits = {"max_prompt_tokens": 40000, "max_tokens_cap": 960, "max_context_tokens": 40960}
+    settings = make_settings(model={"path": str(tiny_model_path)}, limits=limits)
+    with run_server(settings) as server:
+        import httpx
+
+        assert httpx.get(f"{server.base_url}/v1/models").json()["data"][0][
+            "max_model_len"] == 40960
+        text = httpx.get(f"{server.base_url}/metrics").text
+        totals = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "veloxquant_block_pool_blocks_total"]
+        assert totals and sum(totals) == 2 * 4 * 40960 // 16
+    # Sized by the operator, the pool stays as given and the start-up log says what fits.
+    sized = make_settings(model={"path": str(tiny_model_path)}, limits=limits,
+                          pool={"n_blocks": 16000})
+    with caplog.at_level("WARNING"), run_server(sized):
+        pass
+    assert "the KV pool holds at most 32000 tokens a request (prompt + max_tokens), less " \
+           "than the 40960" in caplog.text
