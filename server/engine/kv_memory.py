@@ -112,6 +112,8 @@ def blocks_for_longest_request(settings: Settings, layout: KVLayout, context: in
         longest = min(longest, context)
     streams = 2  # k and v: split evenly when separate_kv, or both in one stream
     need = streams * layout.n_layers * -(-longest // pool.block_size)
+    if pool.max_blocks:  # the operator's cap on the pool's size holds here too
+        need = min(need, pool.max_blocks)
     if need <= pool.n_blocks:
         return None
     if device_memory > 0 and need * layout.bytes_per_block(pool.block_size) > device_memory // 4:

@@ -90,6 +90,11 @@ def test_the_default_pool_grows_to_hold_one_request_of_the_served_context() -> N
     # Never past a quarter of the device's memory (360 MiB here), nor over a size the
     # operator chose.
     assert blocks_for_longest_request(default, smollm2, 8192, device_memory=GIB) is None
+    # pool.max_blocks caps it (QA pass 32: a cap under 30,720 stopped start-up).
+    capped = make_settings(pool={"max_blocks": 20000})
+    assert blocks_for_longest_request(capped, smollm2, 8192, 24 * GIB) == 20000
+    below = make_settings(pool={"max_blocks": 16384})
+    assert blocks_for_longest_request(below, smollm2, 8192, 24 * GIB) is None
     for sized in ({"n_blocks": 1000}, {"kv_memory": "64MiB"}):
         chosen = make_settings(pool=sized)
         assert blocks_for_longest_request(chosen, smollm2, 8192, 24 * GIB) is None

@@ -186,7 +186,7 @@ def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
      "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
      "messages[0] is not valid Unicode: a lone surrogate (U+D800)", "messages[0]"),
-    ("/tokenize", {}, "give exactly one of prompt and messages", None),
+    ("/tokenize", {}, "give exactly one of prompt (or llama.cpp's content) and messages", None),
     (COMPLETIONS, {"prompt": "hi", "stop": [1, "x"]}, "stop[0]: must be a string, got a number",
      "stop[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},

@@ -35,8 +35,9 @@ def _load_allocator_source_if_needed() -> None:
              if _built_from_other_source(ext, here / f"{name}.py")]
     if stale:
         warnings.warn(
-            f"compiled allocator {stale} is older than its source; using the source "
-            "(re-run `make install` or `pip install -e .` to rebuild)",
+            f"compiled allocator {stale} was built from another version of its source; "
+            "using the source (reinstall the package to rebuild it: `make install` in a "
+            "checkout)",
             stacklevel=2,
         )
     elif not os.environ.get("VELOXQUANT_PURE_PYTHON"):
