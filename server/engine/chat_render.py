@@ -63,7 +63,8 @@ def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
     else:
         messages = _with_tools_block([_as_text(m) for m in chat], prompt.tools)
         extra = {}
-    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    ids = list(tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=prompt.generation_prompt,
                                              tokenize=True, **extra))
     bos = bos_on_encode(tokenizer)
     if bos is not None and ids[:1] != [bos]:

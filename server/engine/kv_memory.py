@@ -141,7 +141,7 @@ def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayo
 def describe(kv: KVMemory, pool: BlockPoolAllocator, layout: KVLayout) -> str:
     """The start-up line: blocks, tokens in flight, bytes per block, workspace."""
     blocks, bs = pool.stats.n_blocks, pool.config.block_size
-    tokens = blocks * bs // (2 * layout.n_layers)
+    tokens = blocks // (2 * layout.n_layers) * bs  # whole blocks a layer, as admission counts
     return (f"KV pool: {blocks} blocks x {_size(kv.bytes_per_block)} ({bs} tokens of one "
             f"layer's k or v; {layout.n_kv_heads} heads x {layout.head_dim}, "
             f"{str(layout.dtype).removeprefix('mlx.core.')}, stored as {kv.format_tag}) = "

@@ -117,10 +117,13 @@ class ChatPrompt:
             carry ``tool_calls`` (OpenAI's shape) and a tool message ``tool_call_id``.
         tools: OpenAI tool objects offered to the model (rendered by
             :mod:`server.engine.chat_render`); empty for none.
+        generation_prompt: End with the template's opening of the assistant's turn
+            (always, to generate; ``/tokenize`` may leave it out, as vLLM's does).
     """
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
+    generation_prompt: bool = True
 
 
 @dataclass(slots=True)

@@ -82,6 +82,17 @@ def test_parse_special_false_reads_special_text_as_characters(live_server: LiveS
         == text
 
 
+def test_vllm_add_generation_prompt_false_leaves_out_the_assistant_opening(
+        live_server: LiveServer):
+    messages = [{"role": "user", "content": "Hi"}]
+    full = post(live_server, "/tokenize", {"messages": messages}).json()["tokens"]
+    bare = post(live_server, "/tokenize", {"messages": messages,
+                                           "add_generation_prompt": False}).json()["tokens"]
+    assert full[:len(bare)] == bare and len(full) > len(bare)
+    opening = post(live_server, "/detokenize", {"tokens": full[len(bare):]}).json()["content"]
+    assert "assistant" in opening  # the template's <|im_start|>assistant
+
+
 def test_vllm_token_strs_are_the_vocabulary_strings(live_server: LiveServer):
     out = post(live_server, "/tokenize", {"prompt": "Hello world",
                                           "return_token_strs": True}).json()
@@ -108,6 +119,7 @@ def test_vllm_token_strs_are_the_vocabulary_strings(live_server: LiveServer):
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "parse_special": False},
      400, None),
     ("/tokenize", {"content": "x", "with_pieces": "yes"}, 400, "with_pieces"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, 400, None),
     ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens"),  # the tiny vocabulary is 4096
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
@@ -128,6 +140,7 @@ def test_lone_surrogate_is_refused(live_server: LiveServer, field):
     assert error["param"] == field
     # Said plainly, as /v1/completions says it, not in the tokenizer's words (QA pass 24).
     assert "not valid Unicode: a lone surrogate (U+D800)" in error["message"]
+    assert error["message"].startswith("the prompt" if field == "prompt" else "content")
 
 
 def test_a_too_long_prompt_is_counted_not_refused(tiny_model_path):

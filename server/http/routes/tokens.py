@@ -38,13 +38,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     engine = get_engine(request)
     check_model(body.model, engine)
     if body.messages is not None:
-        prompt = chat_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None))
+        prompt = replace(chat_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None)),
+                         generation_prompt=body.add_generation_prompt)
     else:
         prompt = body.text
     ids = await asyncio.to_thread(engine.tokenize, prompt, body.adds_special, body.parse_special)
     if isinstance(ids, Rejected):
         if body.content is not None and ids.param == "prompt":
-            ids = replace(ids, param="content")  # the field this client sent
+            # Named as this client sent it.
+            ids = replace(ids, param="content",
+                          message=ids.message.replace("the prompt", "content", 1))
         raise engine_error(ids)
     limit = request.app.state.settings.limits.max_prompt_tokens
     answer = {"count": len(ids), "tokens": ids, "max_prompt_tokens": limit,

@@ -36,6 +36,9 @@ class TokenizeRequest(OpenAIModel):
         default=None, description="With tools, as chat takes it: \"none\" offers none, a "
                                   "named function only that one.")
 
+    add_generation_prompt: bool = Field(
+        default=True, description="With messages (vLLM's option): end with the opening of "
+                                  "the assistant's turn, as a chat runs.")
     add_special_tokens: bool | None = Field(
         default=None, description="Text only: put the tokenizer's special tokens (a BOS) in "
                                   "front, as a completion does (default true).")
@@ -60,6 +63,8 @@ class TokenizeRequest(OpenAIModel):
             raise ValueError("give exactly one of prompt (or llama.cpp's content) and messages")
         if (self.tools is not None or self.tool_choice is not None) and self.messages is None:
             raise ValueError("tools and tool_choice go with messages, not with prompt")
+        if not self.add_generation_prompt and self.messages is None:
+            raise ValueError("add_generation_prompt goes with messages, not with a text prompt")
         if self.add_special_tokens is not None and self.add_special is not None:
             raise ValueError("give add_special_tokens or llama.cpp's add_special, not both")
         if self.messages is not None and (self.add_special_tokens or self.add_special
