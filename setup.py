@@ -43,17 +43,23 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:
             print(f"veloxquant: skipping native {ext.name} ({exc})", file=sys.stderr)
             return
-        source = ext.name.replace(".", "/") + ".py"
-        if source in NATIVE_MODULES:
+        source = native_source(ext)
+        if source is not None:
             write_stamp(Path(self.get_ext_fullpath(ext.name)).parent, source)
 
     def copy_extensions_to_source(self) -> None:
         """An editable install copies the modules into the source tree: the stamps too."""
         super().copy_extensions_to_source()
         for ext in self.extensions:
-            source = ext.name.replace(".", "/") + ".py"
-            if source in NATIVE_MODULES and Path(self.get_ext_fullpath(ext.name)).is_file():
+            source = native_source(ext)
+            if source is not None and Path(self.get_ext_fullpath(ext.name)).is_file():
                 write_stamp(Path(source).parent, source)
+
+
+def native_source(ext) -> str | None:
+    """The source file of a mypyc-compiled allocator module, None for other extensions."""
+    source = ext.name.replace(".", "/") + ".py"
+    return source if source in NATIVE_MODULES else None
 
 
 def write_stamp(folder: Path, source: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from server.settings import Settings
-from server.settings_sections import DEFAULT_N_BLOCKS
+from server.settings_sections import DEFAULT_N_BLOCKS, LimitsSection
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena, KVLayout, workspace_bytes
 from veloxquant_mlx.memory.kv_format import KVFormat
@@ -91,6 +91,13 @@ def blocks_for_bytes(settings: Settings, layout: KVLayout) -> int | None:
     return blocks
 
 
+def longest_request(limits: LimitsSection, context: int | None) -> int:
+    """Tokens (prompt + ``max_tokens``) of the longest request the limits let in, within
+    ``context`` (the served context length; None: unbounded)."""
+    longest = limits.max_prompt_tokens + limits.max_tokens_cap
+    return min(longest, context) if context else longest
+
+
 def blocks_for_longest_request(settings: Settings, layout: KVLayout, context: int | None,
                                device_memory: int) -> int | None:
     """``pool.n_blocks`` that lets the default pool hold one request of the longest length the
@@ -104,12 +111,10 @@ def blocks_for_longest_request(settings: Settings, layout: KVLayout, context: in
 
     A pool left short is logged at start-up (``_warn_if_the_context_never_fits``).
     """
-    pool, limits = settings.pool, settings.limits
+    pool = settings.pool
     if pool.kv_memory_bytes is not None or pool.n_blocks != DEFAULT_N_BLOCKS:
         return None
-    longest = limits.max_prompt_tokens + limits.max_tokens_cap
-    if context:
-        longest = min(longest, context)
+    longest = longest_request(settings.limits, context)
     streams = 2  # k and v: split evenly when separate_kv, or both in one stream
     need = streams * layout.n_layers * -(-longest // pool.block_size)
     if pool.max_blocks:  # the operator's cap on the pool's size holds here too
@@ -129,10 +134,8 @@ def build_kv_memory(settings: Settings, pool: BlockPoolAllocator, layout: KVLayo
     plus ``max_tokens`` within ``context`` (the served context length; None:
     unbounded) and within ``max_prompt_tokens + max_tokens_cap``.
     """
-    limits, bs = settings.limits, settings.pool.block_size
-    longest = limits.max_prompt_tokens + limits.max_tokens_cap
-    if context:
-        longest = min(longest, context)
+    bs = settings.pool.block_size
+    longest = longest_request(settings.limits, context)
     return KVMemory(KVArena(pool, layout), layout.bytes_per_block(bs),
                     workspace_bytes(layout, bs, settings.batch.max_batch_size, longest,
                                     settings.batch.kv_write_back))

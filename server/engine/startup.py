@@ -20,6 +20,7 @@ from server.engine.kv_memory import (
     blocks_for_longest_request,
     build_kv_memory,
     kv_format_of,
+    longest_request,
 )
 from server.engine.kv_memory import describe as describe_kv
 from server.engine.output import OutputProcessor
@@ -124,9 +125,7 @@ def _warn_if_the_context_never_fits(scheduler: Scheduler, limits: LimitsSection,
                                     context: int | None) -> None:
     """Say at start-up when the pool holds less than the longest request the limits and the
     served context allow: clients read ``max_model_len`` and would meet a 400 instead."""
-    longest = limits.max_prompt_tokens + limits.max_tokens_cap
-    if context:
-        longest = min(longest, context)
+    longest = longest_request(limits, context)
     most = scheduler.planner.max_request_tokens()
     if most is not None and most < longest:
         log.warning("the KV pool holds at most %d tokens a request (prompt + max_tokens), less "
