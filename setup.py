@@ -86,8 +86,8 @@ def sgemv_forward() -> list:
         return []
     return [Extension("veloxquant_mlx._sgemv_forward",
                       ["veloxquant_mlx/sgemv_forward.c", "veloxquant_mlx/quant_matmul.c",
-                       "veloxquant_mlx/prefill_attention.c"],
-                      depends=["veloxquant_mlx/quant_matmul.h"],
+                       "veloxquant_mlx/prefill_attention.c", "veloxquant_mlx/swiglu.c"],
+                      depends=["veloxquant_mlx/quant_matmul.h", "veloxquant_mlx/vq_exp.h"],
                       extra_compile_args=["-O2", "-pthread"], libraries=["dl", "pthread"])]
 
 

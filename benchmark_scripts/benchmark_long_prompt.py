@@ -3,9 +3,10 @@
 Two parts, both on SmolLM2-135M-Instruct (Q4_1 GGUF; ours dequantized to float32):
 
 - ``engine``: one prompt's prefill through our ``ModelRunner`` (512-token chunks,
-  as served), in a child with the BLAS forward preloaded, with the prompt
-  attention in C (``veloxquant_mlx/prefill_attention.c``) and with MLX's own
-  attention (the kernel switched off in that child), alternating which goes first;
+  as served), in a child with the BLAS forward preloaded, with the prompt kernels
+  in C (attention: ``veloxquant_mlx/prefill_attention.c``; SwiGLU: ``swiglu.c``)
+  and with MLX's own ops (the kernels switched off in that child), alternating
+  which goes first;
 - ``served``: one non-streaming completion with ``max_tokens`` 1 per length to
   ``python -m server`` and to llama.cpp's ``llama-server`` (one slot, 8,192-token
   context) on the same GGUF; every server gets its own prompts, so no prompt cache
@@ -49,14 +50,16 @@ from server.engine.protocol import SamplingParams
 from server.engine.runner import ModelRunner
 from server.model_loader import load_model
 from server.settings import load_settings
+from veloxquant_mlx import native_swiglu
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, native_attention
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
 n, use_kernel = int(sys.argv[1]), sys.argv[2] == "kernel"
 if not use_kernel:
     native_attention.MIN_QUERIES = 1 << 30  # every call stays on MLX's attention
-elif native_attention.kernel() is None:
-    raise SystemExit("the attention kernel is not loaded: is the BLAS forward preloaded?")
+    native_swiglu.MIN_COLUMNS = 1 << 30  # and on MLX's SwiGLU
+elif native_attention.kernel() is None or native_swiglu.kernel() is None:
+    raise SystemExit("the prompt kernels are not loaded: is the BLAS forward preloaded?")
 loaded = load_model(load_settings(None, overrides={"model": {"path": "smollm2"}}, env={}).model)
 model = loaded.model
 pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=2 * 30 * (n // 16 + 8) + 64))
@@ -100,13 +103,14 @@ def start_server(name: str, gguf: Path, env: dict[str, str], llama_bin: str):
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     wait_up(base, proc, timeout=300)
-    return proc, base, log
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    return proc, base, model, log
 
 
-def served_first_token(base: str, prompt: str) -> dict:
+def served_first_token(base: str, model: str, prompt: str) -> dict:
     start = time.perf_counter()
     r = httpx.post(base + "/v1/completions", timeout=900,
-                   json={"model": "smollm2", "prompt": prompt, "max_tokens": 1,
+                   json={"model": model, "prompt": prompt, "max_tokens": 1,
                          "temperature": 0})
     seconds = time.perf_counter() - start
     r.raise_for_status()
@@ -116,8 +120,8 @@ def served_first_token(base: str, prompt: str) -> dict:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 7168])
-    p.add_argument("--served-lengths", type=int, nargs="+", default=[4096, 7168])
+    p.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 7168])
+    p.add_argument("--served-lengths", type=int, nargs="*", default=[4096, 7168])
     p.add_argument("--llama-server", help="llama-server binary (default: build/find it)")
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -146,13 +150,14 @@ def main() -> int:
         names = ["veloxquant", "llama-server"]
         llama_bin = llama_server_binary(args.llama_server)
         for name_index, name in enumerate(names):
-            proc, base, log = start_server(name, gguf, env, llama_bin)
+            proc, base, model, log = start_server(name, gguf, env, llama_bin)
             try:
-                served_first_token(base, f"A warm-up for {name}: say hello.")
+                served_first_token(base, model, f"A warm-up for {name}: say hello.")
                 for n in args.served_lengths:
                     # A ~5% margin: the chat-free completion prompt tokenizes close to n.
                     text = make_prompts(folder, len(names), int(n * 0.95))[name_index]
-                    row = {"server": name, "target_tokens": n, **served_first_token(base, text)}
+                    row = {"server": name, "target_tokens": n,
+                           **served_first_token(base, model, text)}
                     served.append(row)
                     print(json.dumps(row), flush=True)
             finally:
@@ -175,7 +180,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'tokens':>7} {'C kernel s':>11} {'MLX attn s':>11} {'speedup':>8}")
+    print(f"{'tokens':>7} {'C kernels s':>11} {'MLX ops s':>11} {'speedup':>8}")
     for row in engine:
         print(f"{row['prompt_tokens']:>7} {row['kernel_s']:>11} {row['mlx_s']:>11} "
               f"{row['speedup']:>8}")

@@ -57,6 +57,7 @@ from server.engine.protocol import SamplingParams
 from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled
 from server.engine.sampling import batchable, build_logits_processors, build_sampler, mask_logits
 from server.engine.step_clock import StepClock
+from veloxquant_mlx import native_swiglu
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
@@ -92,6 +93,8 @@ class ModelRunner:
                  prefixes: PromptPrefixes | None = None, kv_write_back: int = 1,
                  compile_decode: bool = False, fuse_projections: bool = True) -> None:
         self.model = model
+        # Prompt chunks' SwiGLU in C on the CPU, where the kernel is preloaded.
+        self.native_swiglu = native_swiglu.install(model)
         # Blocks whose decode calls run compiled (0: off, or no Llama-shaped block).
         self.compiled_blocks = (compile_decode_blocks(model, fuse_projections)
                                 if compile_decode else 0)

@@ -1,0 +1,87 @@
+"""A prompt chunk's SwiGLU in C (``veloxquant_mlx/swiglu.c``), on the CPU.
+
+mlx-lm's Llama-family MLPs compute ``down(silu(gate(x)) * up(x))`` with
+``mlx_lm.models.activations.swiglu``; MLX's CPU sigmoid costs ~29 ns an element (a
+scalar exp), a third of a SmolLM2 prefill chunk. :func:`install` routes a model
+module's ``swiglu`` through the C kernel for float32 calls of
+:data:`MIN_COLUMNS` sequence positions or more on the CPU, when the kernel is loaded
+(the library preloaded ahead of OpenBLAS, :mod:`veloxquant_mlx.cpu_backend`). Decode
+calls (one position) and every other call keep mlx-lm's function, so compiled decode
+and the library's stock paths are untouched.
+
+A routed call evaluates ``gate`` and ``up`` first (the kernel reads their buffers),
+as :mod:`~veloxquant_mlx.memory.native_attention` does for attention. Results match
+MLX's within float32 rounding (the exp differs in its last bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+# Sequence positions from which a call goes to the kernel (prompt chunks, not decode).
+MIN_COLUMNS = 16
+
+
+@functools.cache
+def kernel() -> Any | None:
+    """The preloaded kernel's entry point, or None when this process lacks it."""
+    handle = ctypes.CDLL(None)
+    if not hasattr(handle, "vq_swiglu") or not handle.vq_swiglu_supported():
+        return None
+    fn = handle.vq_swiglu
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long]
+    return fn
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` of two float32 arrays of one shape, through the kernel.
+
+    Raises:
+        RuntimeError: The kernel is not loaded, or refused the call.
+    """
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError("the SwiGLU kernel is not loaded in this process")
+    mx.eval(gate, up)  # releases the GIL while the device catches up
+    g = np.ascontiguousarray(np.asarray(gate), np.float32)
+    u = np.ascontiguousarray(np.asarray(up), np.float32)
+    out = np.empty_like(g)
+    if fn(g.ctypes.data, u.ctypes.data, out.ctypes.data, g.size):
+        raise RuntimeError("vq_swiglu: the CPU lacks AVX2 and FMA")
+    return mx.array(out)
+
+
+def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def routed_swiglu(gate, x):
+        if (gate.ndim == 3 and gate.shape[1] >= MIN_COLUMNS and gate.shape == x.shape
+                and gate.dtype == mx.float32 and x.dtype == mx.float32
+                and mx.default_device().type == mx.DeviceType.cpu
+                and kernel() is not None):
+            return swiglu(gate, x)
+        return original(gate, x)
+
+    routed_swiglu.routed_from = original  # type: ignore[attr-defined]
+    return routed_swiglu
+
+
+def install(model: Any) -> bool:
+    """Route ``model``'s module-level ``swiglu`` through the kernel (idempotent).
+
+    Returns:
+        True if the module's SwiGLU is routed (now or already); False for a
+        model whose module has no ``swiglu`` or when this process lacks the kernel.
+    """
+    module = sys.modules.get(type(model).__module__)
+    current = getattr(module, "swiglu", None)
+    if current is None or kernel() is None:
+        return False
+    if not hasattr(current, "routed_from"):
+        module.swiglu = _routed(current)
+    return True
