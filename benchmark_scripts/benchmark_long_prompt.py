@@ -9,8 +9,8 @@ Two parts, both on SmolLM2-135M-Instruct (Q4_1 GGUF; ours dequantized to float32
   which goes first;
 - ``served``: one non-streaming completion with ``max_tokens`` 1 per length to
   ``python -m server`` and to llama.cpp's ``llama-server`` (one slot, 8,192-token
-  context) on the same GGUF; every server gets its own prompts, so no prompt cache
-  of either side helps.
+  context) on the same GGUF; every server and length gets its own cut of the corpus,
+  so no prompt cache of either side helps.
 
 Usage::
 
@@ -153,9 +153,13 @@ def main() -> int:
             proc, base, model, log = start_server(name, gguf, env, llama_bin)
             try:
                 served_first_token(base, model, f"A warm-up for {name}: say hello.")
-                for n in args.served_lengths:
-                    # A ~5% margin: the chat-free completion prompt tokenizes close to n.
-                    text = make_prompts(folder, len(names), int(n * 0.95))[name_index]
+                lengths = args.served_lengths
+                for k, n in enumerate(lengths):
+                    # Disjoint cuts of the corpus for every server and length: no prefix is
+                    # shared, so neither side's prompt cache helps. A ~5% margin keeps the
+                    # text's tokens under n.
+                    cuts = make_prompts(folder, len(names) * len(lengths), int(n * 0.95))
+                    text = cuts[name_index * len(lengths) + k]
                     row = {"server": name, "target_tokens": n,
                            **served_first_token(base, model, text)}
                     served.append(row)
