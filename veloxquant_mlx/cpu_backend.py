@@ -353,6 +353,14 @@ def describe_backend(dtype: str | None = None) -> str:
     return "; ".join(parts)
 
 
+def _prompt_kernels() -> bool:
+    """Whether the preloaded forward also serves prompt attention and SwiGLU (AVX2)."""
+    from veloxquant_mlx import native_swiglu
+    from veloxquant_mlx.memory import native_attention
+
+    return native_attention.kernel() is not None and native_swiglu.kernel() is not None
+
+
 def _describe_cpu_blas() -> str:
     """Which BLAS serves MLX's CPU float32 matmuls, with the fix when it is the slow one."""
     if sys.platform == "darwin":
@@ -364,6 +372,8 @@ def _describe_cpu_blas() -> str:
         )
         if blas.forward is not None:
             extra = f"{extra}; one-row products as sgemv" if extra else "one-row products as sgemv"
+            if _prompt_kernels():
+                extra += "; prompt attention and SwiGLU in C"
         return f"BLAS: optimized (preloaded {blas.path}{'; ' + extra if extra else ''})"
     hint = "install libopenblas0-pthread for ~30x faster float32 matmuls"
     return f"BLAS: MLX's bundled reference BLAS ({blas.path}); {hint}"

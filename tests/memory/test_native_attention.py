@@ -122,7 +122,9 @@ PREFILL_CHECK = textwrap.dedent(
         want = model(mx.array([ids]), cache=cache)[0, -1]
         errors.append(float(mx.abs(last[i, -1] - want).max() / mx.abs(want).max()))
     batch.close()
+    from veloxquant_mlx.cpu_backend import describe_backend
     print(json.dumps({"kernel": native_attention.kernel() is not None, "calls": calls,
+                      "described": "prompt attention and SwiGLU in C" in describe_backend(),
                       "errors": errors, "free": pool.blocks_held_by_owner() == {}}))
     """
 )
@@ -154,7 +156,7 @@ def test_kernel_is_float64_attention_within_float32_rounding() -> None:
 @needs_forward
 def test_a_paged_prefill_goes_through_the_kernel_with_stock_logits(tiny_model_path) -> None:
     report = _run_child(PREFILL_CHECK, str(tiny_model_path))
-    assert report["kernel"]
+    assert report["kernel"] and report["described"]  # the start-up line says so
     # Every layer of both chunks (50 and 40 columns) used the kernel.
     layers = len(report["calls"]) // 2
     assert layers >= 1 and report["calls"] == [50] * layers + [40] * layers
@@ -164,7 +166,7 @@ def test_a_paged_prefill_goes_through_the_kernel_with_stock_logits(tiny_model_pa
 
 def test_without_the_preload_the_kernel_is_absent_and_mlx_attends(tiny_model_path) -> None:
     report = _run_child(PREFILL_CHECK, str(tiny_model_path), preload=False)
-    assert not report["kernel"] and report["calls"] == []
+    assert not report["kernel"] and report["calls"] == [] and not report["described"]
     assert max(report["errors"]) < 1e-4, report["errors"]
 
 
