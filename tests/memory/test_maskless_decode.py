@@ -18,6 +18,20 @@ import pytest
 from tests.memory.test_paged_batch import BS, _arena, _prompt, _stock
 from veloxquant_mlx.memory.paged_batch import make_paged_batch
 
+ON_CPU = mx.default_device().type == mx.DeviceType.cpu
+
+
+def _same_logits(want: mx.array, have: mx.array) -> bool:
+    """Bit for bit on the CPU; within float32-product noise on a GPU.
+
+    A GPU picks its matmul kernel by shape (and may round float32 products to
+    TF32), so a call of two rows need not repeat a one-row call's bits there:
+    on an H200 they differed by up to ~6e-4 on logits of magnitude ~1.
+    """
+    if ON_CPU:
+        return mx.array_equal(want, have).item()
+    return mx.allclose(want, have, rtol=1e-2, atol=1e-2).item()
+
 
 def _record_attention(model, monkeypatch) -> list[tuple[object, int]]:
     """(mask, key columns) of every attention call of ``model``'s module."""
@@ -80,7 +94,7 @@ def test_rows_of_equal_length_share_a_maskless_call(model, monkeypatch):
     assert decodes and all(mask is None for mask, _ in decodes)
     for i, prompt in enumerate(prompts):
         for want, have in zip(_stock(model, prompt, 5), got, strict=True):
-            assert mx.array_equal(want, have[i: i + 1])
+            assert _same_logits(want, have[i: i + 1])
     batch.release()
 
 
@@ -114,8 +128,7 @@ def test_a_row_joining_mid_hold_brings_the_mask_back(model, monkeypatch):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
-                    reason="paged_attention routes CPU calls only")
+@pytest.mark.skipif(not ON_CPU, reason="paged_attention routes CPU calls only")
 def test_fast_attention_takes_a_maskless_call_in_parts(model, monkeypatch):
     """The CPU path keeps the stored blocks whole (masked) and the new part unmasked."""
     from veloxquant_mlx.memory import paged_attention

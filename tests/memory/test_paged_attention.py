@@ -110,3 +110,30 @@ def test_install_routes_only_paged_float32_cpu_calls(monkeypatch):
     assert len(calls) == 1
     bare = type("Model", (), {"__module__": "sys"})()  # a module without the function
     assert not install(bare)
+
+
+def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
+    """A paged call the router does not serve drops its parts too.
+
+    Parts kept past their call can pin the arena version they were read from,
+    and on a GPU (where every call is left to mlx-lm) each write makes a whole
+    new one: on an H200, an unclosed batch kept an old copy until a gc ran. A
+    bfloat16 call on the CPU is left to mlx-lm the same way.
+    """
+    import mlx_lm
+
+    from tests.memory.test_paged_batch import _arena, _prompt
+    from veloxquant_mlx.memory.paged_batch import make_paged_batch
+
+    model = mlx_lm.load(str(tiny_model_path))[0]
+    model.set_dtype(mx.bfloat16)
+    arena = _arena(model)
+    batch = make_paged_batch(model, arena, [1, 2], [3, 0])
+    assert batch.fast_attention  # the parts are kept for the router
+    prompts = [[0] * 3 + _prompt(1, 9), _prompt(2, 12)]
+    logits = model(mx.array(prompts), cache=batch.caches)[:, -1]
+    assert all(cache.parts is None for cache in batch.caches)
+    model(mx.argmax(logits, -1)[:, None], cache=batch.caches)
+    assert all(cache.parts is None for cache in batch.caches)
+    batch.close()
+    assert arena.pool.stats.blocks_in_use() == 0

@@ -153,6 +153,7 @@ def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False,
                 decode.write_back = write_back
             else:
                 decode.extend(group)
+                group.close()  # emptied by extend; closed as the server's runner does
                 inputs = mx.concatenate([inputs, first])
         if leave_p and decode.rows and rng.random() < leave_p:
             keep = sorted(rng.sample(range(len(decode.rows)), rng.randint(0, len(decode.rows))))

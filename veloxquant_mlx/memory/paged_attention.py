@@ -211,6 +211,11 @@ def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                         return out
                 return attention_parts(queries, *parts[:2], scale, parts[2], causal_last=causal)
             return attention(queries, keys, values, scale, mask)
+        if isinstance(cache, PagedLayerCache):
+            # Dropped unused too (a GPU call, another dtype): parts kept past their call
+            # can pin the arena version they were read from, which on a GPU is a whole
+            # copy after each write (an unclosed batch held one until a gc: H200, 2026-12-04).
+            cache.parts = None
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)
 
