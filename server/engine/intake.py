@@ -33,6 +33,15 @@ def no_room(prompt: str | list[int] | ChatPrompt, n_prompt: int, where: str,
                     f"the {field}{fix}", field)
 
 
+def no_room_in_pool(prompt: str | list[int] | ChatPrompt, n_prompt: int,
+                    pool_tokens: int) -> Rejected:
+    """:func:`no_room` for a prompt that alone fills what the KV pool holds for one request
+    (``pool_tokens``): no ``max_tokens`` helps, so none is named."""
+    return no_room(prompt, n_prompt, f"the KV pool (at most {pool_tokens} tokens a request)",
+                   ", or raise pool.n_blocks (or pool.max_blocks with "
+                   "pool.grow_on_exhaustion)")
+
+
 def vocab_size(loaded: LoadedModel) -> int | None:
     """The model's vocabulary size, when its config says it (None otherwise)."""
     return getattr(getattr(loaded.model, "args", None), "vocab_size", None)

@@ -27,6 +27,7 @@ from server.engine.intake import (
     ban_end_tokens,
     check_token_params,
     no_room,
+    no_room_in_pool,
     tokenize_prompt,
     utf8,
 )
@@ -64,8 +65,12 @@ class PromptPreparer:
     """
 
     def __init__(self, loaded: LoadedModel, limits: LimitsSection, metrics: ServerMetrics,
-                 deliver: Callable[[Prepared], None], max_batch_size: int = 0) -> None:
+                 deliver: Callable[[Prepared], None], max_batch_size: int = 0,
+                 pool_tokens: Callable[[], int | None] = lambda: None) -> None:
         self.loaded = loaded
+        # The most tokens the KV pool can hold for one request (None: no bound), so that a
+        # refusal over the context gives advice the pool's own check will not overrule.
+        self.pool_tokens = pool_tokens
         self.max_prompt_tokens = limits.max_prompt_tokens
         # Requests being prepared at once, beyond which new ones are refused: what an idle
         # server takes from one burst (a batch that starts, then the waiting queue's bound),
@@ -170,11 +175,16 @@ class PromptPreparer:
         if room < 1 or params.max_tokens_defaulted:
             raise RequestRejected(no_room(request.prompt, n_prompt,
                                           self.loaded.context_phrase()), n_prompt)
+        pool = self.pool_tokens()
+        if pool is not None and n_prompt >= pool:  # the pool would refuse the prompt next
+            raise RequestRejected(no_room_in_pool(request.prompt, n_prompt, pool), n_prompt)
         field = params.max_tokens_param
+        fits = room if pool is None else min(room, pool - n_prompt)
+        why = "" if fits == room else f" (the KV pool holds at most {pool} tokens a request)"
         raise self._too_long(
             f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
             f"{n_prompt + params.max_tokens} tokens, over {self.loaded.context_phrase()}; "
-            f"lower {field} to at most {room}, or shorten "
+            f"lower {field} to at most {fits}{why}, or shorten "
             f"the {'messages' if isinstance(request.prompt, ChatPrompt) else 'prompt'}",
             field, n_prompt)
 

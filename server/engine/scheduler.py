@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from server.engine.capacity import CapacityPlanner, Reservation
-from server.engine.intake import RequestRejected, no_room
+from server.engine.intake import RequestRejected, no_room_in_pool
 from server.engine.output import StopMatcher
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.preparer import Prepared
@@ -156,10 +156,7 @@ class Scheduler:
             request.params = replace(params, max_tokens=min(room, params.max_tokens))
             return self.planner.reservation(n_prompt + request.params.max_tokens)
         # The prompt alone fills the pool: no max_tokens helps (QA pass 31).
-        return no_room(request.prompt, n_prompt,
-                       f"the KV pool (at most {n_prompt + room} tokens a request)",
-                       ", or raise pool.n_blocks (or pool.max_blocks with "
-                       "pool.grow_on_exhaustion)")
+        return no_room_in_pool(request.prompt, n_prompt, n_prompt + room)
 
     # -- capacity changes ------------------------------------------------------------
 

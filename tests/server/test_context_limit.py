@@ -111,9 +111,20 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     error = _error(_complete(base, prompt=[7] * 1030, max_tokens=5))
     assert error["param"] == "prompt" and "max_tokens" not in error["message"]
     assert "shorten the prompt" in error["message"]
-    # Past the configured context (2,048) before the pool is even asked.
-    error = _error(_complete(base, prompt=[7] * 1100, max_tokens=1000))
+    # Past the configured context (2,048) too: the one refusal already says what the pool
+    # allows, so following its advice is served (it said "at most 1048" before, which the
+    # pool then refused; QA pass 32).
+    error = _error(_complete(base, prompt=[7] * 1000, max_tokens=1100))
+    assert error["param"] == "max_tokens"
     assert "the served context of 2048 tokens (limits.max_context_tokens)" in error["message"]
+    assert ("lower max_tokens to at most 24 (the KV pool holds at most 1024 tokens a request)"
+            in error["message"])
+    out = _complete(base, prompt=[7] * 1000, max_tokens=24, logit_bias=NO_EOS)
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 24
+    # And a prompt the pool cannot hold is named at once, whatever max_tokens says.
+    error = _error(_complete(base, prompt=[7] * 1100, max_tokens=1000))
+    assert error["param"] == "prompt" and "max_tokens" not in error["message"]
+    assert "at most 1024 tokens a request" in error["message"]
     assert small_pool.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.memory.test_native_attention import needs_forward
 from tests.server.conftest import LiveServer, make_settings, run_server
 
 # Plain English prose written for this test (no code, no lists).
@@ -163,6 +164,7 @@ def test_float32_products_give_the_same_greedy_text_from_a_warm_prefix_cache(tmp
 
 
 
+@needs_forward  # the codes serve small products only through the BLAS forward
 def test_a_warm_prefix_cache_keeps_the_cold_prompts_first_token(tmp_path):
     """With the codes on (the default), a hit still leaves 17 prompt rows to compute.
 
