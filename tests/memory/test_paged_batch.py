@@ -168,6 +168,9 @@ def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False,
         mx.eval(inputs)
         trace.append((decode.owners, np.array(logits)))  # a copy: not counted as MLX memory
         _held_exactly(pool, decode, layout.n_layers)
+        # On a GPU a finished step's buffers are let go by the stream's completion handler,
+        # which may run after eval returns (an H200 probe: up to an arena copy in flight).
+        mx.synchronize()
         assert mx.get_active_memory() - idle <= pool.stats.blocks_in_use() * per_block + bound
     if decode is not None:
         decode.release()
