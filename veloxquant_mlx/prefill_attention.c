@@ -19,7 +19,9 @@
  * multiplies only the first i1 own keys. Hq is a multiple of Hkv (grouped queries).
  */
 #define _GNU_SOURCE
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
