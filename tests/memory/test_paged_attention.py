@@ -137,3 +137,15 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
     assert all(cache.parts is None for cache in batch.caches)
     batch.close()
     assert arena.pool.stats.blocks_in_use() == 0
+
+
+def test_a_batch_of_a_module_the_router_cannot_reach_keeps_no_parts(model):
+    """No router in the module (``install`` is False): nothing would drop the parts."""
+    from tests.memory.test_paged_batch import _arena
+    from veloxquant_mlx.memory.paged_batch import make_paged_batch
+
+    arena = _arena(model)
+    bare = type("Model", (), {"__module__": "sys", "layers": model.layers})()
+    batch = make_paged_batch(bare, arena, [1])
+    assert not batch.fast_attention
+    assert make_paged_batch(model, arena, [2]).fast_attention

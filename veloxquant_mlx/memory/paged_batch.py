@@ -404,6 +404,8 @@ def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
     # Imported here: paged_attention checks its caches against PagedLayerCache.
     from veloxquant_mlx.memory.paged_attention import install
 
-    install(model)  # the batch's attention on the CPU (see paged_attention)
+    # The batch's attention on the CPU (see paged_attention). A module it cannot route
+    # never takes a call's parts, so the batch keeps none (they would pin the arena).
+    routed = install(model)
     rows = [owners] if isinstance(owners, int) else list(owners)
-    return PagedKVBatch(arena, rows, left_padding, fast_attention)
+    return PagedKVBatch(arena, rows, left_padding, fast_attention and routed)
