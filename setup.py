@@ -7,9 +7,11 @@ is missing or the build fails, the pure-Python modules are used unchanged.
 Set VELOXQUANT_PURE_PYTHON=1 to skip the native build.
 
 On Linux, ``veloxquant_mlx/sgemv_forward.c`` becomes a shared object that the
-CPU backend preloads ahead of OpenBLAS (never imported by Python; see its
-header and ``veloxquant_mlx/cpu_backend.py``). Without a compiler it is
-simply not there, and MLX's one-row float32 products stay on OpenBLAS's sgemm.
+CPU backend loads in front of OpenBLAS, as MLX's ``cblas_sgemm`` (never imported
+by Python; see its header and ``veloxquant_mlx/cpu_backend.py``). Without a
+compiler it is simply not there: the scipy-openblas32 wheel, whose names only
+the forward translates, then goes unused, and only a distribution's OpenBLAS
+can serve MLX.
 """
 
 import hashlib

@@ -7,7 +7,7 @@ blocks it holds on each stream, from the pool and from the prefix cache. It
 runs on the engine thread, outside the step clock. This times it for
 ``--rows`` requests of ``--tokens`` tokens on a ``--layers``-layer layout
 (the GPU benchmark's 1b model: 16), each holding ``--cached`` prompt blocks
-from the prefix cache, against the way it used to count (every held block
+from the prefix cache, against the previous revision's count (every held block
 walked in Python over copied lists), measured in the same run on the same
 pool; both must give the same answer.
 

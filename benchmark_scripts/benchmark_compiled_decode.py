@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmark_write_back import save_figures, timed_decode  # noqa: E402
 
-from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # noqa: E402
+from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
 
@@ -80,7 +80,7 @@ def main() -> int:
                    choices=["tiny", "thin16", "1b"])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
-    ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
+    load_optimized_blas(True)  # as the server does (MLX not imported before)
     from mlx_lm import load
 
     results = []

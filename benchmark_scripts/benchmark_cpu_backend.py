@@ -1,11 +1,12 @@
-"""MLX on a Linux CPU: bundled reference BLAS vs an optimized (preloaded) BLAS, per dtype.
+"""MLX on a Linux CPU: bundled reference BLAS vs an optimized (loaded) BLAS, per dtype.
 
 Measures, in one run, a float32/bfloat16/float16 matmul (768x768 @ 768x2048) and its
 gemv twin (1x768 @ 768x2048), then prompt tok/s, decode tok/s and time to first token
 for the offline ``small`` model in float32, bfloat16, float16 and 4-bit quantized form
 (float32 or bfloat16 scales).
-Each BLAS runs in its own child process (the optimized one with ``LD_PRELOAD``, built by
-``veloxquant_mlx.cpu_backend.child_env``), so both see the same machine state.
+Each BLAS runs in its own child process (the optimized one loaded before MLX by
+``veloxquant_mlx.cpu_backend.load_optimized_blas``, the other opted out through
+``child_env``), so both see the same machine state.
 
 Usage::
 
@@ -25,7 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-from veloxquant_mlx.cpu_backend import active_blas, child_env, find_optimized_blas
+from veloxquant_mlx.cpu_backend import (
+    active_blas,
+    child_env,
+    find_optimized_blas,
+    load_optimized_blas,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "cpu_backend" / "results.json"
@@ -101,6 +107,7 @@ def _generate_timings(model, prompt_tokens: int, decode_tokens: int, vocab: int)
 
 def child_main(args: argparse.Namespace) -> None:
     """Measure everything under this process's BLAS; print one JSON line."""
+    load_optimized_blas()  # before MLX loads; the bundled child's environment opts out
     import mlx.core as mx
 
     out: dict = {"matmul_gflops": {}, "gemv_gflops": {}, "models": {}}
@@ -117,7 +124,7 @@ def child_main(args: argparse.Namespace) -> None:
         del model
         mx.clear_cache()
     blas = active_blas()  # after MLX ran a matmul, so the bundled library is mapped too
-    out["blas"] = {"path": str(blas.path), "preloaded": blas.preloaded, "config": blas.config,
+    out["blas"] = {"path": str(blas.path), "loaded": blas.loaded, "config": blas.config,
                    "threads": blas.threads}
     out["mlx_version"] = mx.__version__
     print(json.dumps(out))
@@ -132,7 +139,7 @@ def _run_child(label: str, args: argparse.Namespace) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{label} child failed ({done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    if result["blas"]["preloaded"] != (label == "optimized"):
+    if result["blas"]["loaded"] != (label == "optimized"):
         raise SystemExit(f"{label} child ran with the wrong BLAS: {result['blas']}")
     return result
 
@@ -159,7 +166,7 @@ def _table(runs: dict) -> str:
 def parent_main(args: argparse.Namespace) -> None:
     """Run both children, compare against the targets, print and save."""
     if find_optimized_blas() is None:
-        raise SystemExit("no optimized BLAS installed; run scripts/install_blas.sh as root")
+        raise SystemExit("no optimized BLAS installed; pip install scipy-openblas32")
     if args.model_path is None:
         from veloxquant_mlx.offline_model import ensure_model
 
@@ -177,8 +184,7 @@ def parent_main(args: argparse.Namespace) -> None:
                      "timing": f"generation: median of up to {REPEATS} runs "
                      f"(fewer past {REPEAT_BUDGET_S} s) after a warm-up; matmul best of 5, "
                      "gemv best of 50",
-                     "optimized_env": {k: v for k, v in child_env(preload=True).items()
-                                       if k in ("LD_PRELOAD", "OPENBLAS_THREAD_TIMEOUT")}},
+                     "optimized_blas": str(find_optimized_blas())},
         "runs": runs,
         "ratios_optimized_float32_vs_bundled_float32": ratios,
         "targets": {key: {"min_ratio": need, "met": ratios[key] >= need}

@@ -148,8 +148,19 @@ def main() -> int:
     return 0
 
 
+def load_checkout_blas() -> None:
+    """Put MLX on the optimized BLAS the way the checkout under test does, before MLX loads."""
+    from veloxquant_mlx import cpu_backend
+
+    if hasattr(cpu_backend, "load_optimized_blas"):
+        cpu_backend.load_optimized_blas()
+    else:  # an older checkout re-executes this child under its own preload
+        cpu_backend.ensure_optimized_blas(True)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        load_checkout_blas()
         print(json.dumps(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
         sys.exit(0)
     sys.exit(main())

@@ -148,7 +148,7 @@ def ratios(result: dict, levels: list[int]) -> dict:
 
 
 def targets(result: dict) -> dict:
-    """Issue 19's targets, each with its measured value and whether it was met."""
+    """The GPU run's targets, each with its measured value and whether it was met."""
     r, ours = result["ratios_ours_over_peer"], result["servers"].get(OURS, {})
     # A level abandoned undrained counts all its planned requests as errors.
     counts = [lv["errors"] if "errors" in lv else lv["requests_planned"]

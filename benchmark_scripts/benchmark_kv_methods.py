@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from veloxquant_mlx.cpu_backend import ensure_optimized_blas
+from veloxquant_mlx.cpu_backend import load_optimized_blas
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "kv_methods" / "results.json"
@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--model-tokens", type=int, default=512)
     parser.add_argument("--skip-model", action="store_true", help="synthetic data only")
     args = parser.parse_args()
-    ensure_optimized_blas(True)
+    load_optimized_blas(True)
     import mlx.core as mx
 
     from veloxquant_mlx.cpu_backend import describe_backend

@@ -3,7 +3,7 @@
 Two parts, both on SmolLM2-135M-Instruct (Q4_1 GGUF; ours dequantized to float32):
 
 - ``engine``: one prompt's prefill through our ``ModelRunner`` (512-token chunks,
-  as served), in a child with the BLAS forward preloaded, with the prompt kernels
+  as served), in a child that loads the BLAS forward first, with the prompt kernels
   in C (attention: ``veloxquant_mlx/prefill_attention.c``; SwiGLU: ``swiglu.c``)
   and with MLX's own ops (the kernels switched off in that child), alternating
   which goes first;
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_real_model import llama_server_binary  # noqa: E402
 from benchmark_server import free_port, git_revision, make_prompts, wait_up  # noqa: E402
 
-from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
+from veloxquant_mlx.cpu_backend import LOAD_FIRST, child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"
@@ -59,7 +59,7 @@ if not use_kernel:
     native_attention.MIN_QUERIES = 1 << 30  # every call stays on MLX's attention
     native_swiglu.MIN_COLUMNS = 1 << 30  # and on MLX's SwiGLU
 elif native_attention.kernel() is None or native_swiglu.kernel() is None:
-    raise SystemExit("the prompt kernels are not loaded: is the BLAS forward preloaded?")
+    raise SystemExit("the prompt kernels are not loaded: is the BLAS forward built?")
 loaded = load_model(load_settings(None, overrides={"model": {"path": "smollm2"}}, env={}).model)
 model = loaded.model
 pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=2 * 30 * (n // 16 + 8) + 64))
@@ -83,8 +83,8 @@ print(json.dumps({"seconds": round(first_token(2, prompt), 2)}))
 
 
 def engine_prefill(n: int, mode: str, env: dict[str, str]) -> float:
-    out = subprocess.run([sys.executable, "-c", _ENGINE, str(n), mode], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=1800)
+    out = subprocess.run([sys.executable, "-c", LOAD_FIRST + _ENGINE, str(n), mode], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"engine child ({n}, {mode}) failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]

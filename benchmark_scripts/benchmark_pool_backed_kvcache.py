@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from veloxquant_mlx.cpu_backend import describe_backend, ensure_optimized_blas  # noqa: E402
+from veloxquant_mlx.cpu_backend import describe_backend, load_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "block_pool" / "pool_backed_kvcache_results.json"
 PROMPT_TEXT = (
@@ -211,7 +211,7 @@ def summarise(runs: list[dict], stock: list[dict], stock_tokens: list[int]) -> d
 def main(argv: list[str] | None = None) -> int:
     """Run the interleaved rounds, print a table, write the JSON."""
     args = parse_args(argv)
-    ensure_optimized_blas()  # re-execs once under OpenBLAS where available
+    load_optimized_blas()  # OpenBLAS under MLX where available (MLX not imported before)
     import mlx.core as mx
     import mlx_lm
 

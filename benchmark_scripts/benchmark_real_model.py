@@ -18,7 +18,7 @@ client would count as its error. ``mlx_lm.server`` runs fewer requests per level
 figures are rates, so fewer requests change their noise, not their meaning.
 
 ``--servers`` picks who runs (ours always). ``veloxquant-float32`` is ours with
-``model.quantized_matmul_rows = 0``: every product on the float32 weights, as before
+``model.quantized_matmul_rows = 0``: every product on the float32 weights, without
 the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they buy;
 ``veloxquant-write-every-step`` is ours with ``batch.kv_write_back = 1`` (the decode
 batch writes its KV into the arena every step instead of every 32 steps);
@@ -67,7 +67,7 @@ from benchmark_server import (  # noqa: E402
 )
 from server_load import run_requests  # noqa: E402
 
-from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
+from veloxquant_mlx.cpu_backend import LOAD_FIRST, child_env, module_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"
@@ -106,8 +106,9 @@ def commands(gguf: Path, folder: Path, port: int) -> dict[str, list[str]]:
         **dict.fromkeys(VARIANTS, ours),
         LLAMA: ["bash", str(PEERS / "serve_llama_server.sh"), str(port), str(gguf),
                 "--log-disable"],
-        MLX_LM: [py, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
-                 "--log-level", "WARNING"],
+        # On the same BLAS as ours (loaded by the launcher, as the server loads it).
+        MLX_LM: module_command("mlx_lm", "server", "--model", str(folder), "--port", str(port),
+                               "--log-level", "WARNING"),
     }
 
 
@@ -216,8 +217,8 @@ print(json.dumps({"context_tokens": n_ctx, "weights": loaded.weights, "ms_per_st
 
 def profile_decode(env: dict[str, str], n_ctx: int) -> dict:
     """Time one decode step and its parts on our model, in a child process."""
-    out = subprocess.run([sys.executable, "-c", _PROFILE, str(n_ctx)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", LOAD_FIRST + _PROFILE, str(n_ctx)], env=env,
+                         cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

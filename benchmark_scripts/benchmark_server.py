@@ -8,9 +8,9 @@ server sees a prompt twice, so mlx-lm's prompt cache cannot answer from cache.
 The single-stream ceiling is ``mlx_lm.stream_generate`` in a child process.
 Per level it records aggregate tok/s, req/s, TTFT and latency p50/p99, errors,
 and the server process's CPU time per generated token (steadier than wall
-time on a busy machine). Every child gets the same
-environment (the optimized BLAS preloaded when installed, built by
-``veloxquant_mlx.cpu_backend.child_env``), and the model is the offline
+time on a busy machine). Every child runs on the same BLAS (the optimized one
+when installed: ``veloxquant_mlx.cpu_backend.child_env``; ``mlx_lm`` loads it
+through ``cpu_backend.module_command``), and the model is the offline
 ``small`` preset in float32 on both sides.
 
 Usage::
@@ -48,14 +48,19 @@ from mixed_load import mixed_rounds, run_mixed  # noqa: E402
 from replica_set import default_signals  # noqa: E402
 from server_load import run_requests, summarize  # noqa: E402
 
-from veloxquant_mlx.cpu_backend import OPT_OUT_ENV, child_env  # noqa: E402
+from veloxquant_mlx.cpu_backend import (  # noqa: E402
+    LOAD_FIRST,
+    OPT_OUT_ENV,
+    child_env,
+    module_command,
+)
 from veloxquant_mlx.offline_model import ensure_model, iter_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "server" / "results.json"
 OURS, PEER = "veloxquant", "mlx_lm.server"
 TARGETS_C1 = {"tok_per_s_ratio_min": 0.95, "ttft_p50_ratio_max": 1.1}
-# Issue 5 (continuous batching): ours over the peer.
+# Continuous batching's targets: ours over the peer.
 TARGETS_BATCHING = {"c16_tok_per_s_ratio_min": 1.15, "c16_ttft_p99_ratio_max": 0.7,
                     "c1_tok_per_s_ratio_min": 0.95, "peak_rss_ratio_max": 1.0, "errors": 0}
 
@@ -78,8 +83,8 @@ print(json.dumps({"generation_tps_median": statistics.median(r[0] for r in runs)
                   "model_dtype": str(model.layers[0].self_attn.q_proj.weight.dtype)}))
 """
 
-_BACKEND = ("from veloxquant_mlx.cpu_backend import describe_backend; import mlx.core; "
-            "print(describe_backend('float32'))")
+_BACKEND = LOAD_FIRST + ("from veloxquant_mlx.cpu_backend import describe_backend; "
+                         "import mlx.core; print(describe_backend('float32'))")
 
 
 def free_port() -> int:
@@ -103,8 +108,8 @@ def server_command(name: str, model: Path, port: int) -> list[str]:
     if name == OURS:
         return [py, "-m", "server", "--model", str(model), "--port", str(port),
                 "--log-level", "warning"]
-    return [py, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port),
-            "--log-level", "WARNING"]
+    return module_command("mlx_lm", "server", "--model", str(model), "--port", str(port),
+                          "--log-level", "WARNING")
 
 
 def wait_up(base_url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -287,7 +292,7 @@ def git_revision() -> str:
 
 
 def batching_targets(result: dict) -> dict:
-    """Issue 5's targets, each with the measured value and whether it was met."""
+    """The batching targets, each with the measured value and whether it was met."""
     r = result["ratios_ours_over_peer"]
     servers = result["servers"]
     ours, peer = servers[OURS]["peak_rss_mib"], servers[PEER]["peak_rss_mib"]
@@ -411,18 +416,18 @@ def main() -> int:
     per_round = sum(args.requests_per_level or max(12, 2 * c) for c in args.concurrency)
     prompts = make_prompts(model, per_round * args.rounds + 2, args.prompt_tokens)
     ceiling = json.loads(subprocess.run(
-        [sys.executable, "-c", _CEILING, str(model), prompts[0], str(args.max_tokens)],
+        [sys.executable, "-c", LOAD_FIRST + _CEILING, str(model), prompts[0],
+         str(args.max_tokens)],
         env=env, capture_output=True, text=True, check=True).stdout)
     print(f"  mlx_lm.generate single stream: {ceiling['generation_tps_median']:.1f} tok/s",
           flush=True)
     envs = {OURS: env, PEER: env}
     if args.out_of_the_box:
-        # Each server as a user gets it: a plain environment. Ours preloads
-        # the optimized BLAS itself (cpu.optimized_blas); the peer keeps
-        # MLX's bundled reference BLAS.
+        # Each server as a user gets it. Ours loads the optimized BLAS itself
+        # (cpu.optimized_blas); the peer keeps MLX's bundled reference BLAS.
         plain = {k: v for k, v in child_env(preload=False).items() if k != OPT_OUT_ENV}
         plain["PYTHONPATH"] = str(ROOT)
-        envs = {OURS: plain, PEER: plain}
+        envs = {OURS: plain, PEER: dict(plain, **{OPT_OUT_ENV: "1"})}
     servers = bench_servers(model, envs, prompts, args)
     result = {
         "benchmark": "benchmark_scripts/benchmark_server.py",
@@ -431,10 +436,9 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
         "backend": backend,
-        "ld_preload": env.get("LD_PRELOAD", ""),
-        "blas_setup": "out of the box: ours preloads its optimized BLAS itself, the peer "
+        "blas_setup": "out of the box: ours loads its optimized BLAS itself, the peer "
                       "runs MLX's bundled BLAS" if args.out_of_the_box
-                      else "same optimized BLAS preloaded for both",
+                      else "same optimized BLAS loaded by both",
         "model": {"preset": args.preset, "path": str(model.relative_to(ROOT))
                   if model.is_relative_to(ROOT) else str(model),
                   "dtype": ceiling["model_dtype"]},

@@ -45,7 +45,7 @@ from structured_schemas import CASES, SchemaCase, response_format  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "structured" / "results.json"
-COST_TARGET = 0.85  # issue 15: constrained decoding keeps >= 85% of decode tok/s at c=16
+COST_TARGET = 0.85  # the target: constrained decoding keeps >= 85% of decode tok/s at c=16
 SYSTEM = "You are a helpful assistant. Answer with a single JSON object."
 FREE_PROMPTS = ["Tell me a short story about a lighthouse.", "What is photosynthesis?",
                 "Write a haiku about autumn.", "Explain how a bicycle works."]

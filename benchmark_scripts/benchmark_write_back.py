@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from veloxquant_mlx.cpu_backend import active_blas, ensure_optimized_blas  # noqa: E402
+from veloxquant_mlx.cpu_backend import active_blas, load_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "write_back" / "results.json"
 
@@ -229,7 +229,7 @@ def main() -> int:
     p.add_argument("--n-blocks", type=int, default=16384)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
-    ensure_optimized_blas(True)  # as the server runs (a re-exec; MLX not imported before)
+    load_optimized_blas(True)  # as the server does (MLX not imported before)
     from mlx_lm import load
 
     from veloxquant_mlx.offline_model import ensure_model

@@ -6,7 +6,7 @@ and larger batches run in float32. Here the fixed English paragraph of
 ``tests/server/test_real_model.py`` is fed one token at a time (every product one row:
 all from the codes), its perplexity taken, then again with the codes closed (float32),
 and the two log-probability tables compared. Each GGUF file runs in a child with the
-BLAS forward preloaded, as the server runs. Writes
+BLAS forward loaded, as the server runs. Writes
 ``figures/real_model/codes_quality.json``.
 
 Usage::
@@ -30,7 +30,7 @@ DEFAULT_OUT = ROOT / "figures" / "real_model" / "codes_quality.json"
 
 
 def child(path: str) -> dict:
-    """Measure ``path`` in this (preloaded) process."""
+    """Measure ``path`` in this process (on the optimized BLAS and its forward)."""
     import math
 
     import mlx.core as mx
@@ -43,7 +43,7 @@ def child(path: str) -> dict:
 
     loaded = load_model(ModelSection(path=path))
     if loaded.quantized_copies is None:
-        raise RuntimeError("no codes registered: is the BLAS forward preloaded?")
+        raise RuntimeError("no codes registered: is the BLAS forward built and loaded?")
     ids = loaded.tokenizer.encode(ENGLISH_TEXT)
 
     def one_token_at_a_time() -> tuple[float, np.ndarray]:
@@ -84,6 +84,9 @@ def run_child(path: Path) -> dict:
 
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        from veloxquant_mlx.cpu_backend import load_optimized_blas
+
+        load_optimized_blas()  # before child() imports MLX, as the server does
         print(json.dumps(child(sys.argv[2])))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -1,6 +1,6 @@
 """Quality and decode speed of each KV format on the real model, in this process.
 
-Run by ``benchmark_kv_formats.py`` as a child (OpenBLAS preloaded); prints one
+Run by ``benchmark_kv_formats.py`` as a child (on OpenBLAS, as the server); prints one
 JSON line. Everything goes through the server's own paged KV batch on an arena
 of the format under test, so stored tokens are read back from quantized
 blocks exactly as when serving:
@@ -24,10 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
+
+load_optimized_blas()  # before MLX loads, as the server does
+import mlx.core as mx  # noqa: E402
 
 from server.model_loader import load_model  # noqa: E402
 from server.settings import load_settings  # noqa: E402

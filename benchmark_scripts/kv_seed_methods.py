@@ -7,8 +7,8 @@ driven from Python: a batched decode step of ``rows`` requests on a model with
 per layer. This times exactly that, at SmolLM2's shapes (3 KV heads of 64, 3
 query heads per KV head) and a ``context``-token history, against the q8 arena
 path for the same layer (gather the rows' blocks, decode, one batched
-attention, store the new column), and reports each method over q8. The issue
-keeps a method as a format only within 1.5x of q8's decode step (the caller
+attention, store the new column), and reports each method over q8. A method
+is kept as a format only within 1.5x of q8's decode step (the caller
 turns these layer times into step estimates). The history is 160 tokens, past
 ``spectral``'s 128 calibration tokens, so every method holds compressed KV.
 
@@ -23,9 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
+
+load_optimized_blas()  # before MLX loads, as the server does
+import mlx.core as mx  # noqa: E402
 
 from veloxquant_mlx import KVCacheBuilder  # noqa: E402
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig  # noqa: E402

@@ -68,7 +68,7 @@ class ServerProcess:
 
     @property
     def pid(self) -> int:
-        """The child's pid (the same after its optimized-BLAS re-exec)."""
+        """The child's pid."""
         assert self.proc is not None, "not started"
         return self.proc.pid
 

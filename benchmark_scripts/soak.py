@@ -224,14 +224,16 @@ async def run_load(base_url: str, n_requests: int, concurrency: int, seed: int,
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    """/metrics as {sample name with labels: value}."""
+    """/metrics as {sample name with labels: value}; the keys leave out ``model_name``
+    (one model per server)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     text = httpx.get(base_url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 

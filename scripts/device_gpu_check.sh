@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's GPU check: the single command of the SECOND device call (H200, no network).
+# The GPU check: the single command of the SECOND device call (H200, no network).
 #
 #   bash scripts/device_gpu_check.sh [REVISION [BENCHMARK ARGS...]]   # e.g. abc1234 --max-batch 64
 #
@@ -96,9 +96,9 @@ PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd) timeout -k 15 "$BENCH_T" python3 \
     --budget-s $((BENCH_T - 35)) --revision "$REVISION" "$@" 2>&1 | tee "$OUT/bench.log"
 echo "benchmark exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 
-# The A/B of this round's host-side change, when time is left: ours alone with it off
-# (a step's events sent as soon as they are ready, not at the next submit), same model
-# and load. SKIP_AB=1 leaves it out; AB_FLAGS picks another A/B ("--unfused-projections",
+# An A/B of one host-side choice, when time is left: by default ours alone with events sent
+# at once (a step's events sent as soon as they are ready, not at the next submit), same
+# model and load. SKIP_AB=1 leaves it out; AB_FLAGS picks another A/B ("--unfused-projections",
 # "--uncompiled-decode --kv-write-back 1" for mlx-lm's blocks as written and the KV
 # written every step, or "--mlx-env MLX_MAX_OPS_PER_BUFFER=120" for CUDA graphs of 120
 # kernels instead of MLX's 30 on an H100/H200).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install Debian's OpenBLAS (used under MLX's CPU backend via LD_PRELOAD) when
-# this is a Debian-like Linux and we are root. Never fails the caller: without
-# it everything still works, only slower.
+# Install Debian's OpenBLAS when this is a Debian-like Linux and we are root: an
+# option, the loader's second choice (veloxquant_mlx/cpu_backend.py) after the
+# scipy-openblas32 wheel that pip installs. Never fails the caller: without it
+# everything still works.
 set -u
 [ "$(uname -s)" = "Linux" ] || exit 0
 lib=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage what issue 19's device run carries, under .gpu/ (git-ignored), then print the two calls.
+# Stage what the GPU check's device run carries, under .gpu/ (git-ignored), then print the two calls.
 #
 #   bash scripts/prepare_gpu_call.sh        # here, with registry access (a few minutes: xz -9)
 #

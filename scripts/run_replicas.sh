@@ -21,7 +21,7 @@
 #
 # Replica settings come from config/default.toml and VELOXQUANT_* variables, as for one
 # server; only --host, --port and --model are set here. The replicas do not share a pool:
-# size each one's pool for one replica's share of the machine (README, "Scaling out").
+# size each one's pool for one replica's share of the machine (docs/operations.md, "Scaling out").
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,8 +1,11 @@
 """``python -m server`` / ``veloxquant-serve``: parse flags, load settings, serve.
 
+The flags (one for every setting, and the names vLLM and llama.cpp use) are
+:mod:`server.cli`'s.
+
 Order matters: settings first (cheap, no MLX), then MLX's environment defaults
-(:mod:`veloxquant_mlx.mlx_env`) and the optimized-BLAS re-exec (both must happen before
-anything imports MLX), then the app.
+(:mod:`veloxquant_mlx.mlx_env`) and the optimized BLAS, loaded into this process (both
+must happen before anything imports MLX), then the app.
 
 Both entry points call :func:`run`, which ends the process with ``os._exit`` once
 :func:`main` has returned (see :func:`run` for why); :func:`main` itself returns the
@@ -11,7 +14,6 @@ exit code, so tests call it in-process.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -19,56 +21,18 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from server.cli import (
+    parse_args,
+    render_config,
+    settings_from_args,
+    warn_secret_flags,
+)
 from server.engine.pool_fit import records_problem  # imports no MLX
-from server.settings import LOG_LEVELS, ConfigError, Settings, load_settings
-from veloxquant_mlx.cpu_backend import ensure_optimized_blas  # imports no MLX
+from server.settings import ConfigError, Settings
+from veloxquant_mlx.cpu_backend import load_optimized_blas  # imports no MLX
 from veloxquant_mlx.mlx_env import MLX_ENV_DEFAULTS, apply_mlx_env_defaults  # no MLX
 
 log = logging.getLogger("veloxquant.server")
-
-
-# The config key each flag sets (a bad value is reported as "config key 'server.port'
-# (from --port)").
-FLAG_KEYS = {"--host": ("server", "host"), "--port": ("server", "port"),
-             "--log-level": ("server", "log_level"), "--model": ("model", "path"),
-             "--distributed": ("distributed", "ranks")}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command-line flags (each overrides the config file and the env)."""
-    parser = argparse.ArgumentParser(
-        prog="veloxquant-serve",
-        description="OpenAI-compatible MLX inference server on one shared KV block pool.",
-    )
-    parser.add_argument("--config", help="TOML config file; values it leaves out keep the "
-                        "built-in defaults (a packaged copy of config/default.toml)")
-    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="TCP port (default 8000)")
-    parser.add_argument("--model", help="model to serve: smollm2 (default, real "
-                        "SmolLM2-135M-Instruct), tiny | small | 1b (offline random test models), "
-                        "a local mlx-lm folder, a .gguf file, or a Hugging Face repo id")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, help="log level")
-    parser.add_argument("--distributed", type=int, metavar="N",
-                        help="split the model over N processes on this machine (tensor "
-                        "parallel, mx.distributed ring backend on loopback); rank 0 serves")
-    return parser.parse_args(argv)
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Merge file, env and flags into the settings (raises ConfigError)."""
-    overrides: dict[str, dict[str, object]] = {}
-    origins = {}
-    for flag, (section, key) in FLAG_KEYS.items():
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if value is not None:
-            overrides.setdefault(section, {})[key] = value
-            origins[f"{section}.{key}"] = flag
-    settings = load_settings(args.config, overrides=overrides, origins=origins)
-    if settings.distributed.ranks > 1 and settings.cache.prefix_caching:
-        # A cache hit changes what one rank computes (server.engine.distributed).
-        settings = settings.replace(cache=settings.cache.model_copy(
-            update={"prefix_caching": False}))
-    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,16 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"veloxquant-serve: bad configuration: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(render_config(args, settings))
+        return 0
     problem = records_problem(settings)
     if problem is not None:  # before the app builds the pool's records
         print(f"veloxquant-serve: bad configuration: {problem}", file=sys.stderr)
         return 2
-    # MLX reads these when it makes a stream: before any MLX import (and the re-exec keeps them).
+    # MLX reads these when it makes a stream: before any MLX import.
     apply_mlx_env_defaults()
-    # Re-execs this process with OpenBLAS preloaded (once); must precede any MLX import.
-    ensure_optimized_blas(settings.cpu.optimized_blas)
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warn_secret_flags(args)
+    # MLX binds its BLAS when it loads: the optimized one must be in the process first.
+    load_optimized_blas(settings.cpu.optimized_blas)
     if settings.distributed.ranks > 1:
         return _serve_distributed(settings)
     return _serve(settings)
@@ -114,7 +82,7 @@ def _serve(settings: Settings) -> int:
         print(f"veloxquant-serve: {exc}", file=sys.stderr)
         return 2
     # After the model check (a bad source still stops with one line); the values in effect,
-    # ours or the operator's (a re-exec'd process no longer knows which).
+    # ours or the operator's.
     log.info("MLX settings: %s",
              " ".join(f"{name}={os.environ.get(name)}" for name in MLX_ENV_DEFAULTS))
     from server.http import request_log

@@ -22,11 +22,10 @@ from collections.abc import Iterable
 # code base for VELOXQUANT_ names and fails on any that is neither a setting nor listed here.
 NON_SETTING_ENV: dict[str, str] = {
     "VELOXQUANT_HOME": "models cache folder (veloxquant_mlx/paths.py)",
-    "VELOXQUANT_NO_BLAS_PRELOAD": "skip the OpenBLAS re-exec (veloxquant_mlx/cpu_backend.py)",
-    "VELOXQUANT_BLAS_PRELOADED": "marker set by the OpenBLAS re-exec "
-                                 "(veloxquant_mlx/cpu_backend.py)",
-    "VELOXQUANT_NO_SGEMV_FORWARD": "preload OpenBLAS without the one-row sgemv forward "
-                                   "(veloxquant_mlx/cpu_backend.py)",
+    "VELOXQUANT_NO_BLAS_PRELOAD": "load no optimized BLAS under MLX; it keeps its bundled one "
+                                  "(veloxquant_mlx/cpu_backend.py)",
+    "VELOXQUANT_NO_SGEMV_FORWARD": "the BLAS forward only passes calls on: no one-row sgemv, "
+                                   "codes path or prompt kernels (veloxquant_mlx/cpu_backend.py)",
     "VELOXQUANT_PURE_PYTHON": "use the pure-Python allocator (setup.py, "
                               "veloxquant_mlx/memory/__init__.py)",
     "VELOXQUANT_QMM_THREADS": "threads for products from quantized codes "

@@ -6,6 +6,9 @@ scrape time: :class:`PoolCollector` (the pool's own counters, under the
 names ``pool.stats.to_prometheus()`` uses: ``veloxquant_block_pool_*``) and
 :class:`EngineCollector` (running/waiting, orphaned blocks, MLX memory, and
 the engine's seconds per step phase).
+The per-request metrics and the load gauges carry the served model's name as
+``model_name`` (:class:`ModelLabelled`); with ``[metrics] vllm_names`` they also go
+out under vLLM's names (:class:`VllmNames`).
 The registry is private to each app, so tests can build many apps.
 """
 
@@ -18,7 +21,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
 from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
@@ -34,9 +42,9 @@ class StepHistogram:
 
     The engine records a latency per generated token. prometheus-client's
     ``Histogram.observe`` takes its locks and walks the buckets in Python for
-    each one; with the token counter's ``inc`` that was 244 us of every 64-row
-    step on the engine thread, whose Python a GPU step waits for, and is 27 us
-    now (``benchmark_scripts/benchmark_token_metrics.py``). Here a step's values
+    each one; with the token counter's ``inc`` that costs 244 us of every 64-row
+    step on the engine thread, whose Python a GPU step waits for, where this
+    costs 27 us (``benchmark_scripts/benchmark_token_metrics.py``). Here a step's values
     are bucketed with ``bisect`` and added under one lock; ``/metrics`` renders
     the same ``_bucket``/``_count``/``_sum`` samples (a bucket counts values
     <= its bound, as there).
@@ -80,6 +88,45 @@ class StepHistogram:
                                     sum_value=total)
 
 
+MODEL_LABEL = "model_name"
+
+
+class ModelLabelled:
+    """Collectors whose every sample gets the served model's name as ``model_name``.
+
+    vLLM's dashboards, autoscaling rules and gateways select by that label. One server
+    serves one model, so the label has one value, and it is added when ``/metrics`` is
+    read: the engine thread records without a label lookup, and the name, known only once
+    the model loads, is read then. Until :attr:`model_name` is bound (or while it gives
+    ""), no label is added: Prometheus reads an empty label as none.
+
+    Args:
+        collectors: prometheus-client metrics (or anything with ``collect`` and
+            ``describe``), not registered elsewhere.
+    """
+
+    def __init__(self, collectors: list[Any]) -> None:
+        self.collectors = collectors
+        self.model_name: Callable[[], str] = lambda: ""
+
+    def describe(self):
+        return [family for collector in self.collectors for family in collector.describe()]
+
+    def collect(self):
+        name = self.model_name()
+        for collector in self.collectors:
+            for family in collector.collect():
+                yield with_model_label(family, name) if name else family
+
+
+def with_model_label(family: Metric, name: str) -> Metric:
+    """A copy of ``family`` whose samples carry ``model_name=name``."""
+    labelled = Metric(family.name, family.documentation, family.type, family.unit)
+    labelled.samples = [s._replace(labels={**s.labels, MODEL_LABEL: name})
+                        for s in family.samples]
+    return labelled
+
+
 class RequestEndListener(Protocol):
     """Told of every request end the engine records (the request log is one)."""
 
@@ -104,38 +151,51 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter("veloxquant_requests", "HTTP requests by route and status code.",
                                 ["endpoint", "status"], registry=r)
+        # By endpoint only: a label per field name would let clients grow the series.
+        self.unknown_fields = Counter("veloxquant_request_unknown_fields",
+                                      "Top-level request fields no endpoint knows, ignored or "
+                                      "refused per server.unknown_fields.", ["endpoint"],
+                                      registry=r)
+        # The per-request metrics reach the registry through self.per_request, which
+        # labels them with the served model's name.
         self.prompt_tokens = Counter("veloxquant_prompt_tokens", "Prompt tokens admitted.",
-                                     registry=r)
+                                     registry=None)
         self.generation_tokens = Counter("veloxquant_generation_tokens",
-                                         "Tokens generated.", registry=r)
+                                         "Tokens generated.", registry=None)
         self.finished_requests = Counter("veloxquant_request_finished",
                                          "Generation requests ended, by reason.", ["reason"],
-                                         registry=r)
+                                         registry=None)
         self.rejections = Counter("veloxquant_request_rejected",
                                   "Requests turned away before running, by reason.", ["reason"],
-                                  registry=r)
+                                  registry=None)
         self.ttft = StepHistogram("veloxquant_time_to_first_token_seconds",
                                   "Time from arrival to the first generated token.",
                                   LATENCY_BUCKETS)
         self.itl = StepHistogram("veloxquant_inter_token_latency_seconds",
                                  "Time between consecutive tokens of a request.", ITL_BUCKETS)
-        r.register(self.ttft)
-        r.register(self.itl)
         self.latency = Histogram("veloxquant_request_latency_seconds",
                                  "End-to-end time of generation requests (arrival to end).",
-                                 buckets=LATENCY_BUCKETS, registry=r)
+                                 buckets=LATENCY_BUCKETS, registry=None)
         self.queue_wait = Histogram("veloxquant_queue_wait_seconds",
                                     "Time a request waited for KV capacity.",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+                                    buckets=LATENCY_BUCKETS, registry=None)
         self.blocks_per_request = Histogram("veloxquant_request_kv_blocks",
                                             "Peak KV blocks held by a request.",
-                                            buckets=BLOCK_BUCKETS, registry=r)
+                                            buckets=BLOCK_BUCKETS, registry=None)
+        self.per_request = ModelLabelled([
+            self.prompt_tokens, self.generation_tokens, self.finished_requests, self.rejections,
+            self.ttft, self.itl, self.latency, self.queue_wait, self.blocks_per_request])
+        r.register(self.per_request)
         self.batch_size = Histogram("veloxquant_batch_size",
                                     "Requests decoded together per batched model call.",
                                     buckets=BATCH_BUCKETS, registry=r)
         self._memory: dict[str, int] = {}
         self._kv: dict[str, int] = {}
         self.listeners: list[RequestEndListener] = []
+
+    def label_model(self, model_name: Callable[[], str]) -> None:
+        """Label the per-request metrics with ``model_name()``, read at each scrape."""
+        self.per_request.model_name = model_name
 
     # -- recorded by the engine thread ---------------------------------------
 
@@ -198,6 +258,11 @@ class ServerMetrics:
         """Count one HTTP request."""
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
+    def unknown_fields_sent(self, endpoint: str, count: int) -> None:
+        """Count ``count`` top-level fields a request to ``endpoint`` sent that it does not
+        know."""
+        self.unknown_fields.labels(endpoint=endpoint).inc(count)
+
     def memory(self) -> dict[str, int]:
         """The latest MLX memory sample (empty before the first)."""
         return dict(self._memory)
@@ -221,9 +286,7 @@ class EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        running, waiting = self.engine.queue_depths()
-        yield _gauge("veloxquant_requests_running", "Requests generating now.", running)
-        yield _gauge("veloxquant_requests_waiting", "Requests waiting for KV capacity.", waiting)
+        yield from self.load_gauges()
         yield _gauge("veloxquant_orphaned_blocks",
                      "Blocks held by pool owners with no live request (should be 0).",
                      orphaned_blocks(self.engine.pool, self.engine.live_requests))
@@ -248,6 +311,50 @@ class EngineCollector:
                                       "Scatters of new keys and values into the KV arena (on a "
                                       "GPU each copies the whole arena).", value=kv.arena.writes)
         yield from _cache_families(getattr(self.engine, "prefix_cache", None))
+        yield from _grammar_families(getattr(self.engine, "grammars", None))
+
+
+    def load_gauges(self):
+        """Requests running and waiting and the KV usage ratio, labelled with the served
+        model's name (what autoscalers and gateways read to pick and size replicas)."""
+        model = self.engine.model_name
+        running, waiting = self.engine.queue_depths()
+        yield _model_gauge("veloxquant_requests_running", "Requests generating now.",
+                           running, model)
+        yield _model_gauge("veloxquant_requests_waiting", "Requests waiting for KV capacity.",
+                           waiting, model)
+        yield _model_gauge("veloxquant_kv_usage_ratio",
+                           "Share of the pool's blocks admission cannot hand out: held by "
+                           "requests, or cached and referenced by one (0..1).",
+                           kv_usage_ratio(self.engine.pool,
+                                          getattr(self.engine, "prefix_cache", None)), model)
+
+
+def kv_usage_ratio(pool: Any, cache: Any) -> float:
+    """The share of the pool's blocks that are not free for admission, 0..1.
+
+    Blocks in use (the prefix cache's included) less the cached blocks no request
+    references, which admission evicts when it needs them; vLLM's ``kv_cache_usage_perc``
+    counts the same way (its unreferenced cached blocks sit in the free queue).
+
+    Args:
+        pool: The shared pool.
+        cache: The prefix cache (its ``evictable_blocks``), or None with caching off.
+    """
+    stats = pool.stats.snapshot().as_dict()
+    evictable = cache.evictable_blocks if cache is not None else 0
+    return (stats["blocks_in_use"] - evictable) / stats["n_blocks"]
+
+
+def _grammar_families(cache: Any):
+    """The compiled-grammar cache (server.engine.constraints.GrammarCache): its estimated
+    bytes, bounded by ``limits.grammar_cache_bytes``, and its entries (0 without one)."""
+    yield _gauge("veloxquant_grammar_cache_bytes",
+                 "Estimated bytes of the compiled structured-output grammars kept.",
+                 cache.bytes if cache is not None else 0)
+    yield _gauge("veloxquant_grammar_cache_entries",
+                 "Compiled structured-output grammars kept.",
+                 cache.entries if cache is not None else 0)
 
 
 def _cache_families(cache: Any):
@@ -289,6 +396,16 @@ def _step_families(clock: Any):
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+def _model_gauge(name: str, doc: str, value: float, model: str) -> GaugeMetricFamily:
+    """A gauge labelled ``model_name`` (unlabelled before the model loads, as
+    :class:`ModelLabelled` has it)."""
+    if not model:
+        return _gauge(name, doc, value)
+    family = GaugeMetricFamily(name, doc, labels=[MODEL_LABEL])
+    family.add_metric([model], value)
+    return family
 
 
 def orphaned_blocks(pool: Any, live_requests: Callable[[], dict[int, str]]) -> int:
@@ -347,3 +464,65 @@ class PoolCollector:
         for name, kind, doc, key in POOL_FAMILIES:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{self.prefix}_{name}", doc, value=stats[key])
+
+
+# Our families that vLLM's dashboards, autoscaling rules and gateways read, and vLLM's
+# names for them (counters without ``_total``, as prometheus-client names families). The
+# values are the same; the histograms keep our buckets, which histogram_quantile reads
+# alike. Inter-token latency and KV usage go out under older vLLM releases' names too.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "veloxquant_requests_running": ("vllm:num_requests_running",),
+    "veloxquant_requests_waiting": ("vllm:num_requests_waiting",),
+    "veloxquant_kv_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "veloxquant_prompt_tokens": ("vllm:prompt_tokens",),
+    "veloxquant_generation_tokens": ("vllm:generation_tokens",),
+    "veloxquant_request_finished": ("vllm:request_success",),
+    "veloxquant_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "veloxquant_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                               "vllm:time_per_output_token_seconds"),
+    "veloxquant_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "veloxquant_queue_wait_seconds": ("vllm:request_queue_time_seconds",),
+}
+# vLLM's finished_reason for each of our end reasons: a request whose client left is
+# vLLM's "abort".
+VLLM_FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort",
+                         "error": "error"}
+
+
+class VllmNames:
+    """The families of :data:`VLLM_NAMES` again under vLLM's names (``[metrics] vllm_names``).
+
+    Read from the same collectors at scrape time, so both names always agree and the
+    engine records nothing twice.
+
+    Args:
+        metrics: The server metrics (their model-labelled per-request families).
+        gauges: The engine collector (its model-labelled load gauges).
+    """
+
+    def __init__(self, metrics: ServerMetrics, gauges: EngineCollector) -> None:
+        self.sources = (metrics.per_request.collect, gauges.load_gauges)
+
+    def collect(self):
+        for source in self.sources:
+            for family in source():
+                for name in VLLM_NAMES.get(family.name, ()):
+                    yield vllm_family(family, name)
+
+
+def vllm_family(family: Metric, name: str) -> Metric:
+    """``family`` as vLLM names it: renamed samples, ``reason`` as ``finished_reason``
+    with vLLM's values, and no ``_created`` samples (vLLM exports none)."""
+    renamed = Metric(name, family.documentation, family.type)
+    renamed.samples = [s._replace(name=name + s.name[len(family.name):],
+                                  labels=_vllm_labels(s.labels))
+                       for s in family.samples if not s.name.endswith("_created")]
+    return renamed
+
+
+def _vllm_labels(labels: dict[str, str]) -> dict[str, str]:
+    if "reason" not in labels:
+        return labels
+    out = {key: value for key, value in labels.items() if key != "reason"}
+    out["finished_reason"] = VLLM_FINISHED_REASONS.get(labels["reason"], labels["reason"])
+    return out

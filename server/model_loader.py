@@ -13,6 +13,9 @@ What ``--model`` accepts, in the order it is tried:
 - a ``.gguf`` file (converted once into the models cache, keyed by content);
 - a local mlx-lm model folder;
 - a Hugging Face repo id (``org/name``), from the local cache or the hub.
+
+The API serves the model under ``model.served_name`` when set, else under a Hugging
+Face id as written, or a folder's or a .gguf file's name (:func:`served_names`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from server.settings import ModelSection
+from server.settings_sections import read_chat_template
 
 log = logging.getLogger("veloxquant.server")
 
@@ -51,7 +55,7 @@ class LoadedModel:
 
     model: Any
     tokenizer: Any
-    name: str
+    name: str  # the primary served name: the ``model`` of answers
     path: Path
     n_layers: int
     dtype: str
@@ -62,6 +66,7 @@ class LoadedModel:
     # max_position_embeddings, or limits.max_context_tokens; None: no bound stated.
     context_length: int | None = None
     context_configured: bool = False  # set by limits.max_context_tokens, not the model
+    served_names: tuple[str, ...] = ()  # every name a request may use, ``name`` first
 
     def context_phrase(self) -> str:
         """The context bound as refusals state it, naming where it comes from."""
@@ -197,7 +202,11 @@ def load_model(section: ModelSection) -> LoadedModel:
     from veloxquant_mlx.quant_weights import load_group16_parts
 
     path = resolve_model_path(section)
-    model, tokenizer = mlx_lm.load(str(path))
+    model, tokenizer = mlx_lm.load(str(path), tokenizer_config=_tokenizer_config(section))
+    from server.model_support import check_served
+
+    # Before anything is built around it: a model the KV pool would serve wrong stops here.
+    check_served(model, path, stated_context_length(model))
     # The server bounds prompts itself (limits, the context, with a 400); the Hugging Face
     # tokenizer's own bound only prints an "indexing errors" warning for what it refuses.
     hf = getattr(tokenizer, "_tokenizer", None)
@@ -217,10 +226,11 @@ def load_model(section: ModelSection) -> LoadedModel:
     if copies is not None:
         note += (f"; products of up to {section.quantized_matmul_rows} rows from the "
                  f"quantized codes of {len(copies)} matrices, int8 activations")
+    names = served_names(section, path)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=section.served_name or _default_name(section, path),
+        name=names[0],
         path=path,
         n_layers=len(model.layers),
         dtype=_weight_dtype(model),
@@ -228,7 +238,15 @@ def load_model(section: ModelSection) -> LoadedModel:
         weights=note,
         quantized_copies=copies,
         context_length=stated_context_length(model),
+        served_names=names,
     )
+
+
+def _tokenizer_config(section: ModelSection) -> dict[str, Any] | None:
+    """What the tokenizer is built with beside its files: ``model.chat_template``'s text
+    replaces the template they carry (transformers takes it as ``chat_template``)."""
+    template = read_chat_template(section.chat_template)
+    return {"chat_template": template} if template else None
 
 
 def stated_context_length(model: Any) -> int | None:
@@ -241,14 +259,36 @@ def stated_context_length(model: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def served_names(section: ModelSection, path: Path) -> tuple[str, ...]:
+    """The names the API answers to, the primary first: ``model.served_name`` when set.
+
+    Args:
+        section: The ``[model]`` settings.
+        path: The folder :func:`resolve_model_path` gave for them.
+    """
+    return tuple(section.served_name) or (_default_name(section, path),)
+
+
 def _default_name(section: ModelSection, path: Path) -> str:
-    """The model id the API reports when ``served_name`` is unset."""
+    """The model id the API reports when ``served_name`` is unset.
+
+    A Hugging Face id is served as given: its folder is a snapshot named by a commit
+    hash, which no client would send back.
+    """
     source = section.path or section.preset
     if source == SMOLLM2:
         return "SmolLM2-135M-Instruct"
     if source.lower().endswith(".gguf"):
         return Path(source).stem
+    if _is_hub_id(source):
+        return source
     return path.name
+
+
+def _is_hub_id(source: str) -> bool:
+    """``source`` went to the hub: shaped like ``org/name`` and no local path (as ``_resolve``
+    tries them)."""
+    return REPO_ID.fullmatch(source) is not None and not Path(source).expanduser().exists()
 
 
 def _weight_dtype(model: Any) -> str:

@@ -48,6 +48,7 @@ from server.settings_sections import (  # noqa: F401  (re-exported: the settings
     DistributedSection,
     KVSection,
     LimitsSection,
+    MetricsSection,
     ModelSection,
     PoolSection,
     SamplingSection,
@@ -69,7 +70,8 @@ else:  # pragma: no cover - exercised only on 3.10
 # config/default.toml is the documented copy (a test keeps the two identical).
 DEFAULT_CONFIG_PATH: Traversable = files("server") / "default_config" / "default.toml"
 ENV_PREFIX = "VELOXQUANT_"
-# Secrets come from the environment only, never from a file that may be committed.
+# Secrets come from the environment or a flag (server.cli), never from the config file,
+# which may be committed.
 SECRET_ENV = {"admin_token": "VELOXQUANT_ADMIN_TOKEN", "api_key": "VELOXQUANT_API_KEY"}
 
 
@@ -106,6 +108,7 @@ class Settings(BaseSettings):
     cache: CacheSection = Field(default_factory=CacheSection)
     kv: KVSection = Field(default_factory=KVSection)
     distributed: DistributedSection = Field(default_factory=DistributedSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
     admin_token: str | None = Field(default=None, repr=False)
     api_key: str | None = Field(default=None, repr=False)
 
@@ -223,15 +226,33 @@ class SectionEnvSource(PydanticBaseSettingsSource):
                 f"(known in [{section}]: {', '.join(fields)}); "
                 f"{unknown_variable(name, _valid_env_names())}"
             )
-        annotation = fields[key].annotation
-        try:
-            value: Any = _env_list(raw) if get_origin(annotation) is list else raw
-            return TypeAdapter(annotation).validate_python(value, strict=False)
-        except (ValidationError, ValueError) as exc:
-            problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            raise ConfigError(
-                f"config key '{section}.{key}' (from env {name}): {raw!r}: {problem}"
-            ) from None
+        return parse_text(section, key, raw, f"env {name}")
+
+
+def parse_text(section: str, key: str, raw: str | list[str], origin: str) -> Any:
+    """Setting ``section.key`` from text: an environment variable's value or a flag's.
+
+    A list setting takes a JSON array or comma-separated items (several flag values are
+    each read so); any other is parsed to its key's type as pydantic's lax mode does
+    (``"8"`` -> 8, ``"true"`` -> True), since the sections themselves are strict.
+
+    Args:
+        origin: Where the text came from, named in the error: ``"env NAME"``, ``"--port"``.
+
+    Raises:
+        ConfigError: The text is no value of the key's type; names the key and ``origin``.
+    """
+    annotation = SECTIONS[section].model_fields[key].annotation
+    texts = [raw] if isinstance(raw, str) else raw
+    try:
+        value: Any = ([item for text in texts for item in _env_list(text)]
+                      if get_origin(annotation) is list else raw)
+        return TypeAdapter(annotation).validate_python(value, strict=False)
+    except (ValidationError, ValueError) as exc:
+        problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise ConfigError(
+            f"config key '{section}.{key}' (from {origin}): {raw!r}: {problem}"
+        ) from None
 
 
 def _env_list(raw: str) -> list[Any]:
@@ -267,7 +288,8 @@ def _describe(error: Mapping[str, Any]) -> str:
     loc = [str(part) for part in error["loc"]]
     problem = error.get("ctx", {}).get("error")
     if isinstance(problem, _FieldProblem):
-        return f"config key {'.'.join([*loc, problem.field])!r}: {problem}"
+        field = [*loc, problem.field]
+        return f"config key {'.'.join(field)!r}{_source(field)}: {problem}"
     key = ".".join(loc)
     if error["type"] == "extra_forbidden":
         if len(loc) == 1:
@@ -298,7 +320,7 @@ def _config_error(exc: ValidationError) -> ConfigError:
 def load_settings(
     config_path: str | os.PathLike[str] | None = None,
     *,
-    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    overrides: Mapping[str, Mapping[str, Any] | str] | None = None,
     env: Mapping[str, str] | None = None,
     origins: Mapping[str, str] | None = None,
 ) -> Settings:
@@ -328,7 +350,8 @@ def load_settings(
     token = _LOADING.set(_LoadRequest(path, os.environ if env is None else env,
                                       dict(origins or {})))
     try:
-        return Settings(**{name: dict(values) for name, values in (overrides or {}).items()})
+        return Settings(**{name: values if name in SECRET_ENV else dict(values)
+                           for name, values in (overrides or {}).items()})
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:

@@ -8,6 +8,7 @@ what each key means, its default and its checks.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -60,6 +61,15 @@ class ServerSection(_Section):
     # Browser origins allowed to call the API (CORS); empty = no CORS headers at all, so a
     # page on another origin cannot read answers from a loopback server.
     cors_allow_origins: list[str] = Field(default_factory=list)
+    # The syntax of tool calls a model chooses to make: "auto" reads the one its chat
+    # template teaches (server.http.routes.tool_formats); naming one overrides it.
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = "auto"
+    # A top-level request field no endpoint knows: ignored (logged once per name, counted),
+    # as llama-server and vLLM do, or a 400 naming it (server/http/unknown_fields.py).
+    unknown_fields: Literal["ignore", "reject"] = "ignore"
+    # "auto": a model with think tags answers its thinking as reasoning_content, apart from
+    # content (server/http/routes/reasoning.py); "none": the text as the model wrote it.
+    reasoning_parser: Literal["auto", "none"] = "auto"
 
     @field_validator("cors_allow_origins")
     @classmethod
@@ -90,11 +100,80 @@ class ModelSection(_Section):
     """
 
     path: str = ""
-    served_name: str = ""
+    # The names the API answers to, the first one primary (the ``model`` of answers);
+    # empty: the default name (server.model_loader.served_names).
+    served_name: list[str] = Field(default_factory=list)
     dtype: ModelDtype = "auto"
     max_dequantized_bytes: int = Field(default=0, ge=0)
     quantized_matmul_rows: int = Field(default=16, ge=0, le=4096)
     preset: ModelPreset = "smollm2"
+    # /v1/embeddings: the mean of every prompt position's final hidden state, or the
+    # last position's (decoder embedding models such as e5-mistral read the last).
+    embedding_pooling: Literal["mean", "last"] = "mean"
+    # The chat template that renders messages, replacing the tokenizer's own: a file, or
+    # the Jinja text itself; empty: the tokenizer's (read_chat_template).
+    chat_template: str = ""
+
+    @field_validator("served_name", mode="before")
+    @classmethod
+    def _one_or_many(cls, names: object) -> object:
+        # One name may be written as a string; "" is none.
+        if isinstance(names, str):
+            return [names] if names else []
+        return names
+
+    @field_validator("served_name")
+    @classmethod
+    def _check_names(cls, names: list[str]) -> list[str]:
+        if any(not name.strip() or name != name.strip() for name in names):
+            raise ValueError(f"{names!r}: a served name is not blank and has no surrounding "
+                             "spaces")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names!r} names a model twice")
+        return names
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_template(cls, template: str) -> str:
+        # Read now, so a missing or unreadable file stops start-up before the model loads.
+        read_chat_template(template)
+        return template
+
+
+def read_chat_template(template: str) -> str:
+    """The Jinja text of ``model.chat_template``: the file it names, else the text itself.
+
+    As vLLM's ``--chat-template`` reads it: a path to a file is read; a value that is no
+    file but has template characters (``{``, ``}``, a newline) is the template; anything
+    else is a file that is not there.
+
+    Raises:
+        ValueError: A missing, unreadable or empty file.
+    """
+    if not template:
+        return ""
+    path = Path(template).expanduser()
+    if not _is_file(path):
+        if any(char in template for char in "{}\n"):
+            return template
+        raise ValueError("no such file, and no Jinja template either (one has {{ }} or "
+                         "{% %}): give the path of a template file or the template's text")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"chat template file {template!r} cannot be read: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip():
+        raise ValueError(f"chat template file {template!r} is empty")
+    return text
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False for text no file can be named (too long, a NUL)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 DEFAULT_N_BLOCKS = 16384
@@ -188,6 +267,18 @@ class LimitsSection(_Section):
     engine_stall_timeout_s: float = Field(default=120.0, gt=0)
     max_concurrent_per_client: int = Field(default=0, ge=0)  # 0 = no cap
     max_choices: int = Field(default=16, ge=1)  # n x prompts of one request
+    # The most of the pool one request (a choice group: all its n) may reserve while
+    # others wait; a larger one waits until nobody else does. 1: no cap.
+    max_pool_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    # Compiled structured-output grammars kept, by their estimated bytes ("256MiB" or a
+    # byte count); past it the least recently used go (server.engine.constraints.GrammarCache).
+    grammar_cache_bytes: str | int = "256MiB"
+
+    @field_validator("grammar_cache_bytes")
+    @classmethod
+    def _check_grammar_cache(cls, size: str | int) -> str | int:
+        parse_bytes(size)  # a ValueError says what a size looks like
+        return size
 
     @model_validator(mode="after")
     def _check_default_fits_cap(self) -> LimitsSection:
@@ -251,6 +342,20 @@ class CacheSection(_Section):
     least recently used first when admission needs the room."""
 
     prefix_caching: bool = True
+    # Whose prompts may share cached blocks: everyone's ("none"), or only those sent
+    # with the same API key ("api_key"); a request's cache_salt narrows it further.
+    isolation: Literal["none", "api_key"] = "none"
+
+
+class MetricsSection(_Section):
+    """What ``/metrics`` exports besides the ``veloxquant_*`` families.
+
+    ``vllm_names`` adds vLLM's names (``vllm:num_requests_running``, ...) for the values
+    the server measures, labelled ``model_name``, so dashboards, autoscaling rules and
+    gateways written for vLLM read this server unchanged (server.metrics.VllmNames).
+    """
+
+    vllm_names: bool = False
 
 
 class DistributedSection(_Section):
@@ -262,6 +367,6 @@ class DistributedSection(_Section):
 
 
 class CpuSection(_Section):
-    """CPU backend knobs (Linux): preload Debian's OpenBLAS under MLX."""
+    """CPU backend knobs (Linux): load OpenBLAS under MLX at start-up."""
 
     optimized_blas: bool = True

@@ -1,8 +1,15 @@
-"""ensure_optimized_blas / describe_backend: the re-exec, its no-op paths, the report line."""
+"""load_optimized_blas / describe_backend: loading in place, the fallbacks, the report line.
+
+Loading has to happen before MLX is imported, so every check that loads runs in a child
+Python (``python -c``) started from the repository; the pytest process only runs the
+checks that return before anything is loaded.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,197 +20,339 @@ import pytest
 from veloxquant_mlx import cpu_backend as cb
 from veloxquant_mlx.mlx_device import MlxBuild
 
-LIB = cb.find_optimized_blas()
-LIB_OK = LIB is not None and cb.probe_blas(LIB)
-requires_blas = pytest.mark.skipif(
-    not LIB_OK,
-    reason="no working optimized BLAS installed (run scripts/install_blas.sh as root)",
+ROOT = Path(__file__).resolve().parents[1]
+FORWARD = cb.find_sgemv_forward()
+WHEEL = cb.wheel_blas()
+SYSTEM = cb.system_blas()
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the loader is Linux-only")
+requires_wheel = pytest.mark.skipif(
+    WHEEL is None or FORWARD is None,
+    reason="needs the scipy-openblas32 wheel and the forward `pip install -e .` builds with gcc",
 )
-FORWARD = cb.find_sgemv_forward({})
-requires_forward = pytest.mark.skipif(
-    not LIB_OK or FORWARD is None,
-    reason="needs OpenBLAS and the sgemv forward that `pip install -e .` builds with gcc",
+requires_system = pytest.mark.skipif(
+    SYSTEM is None or FORWARD is None,
+    reason="needs a distribution OpenBLAS (scripts/install_blas.sh, as root) and the forward",
 )
-linux_only = pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD is Linux-only")
 
-# A `python -m` entry point like the server's: it prints a line before the re-exec (seen
-# twice when exactly one re-exec happens), then which BLAS serves MLX afterwards.
-ENTRY = textwrap.dedent(
-    """
-    import os, sys
-    print("start", flush=True)
-    from veloxquant_mlx.cpu_backend import describe_backend, ensure_optimized_blas
-    ensure_optimized_blas(sys.argv[1] == "on")
+
+def _has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _child(code: str, *, env: dict[str, str] | None = None,
+           prefix: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python from the repository (nothing loaded yet)."""
+    env = dict(cb.child_env(preload=True) if env is None else env)
+    env.pop(cb.THREAD_TIMEOUT_ENV, None)
+    env.pop("LD_PRELOAD", None)  # so that a preload seen in the child is the project's
+    return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _report(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# Loads as the server does, then has MLX multiply float32 matrices: the forward's call
+# counter shows MLX's cblas_sgemm landing in it, /proc/self/maps the library behind it.
+SERVES_MLX = """
+    import json, os, sys
+    import numpy as np
+    from veloxquant_mlx import cpu_backend as cb
+    pid = os.getpid()
+    first = cb.load_optimized_blas()
+    again = cb.load_optimized_blas()  # reports, loads nothing twice
+    import mlx.core as mx
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((1, 576), np.float32)
+    b = rng.standard_normal((1536, 576), np.float32)
+    c = rng.standard_normal((96, 576), np.float32)
+    before = cb.forward_calls()
+    one_row = np.array(mx.array(a) @ mx.array(b).T)
+    rows = np.array(mx.array(c) @ mx.array(b).T)
+    calls = cb.forward_calls() - before
+    want = lambda x: x.astype(np.float64) @ b.T.astype(np.float64)
+    print(json.dumps({
+        "loaded": str(first.path), "again": str(again.path), "forward": str(first.forward),
+        "calls": calls, "mapped": str(first.path) in open("/proc/self/maps").read(),
+        "error": max(float(np.abs(one_row - want(a)).max()), float(np.abs(rows - want(c)).max())),
+        "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+        "same_pid": os.getpid() == pid, "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "describe": cb.describe_backend("float32"),
+    }))
+"""
+
+
+@requires_wheel
+def test_the_wheel_serves_mlx_float32_matmuls_through_the_forward() -> None:
+    report = _report(_child(SERVES_MLX))
+    assert report["loaded"] == report["again"] == str(WHEEL.path)
+    assert report["forward"] == str(FORWARD)
+    assert report["calls"] >= 2 and report["mapped"]  # both products came through us
+    assert report["error"] < 1e-3
+    assert report["thread_timeout"] == cb.THREAD_TIMEOUT
+    assert report["same_pid"] and report["ld_preload"] == ""
+    assert f"BLAS: optimized (loaded {WHEEL.path}; OpenBLAS " in report["describe"]
+    assert "one-row products as sgemv" in report["describe"]
+
+
+@requires_wheel
+def test_a_thread_timeout_of_ones_own_is_kept() -> None:
+    env = dict(cb.child_env(preload=True), **{cb.THREAD_TIMEOUT_ENV: "20"})
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SERVES_MLX)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert _report(done)["thread_timeout"] == "20"
+
+
+# The server's entry point with exec replaced by a failure: start-up loads the BLAS in
+# place, in the process that printed "start".
+ENTRY = """
+    import json, os, sys
+    def no_exec(*args, **kwargs):
+        raise SystemExit("exec called")
+    for name in [n for n in dir(os) if n.startswith(("exec", "spawn"))]:
+        setattr(os, name, no_exec)
+    print("start", os.getpid(), flush=True)
+    import server.__main__ as entry
+    from veloxquant_mlx import cpu_backend as cb
+
+    def report(settings):
+        import mlx.core as mx
+        before = cb.forward_calls()
+        mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+        print(json.dumps({"pid": os.getpid(), "loaded": str(cb.active_blas().path),
+                          "calls": cb.forward_calls() - before}))
+        return 0
+
+    entry._serve = report
+    sys.exit(entry.main(["--model", "tiny"]))
+"""
+
+
+@requires_wheel
+def test_the_server_entry_point_loads_in_place_without_exec() -> None:
+    done = _child(ENTRY)
+    report = _report(done)
+    starts = [line for line in done.stdout.splitlines() if line.startswith("start")]
+    assert starts == [f"start {report['pid']}"]  # printed once, by this very process
+    assert report["loaded"] == str(WHEEL.path) and report["calls"] >= 1
+
+
+@pytest.mark.parametrize("which", ["wheel", "system", "wheel, pass-through"])
+def test_the_forward_computes_what_sgemm_computes(which: str) -> None:
+    """Every row-major one-row product the forward serves (both transposes of each
+    operand, padded leading dimensions, beta 0 over NaN and beta 2) and a three-row product
+    it passes on, called as MLX calls them, against NumPy; over each BLAS it binds."""
+    lib = SYSTEM if which == "system" else WHEEL
+    if lib is None or FORWARD is None:
+        pytest.skip(f"no {which} BLAS or no forward here")
+    env = cb.child_env(preload=True)
+    if "pass-through" in which:
+        env[cb.FORWARD_OPT_OUT_ENV] = "1"
+    code = f"from veloxquant_mlx.cpu_backend import BlasLibrary\n" \
+           f"lib = BlasLibrary({str(lib.path)!r}, {lib.prefix!r})\n" + FORWARD_CHECK
+    report = _report(_child(code, env=env))
+    assert report["loaded"] == str(lib.path)
+    assert report["ctypes"] < 1e-4 and report["mlx"] < 1e-3, report
+    assert report["routes"] == ("pass-through" not in which)
+    # The opt-out takes the codes path too (which needs AVX2 and FMA anyway).
+    assert report["codes_path"] == (report["routes"] and _has_avx2_fma())
+
+
+FORWARD_CHECK = """
+import ctypes, json
+import numpy as np
+from veloxquant_mlx import cpu_backend as cb
+active = cb.load_optimized_blas(candidates=[lib])
+g = ctypes.CDLL(None)
+f = g.cblas_sgemm
+f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+              ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+rng = np.random.default_rng(0)
+n, k, pad = 37, 53, 5
+worst = 0.0
+for m in (1, 3):
+    for ta in (111, 112):
+        for tb in (111, 112):
+            for beta in (0.0, 2.0):
+                a_shape = (m, k) if ta == 111 else (k, m)
+                b_shape = (k, n) if tb == 111 else (n, k)
+                a = rng.standard_normal((a_shape[0], a_shape[1] + pad), np.float32)
+                b = rng.standard_normal((b_shape[0], b_shape[1] + pad), np.float32)
+                c0 = (np.full((m, n), np.nan, np.float32) if beta == 0.0
+                      else rng.standard_normal((m, n), np.float32))
+                c = c0.copy()
+                op_a = a[:, : a_shape[1]] if ta == 111 else a[:, : a_shape[1]].T
+                op_b = b[:, : b_shape[1]] if tb == 111 else b[:, : b_shape[1]].T
+                f(101, ta, tb, m, n, k, 0.5, a.ctypes.data, a.shape[1], b.ctypes.data,
+                  b.shape[1], beta, c.ctypes.data, n)
+                want = 0.5 * (op_a.astype(np.float64) @ op_b)
+                if beta:
+                    want += beta * c0
+                worst = max(worst, float(np.abs(c - want).max()))
+import mlx.core as mx
+x = rng.standard_normal((1, 576), np.float32)
+w = rng.standard_normal((1536, 576), np.float32)
+got = np.array(mx.array(x) @ mx.array(w).T)
+from veloxquant_mlx.quant_weights import quant_library
+print(json.dumps({"loaded": str(active.path), "routes": active.routes, "ctypes": worst,
+                  "mlx": float(np.abs(got - x.astype(np.float64) @ w.T.astype(np.float64)).max()),
+                  "codes_path": quant_library() is not None}))
+"""
+
+# Loads from the libraries named on its command line (or a distribution OpenBLAS looked
+# for where ``--system`` says); prints what serves MLX afterwards.
+FALLBACK = """
+    import json, sys
+    from pathlib import Path
+    from veloxquant_mlx import cpu_backend as cb
+    if sys.argv[1] == "--system":
+        candidates = [cb.system_blas([sys.argv[2]])]
+    else:
+        candidates = [cb.BlasLibrary(Path(p)) for p in sys.argv[1:]]
+    loaded = cb.load_optimized_blas(candidates=candidates)
     import mlx.core as mx
     mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
-    maps = open("/proc/self/maps").read()
-    print("argv", sys.argv[1:])
-    print("marker", os.environ.get("VELOXQUANT_BLAS_PRELOADED", ""))
-    print("mapped", os.environ.get("LIB_UNDER_TEST", "?") in maps)
-    print("describe", describe_backend("float32"))
-    """
-)
+    print(json.dumps({"loaded": loaded is not None, "describe": cb.describe_backend()}))
+"""
 
 
-def _run_entry(tmp_path: Path, mode: str, env: dict[str, str]) -> list[str]:
-    (tmp_path / "blas_entry").mkdir(exist_ok=True)
-    (tmp_path / "blas_entry" / "__main__.py").write_text(ENTRY)
-    env = dict(env, LIB_UNDER_TEST=str(LIB))
-    done = subprocess.run(
-        [sys.executable, "-m", "blas_entry", mode, "--flag"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True,
-    )
-    return done.stdout.splitlines()
+def _fallback(args: list[str], prefix: list[str] | None = None) -> tuple[dict, str]:
+    """Run FALLBACK with ``args``: its report and its stderr."""
+    done = subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(FALLBACK),
+                           *args], cwd=ROOT, env=cb.child_env(preload=True),
+                          capture_output=True, text=True, timeout=120)
+    return _report(done), done.stderr
 
 
-def _clean_env() -> dict[str, str]:
-    """The environment of a user who set nothing: no preload, no marker, no opt-out."""
-    env = cb.child_env(preload=False)
-    env.pop(cb.OPT_OUT_ENV, None)
-    return env
-
-
-@requires_blas
-def test_reexec_once_with_preload_keeps_dash_m_and_args(tmp_path: Path) -> None:
-    out = _run_entry(tmp_path, "on", _clean_env())
-    assert out.count("start") == 2, out  # exactly one re-exec
-    assert "argv ['on', '--flag']" in out
-    assert f"marker {LIB}" in out
-    assert "mapped True" in out
-    describe = next(line for line in out if line.startswith("describe"))
-    assert f"preloaded {LIB}" in describe and "dtype float32" in describe
-    assert ("one-row products as sgemv" in describe) == (FORWARD is not None)
-
-
-@requires_blas
-def test_disabled_does_not_preload(tmp_path: Path) -> None:
-    out = _run_entry(tmp_path, "off", _clean_env())
-    assert out.count("start") == 1
-    assert "mapped False" in out
-    describe = next(line for line in out if line.startswith("describe"))
-    assert "bundled reference BLAS" in describe and "mlx_cpu.libs" in describe
-
-
-@requires_blas
-def test_env_opt_out_does_not_preload(tmp_path: Path) -> None:
-    out = _run_entry(tmp_path, "on", dict(_clean_env(), VELOXQUANT_NO_BLAS_PRELOAD="1"))
-    assert out.count("start") == 1
-    assert "mapped False" in out
+def _without_file_permission_override() -> list[str] | None:
+    """A command prefix under which file permissions bind this process (root included)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    return None if setpriv is None else [setpriv, "--bounding-set",
+                                         "-dac_override,-dac_read_search"]
 
 
 @linux_only
-def test_probe_rejects_what_is_not_a_working_blas(tmp_path: Path) -> None:
-    assert not cb.probe_blas(tmp_path / "missing.so")
+def test_an_unreadable_blas_falls_back_with_one_warning(tmp_path: Path) -> None:
+    """The library's folder may not be searched: the bundled BLAS serves, one line says why."""
+    prefix = _without_file_permission_override()
+    if prefix is None:
+        pytest.skip("root without setpriv: file permissions cannot bind here")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if SYSTEM is not None:
+        shutil.copy(SYSTEM.path, locked / "libblas.so.3")
+    locked.chmod(0)
+    try:
+        report, stderr = _fallback(["--system", str(locked / "libblas.so.3")], prefix)
+    finally:
+        locked.chmod(0o700)
+    assert report["loaded"] is False
+    assert "bundled reference BLAS" in report["describe"]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "optimized BLAS not loaded" in lines[0] and "Permission denied" in lines[0]
+
+
+@linux_only
+def test_a_broken_blas_falls_back_with_one_warning(tmp_path: Path) -> None:
+    """Not a library, and a library without sgemm: both named on one line, no traceback."""
+    garbage = tmp_path / "libblas.so.3"
+    garbage.write_bytes(b"not an ELF file\n" * 64)
     libm = next(p for p in (Path("/lib/x86_64-linux-gnu/libm.so.6"), Path("/lib64/libm.so.6"),
                             Path("/usr/lib/libm.so.6"), Path("/lib/aarch64-linux-gnu/libm.so.6"))
                 if p.exists())
-    assert not cb.probe_blas(libm)  # loads fine, but has no cblas_sgemm
+    report, stderr = _fallback([str(garbage), str(libm)])
+    assert report["loaded"] is False and "bundled reference BLAS" in report["describe"]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert str(garbage) in lines[0] and str(libm) in lines[0]
 
 
-class _ExecCalled(Exception):
-    pass
+# A BLAS built for another CPU: its sgemm dies with an illegal instruction.
+TRAPPING_BLAS = """
+void cblas_sgemm(void) { __builtin_trap(); }
+void cblas_sgemv(void) { __builtin_trap(); }
+"""
 
 
-@pytest.fixture
-def fake_execve(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    """Record os.execve calls instead of replacing the test process."""
-    calls: list[tuple] = []
-
-    def record(path: str, argv: list[str], env: dict[str, str]) -> None:
-        calls.append((path, argv, env))
-        raise _ExecCalled
-
-    monkeypatch.setattr(cb.os, "execve", record)
-    monkeypatch.delenv(cb.OPT_OUT_ENV, raising=False)
-    monkeypatch.delenv(cb.MARKER_ENV, raising=False)
-    monkeypatch.delenv(cb.THREAD_TIMEOUT_ENV, raising=False)
-    return calls
-
-
-@requires_blas
-def test_execve_gets_orig_argv_preload_and_marker(fake_execve: list[tuple],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    if cb.active_blas().preloaded:
-        pytest.skip("this test process already runs with a preloaded BLAS")
-    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "server", "--port", "9"])
-    with pytest.raises(_ExecCalled):
-        cb.ensure_optimized_blas(True)
-    (path, argv, env), = fake_execve
-    assert path == sys.executable
-    assert argv == [sys.executable, "-m", "server", "--port", "9"]
-    assert env["LD_PRELOAD"].split(":")[:2] == [str(p) for p in cb.preload_list(LIB)]
-    assert env[cb.MARKER_ENV] == str(LIB)
-    assert env[cb.THREAD_TIMEOUT_ENV] == cb.THREAD_TIMEOUT
+@linux_only
+def test_a_blas_that_crashes_is_caught_by_the_probe(tmp_path: Path) -> None:
+    """The check runs in a child: the crash ends the child, never the loading process."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc to build the crashing library")
+    source, lib = tmp_path / "trap.c", tmp_path / "libblas.so.3"
+    source.write_text(TRAPPING_BLAS)
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    report, stderr = _fallback([str(lib)])
+    assert report["loaded"] is False and "bundled reference BLAS" in report["describe"]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "died with signal" in lines[0] and str(lib) in lines[0], stderr
 
 
-def test_no_library_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cb, "find_optimized_blas", lambda: None)
-    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
-    cb.ensure_optimized_blas(True)
-    assert fake_execve == []
+@requires_wheel
+def test_after_mlx_is_imported_nothing_loads_and_one_line_says_why() -> None:
+    done = _child("""
+        import mlx.core
+        from veloxquant_mlx import cpu_backend as cb
+        print(cb.load_optimized_blas() is None, cb.active_blas().loaded)
+    """)
+    assert done.stdout.split() == ["True", "False"], done.stderr
+    assert "MLX is already imported" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_marker_prevents_a_second_reexec(fake_execve: list[tuple],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The preload may not take (e.g. ld.so rejects it): the marker alone stops a loop.
-    monkeypatch.setenv(cb.MARKER_ENV, "/some/lib.so")
-    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
-    cb.ensure_optimized_blas(True)
-    assert fake_execve == []
+@requires_wheel
+@pytest.mark.parametrize("how", ["env", "setting"])
+def test_the_opt_outs_leave_mlx_on_its_bundled_blas(how: str) -> None:
+    env = cb.child_env(preload=how != "env")
+    done = _child(f"""
+        from veloxquant_mlx import cpu_backend as cb
+        print(cb.load_optimized_blas({how != "setting"}))
+        import mlx.core as mx
+        mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
+        print(cb.describe_backend())
+    """, env=env)
+    first, describe = done.stdout.strip().splitlines()
+    assert first == "None" and "bundled reference BLAS" in describe, done.stderr
+    assert str(WHEEL.path) not in describe
 
 
-def test_non_linux_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nothing_loads_for_a_gpu_or_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLX's CUDA build runs matmuls on cuBLAS; macOS on Metal or Accelerate.
+    monkeypatch.setattr(cb, "gpu_expected", lambda: True)
+    assert cb.load_optimized_blas(True) is None
+    monkeypatch.setattr(cb, "gpu_expected", lambda: False)
     monkeypatch.setattr(cb.sys, "platform", "darwin")
-    cb.ensure_optimized_blas(True)
-    assert fake_execve == []
-    assert cb.find_optimized_blas() is None
+    assert cb.load_optimized_blas(True) is None
+    assert cb.find_optimized_blas() is None and cb.find_sgemv_forward() is None
 
 
-def test_failing_probe_is_a_noop(fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
-    # A BLAS built for another CPU (SIGILL) must never become the server's process image.
-    monkeypatch.setattr(cb, "find_optimized_blas", lambda: Path("/opt/bad/libblas.so.3"))
-    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
-    monkeypatch.setattr(cb, "probe_blas", lambda path, forward=None: False)
-    cb.ensure_optimized_blas(True)
-    assert fake_execve == []
+def test_the_wheel_is_tried_first_and_only_with_the_forward() -> None:
+    if sys.platform != "linux":
+        pytest.skip("the loader is Linux-only")
+    with_forward = cb.blas_candidates(with_forward=True)
+    without = cb.blas_candidates(with_forward=False)
+    assert all(lib.prefix == "" for lib in without)  # prefixed names need the forward
+    if WHEEL is not None:
+        assert with_forward[0] == WHEEL and WHEEL.symbol("cblas_sgemm") == "scipy_cblas_sgemm"
+    if SYSTEM is not None:
+        assert with_forward[-1] == without[0] == SYSTEM
 
 
-def test_child_env_adds_and_strips_the_preload(monkeypatch: pytest.MonkeyPatch) -> None:
-    lib = Path("/usr/lib/x/openblas-pthread/libblas.so.3")
-    monkeypatch.setattr(cb, "find_optimized_blas", lambda: lib)
-    monkeypatch.setattr(cb, "find_sgemv_forward", lambda env=None: None)
-    base = {"LD_PRELOAD": f"/other.so:{lib}", cb.OPT_OUT_ENV: "1", "KEEP": "k"}
+def test_child_env_only_sets_or_clears_the_opt_out() -> None:
+    base = {cb.OPT_OUT_ENV: "1", "KEEP": "k", "LD_PRELOAD": "/other.so"}
     on = cb.child_env(preload=True, base=base)
-    assert on["LD_PRELOAD"] == f"{lib}:/other.so"
-    assert on[cb.MARKER_ENV] == str(lib) and cb.OPT_OUT_ENV not in on and on["KEEP"] == "k"
-    assert on[cb.THREAD_TIMEOUT_ENV] == cb.THREAD_TIMEOUT
-    chosen = cb.child_env(preload=True, base={cb.THREAD_TIMEOUT_ENV: "20"})
-    assert chosen[cb.THREAD_TIMEOUT_ENV] == "20"  # a user's own choice wins
-    off = cb.child_env(preload=False, base={**base, cb.MARKER_ENV: str(lib)})
-    assert off["LD_PRELOAD"] == "/other.so"
-    assert off[cb.OPT_OUT_ENV] == "1" and cb.MARKER_ENV not in off
-    assert "LD_PRELOAD" not in cb.child_env(preload=False, base={"LD_PRELOAD": str(lib)})
-
-
-def _reexec_ready(monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
-    """Everything a re-exec needs, with MLX's build on a GPU or not as ``gpu`` says."""
-    monkeypatch.setattr(cb, "find_optimized_blas", lambda: Path("/opt/ok/libblas.so.3"))
-    monkeypatch.setattr(cb, "_global_symbol_path", lambda name: None)
-    monkeypatch.setattr(cb, "probe_blas", lambda path, forward=None: True)
-    monkeypatch.setattr(cb, "gpu_expected", lambda: gpu)
-    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "server"])
-
-
-def test_gpu_build_skips_the_reexec(fake_execve: list[tuple],
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # MLX's CUDA build: matmuls run on cuBLAS, so OpenBLAS would only cost a restart.
-    _reexec_ready(monkeypatch, gpu=True)
-    cb.ensure_optimized_blas(True)
-    assert fake_execve == []
-    _reexec_ready(monkeypatch, gpu=False)  # the same process on the CPU build does re-exec
-    with pytest.raises(_ExecCalled):
-        cb.ensure_optimized_blas(True)
-    assert len(fake_execve) == 1
+    assert on == {"KEEP": "k", "LD_PRELOAD": "/other.so"}
+    off = cb.child_env(preload=False, base={"KEEP": "k"})
+    assert off == {"KEEP": "k", cb.OPT_OUT_ENV: "1"}
 
 
 def test_describe_backend_names_the_cpu_and_its_blas() -> None:
@@ -218,7 +367,7 @@ def test_describe_backend_names_the_cpu_and_its_blas() -> None:
     name = mx.device_info(mx.cpu).get("device_name")
     assert line.startswith(f"MLX {mx.__version__} on cpu ({name}); " if name else
                            f"MLX {mx.__version__} on cpu; ")
-    assert ("BLAS: optimized (preloaded " in line) == cb.active_blas().preloaded
+    assert ("BLAS: optimized (loaded " in line) == cb.active_blas().loaded
 
 
 def test_describe_backend_says_how_to_unshadow_the_cuda_build(
@@ -232,92 +381,3 @@ def test_describe_backend_says_how_to_unshadow_the_cuda_build(
     line = cb.describe_backend()
     assert ("mlx-cuda-13 is installed but mlx-cpu's libmlx.so replaced its own; for the GPU "
             f"run: pip install --force-reinstall --no-deps mlx-cuda-13=={mx.__version__}") in line
-
-
-def test_child_env_puts_the_forward_first_unless_opted_out(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    lib, fwd = Path("/usr/lib/x/libblas.so.3"), Path("/src/veloxquant_mlx/_sgemv_forward.so")
-    monkeypatch.setattr(cb, "find_optimized_blas", lambda: lib)
-    monkeypatch.setattr(cb, "find_sgemv_forward",
-                        lambda env=None: None if (env or {}).get(cb.FORWARD_OPT_OUT_ENV) else fwd)
-    on = cb.child_env(preload=True, base={"LD_PRELOAD": "/other.so"})
-    assert on["LD_PRELOAD"] == f"{fwd}:{lib}:/other.so" and on[cb.MARKER_ENV] == str(lib)
-    alone = cb.child_env(preload=True, base={cb.FORWARD_OPT_OUT_ENV: "1"})
-    assert alone["LD_PRELOAD"] == str(lib)
-    off = cb.child_env(preload=False, base=on)
-    assert off["LD_PRELOAD"] == "/other.so"
-
-
-def test_a_failing_forward_falls_back_to_openblas_alone(
-        fake_execve: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
-    _reexec_ready(monkeypatch, gpu=False)
-    fwd = Path("/src/veloxquant_mlx/_sgemv_forward.so")
-    monkeypatch.setattr(cb, "find_sgemv_forward",
-                        lambda env=None: None if (env or os.environ).get(cb.FORWARD_OPT_OUT_ENV)
-                        else fwd)
-    monkeypatch.setattr(cb, "probe_blas", lambda path, forward=None: forward is None)
-    with pytest.raises(_ExecCalled):
-        cb.ensure_optimized_blas(True)
-    (_, _, env), = fake_execve
-    assert env["LD_PRELOAD"] == "/opt/ok/libblas.so.3"
-    assert env[cb.FORWARD_OPT_OUT_ENV] == "1"
-
-
-# In a child with the preload: every row-major one-row product the forward serves (both
-# transposes of each operand, padded leading dimensions, beta 0 over NaN and beta 2), a
-# three-row product it passes on, and MLX's own one-row matmul, all against NumPy.
-FORWARD_CHECK = textwrap.dedent(
-    """
-    import ctypes
-    import numpy as np
-    g = ctypes.CDLL(None)
-    f = g.cblas_sgemm
-    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
-                  ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    rng = np.random.default_rng(0)
-    n, k, pad = 37, 53, 5
-    worst = 0.0
-    for m in (1, 3):
-        for ta in (111, 112):
-            for tb in (111, 112):
-                for beta in (0.0, 2.0):
-                    a_shape = (m, k) if ta == 111 else (k, m)
-                    b_shape = (k, n) if tb == 111 else (n, k)
-                    a = rng.standard_normal((a_shape[0], a_shape[1] + pad), np.float32)
-                    b = rng.standard_normal((b_shape[0], b_shape[1] + pad), np.float32)
-                    c0 = (np.full((m, n), np.nan, np.float32) if beta == 0.0
-                          else rng.standard_normal((m, n), np.float32))
-                    c = c0.copy()
-                    op_a = a[:, : a_shape[1]] if ta == 111 else a[:, : a_shape[1]].T
-                    op_b = b[:, : b_shape[1]] if tb == 111 else b[:, : b_shape[1]].T
-                    f(101, ta, tb, m, n, k, 0.5, a.ctypes.data, a.shape[1], b.ctypes.data,
-                      b.shape[1], beta, c.ctypes.data, n)
-                    want = 0.5 * (op_a.astype(np.float64) @ op_b)
-                    if beta:
-                        want += beta * c0
-                    worst = max(worst, float(np.abs(c - want).max()))
-    print("ctypes", worst)
-    import mlx.core as mx
-    x = rng.standard_normal((1, 576), np.float32)
-    w = rng.standard_normal((1536, 576), np.float32)
-    got = np.array(mx.array(x) @ mx.array(w).T)
-    print("mlx", float(np.abs(got - x.astype(np.float64) @ w.T.astype(np.float64)).max()))
-    from veloxquant_mlx.cpu_backend import active_blas
-    print("active", active_blas())
-    """
-)
-
-
-@requires_forward
-def test_sgemv_forward_computes_what_sgemm_computes() -> None:
-    env = cb.child_env(preload=True, base=dict(os.environ))
-    env.pop(cb.FORWARD_OPT_OUT_ENV, None)
-    env["LD_PRELOAD"] = f"{FORWARD}:{LIB}"
-    done = subprocess.run([sys.executable, "-c", FORWARD_CHECK], env=env, capture_output=True,
-                          text=True, timeout=120, check=True)
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    assert float(lines["ctypes"]) < 1e-4, done.stdout
-    assert float(lines["mlx"]) < 1e-3, done.stdout
-    assert f"forward=PosixPath('{FORWARD}')" in lines["active"]
-    assert f"path=PosixPath('{LIB}')" in lines["active"]  # the BLAS behind it is named
-    assert cb.probe_blas(LIB, forward=FORWARD)

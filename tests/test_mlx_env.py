@@ -46,25 +46,25 @@ def test_the_module_imports_no_mlx() -> None:
     assert out.strip() == "[]"
 
 
-def _main_until_the_reexec(monkeypatch: pytest.MonkeyPatch) -> dict[str, str | None]:
-    """Run the entry point's main, recording MLX's settings when the BLAS re-exec is asked."""
+def _main_until_the_blas(monkeypatch: pytest.MonkeyPatch) -> dict[str, str | None]:
+    """Run the entry point's main, recording MLX's settings when the BLAS is loaded."""
     seen: dict[str, str | None] = {}
 
     def record(enabled: bool) -> None:
         seen.update({name: os.environ.get(name) for name in MLX_ENV_DEFAULTS})
 
-    monkeypatch.setattr(entry, "ensure_optimized_blas", record)
+    monkeypatch.setattr(entry, "load_optimized_blas", record)
     monkeypatch.setattr(entry, "_serve", lambda settings: 0)
     assert entry.main(["--model", "tiny"]) == 0
     return seen
 
 
-def test_the_entry_point_sets_them_before_the_reexec(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_entry_point_sets_them_before_the_blas_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CHECK, "unset by the test")  # so that monkeypatch restores "absent"
     monkeypatch.delenv(CHECK)
-    assert _main_until_the_reexec(monkeypatch) == MLX_ENV_DEFAULTS
+    assert _main_until_the_blas(monkeypatch) == MLX_ENV_DEFAULTS
     monkeypatch.setenv(CHECK, "1")
-    assert _main_until_the_reexec(monkeypatch) == {CHECK: "1"}
+    assert _main_until_the_blas(monkeypatch) == {CHECK: "1"}
 
 
 # A child process: the real engine (model loaded as the server loads it, bfloat16 on a GPU)

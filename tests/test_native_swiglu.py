@@ -1,6 +1,6 @@
 """The C SwiGLU of prompt chunks (veloxquant_mlx/swiglu.c, veloxquant_mlx/native_swiglu.py).
 
-Checked in a child with the BLAS forward preloaded (only there is the kernel loaded):
+Checked in a child that loads the BLAS forward first (only there is the kernel loaded):
 against float64 ``g * sigmoid(g) * u`` over the whole float32 range a gate takes, and
 inside the tiny model, where prompt calls go through it and one-position calls do not.
 """

@@ -1,6 +1,6 @@
 """Quantized copies (veloxquant_mlx/quant_matmul.c, quant_weights.py) inside MLX's matmuls.
 
-Each check runs in a child with the BLAS forward preloaded, as the server runs. The
+Each check runs in a child that loads the BLAS forward first, as the server does. The
 kernel's result is compared with a NumPy float64 emulation of what it promises (x rounded
 to int8 per group of 32, the weights' own codes, scales and biases, one of each per 16, 32
 or more columns): that pins down the code layout, the per-group scales and the bias term
@@ -31,10 +31,11 @@ def _has_avx2_fma() -> bool:
 
 
 LIB = cb.find_optimized_blas()
-FORWARD = cb.find_sgemv_forward({})
+FORWARD = cb.find_sgemv_forward()
 pytestmark = pytest.mark.skipif(
     LIB is None or FORWARD is None or not _has_avx2_fma(),
-    reason="needs OpenBLAS, the BLAS forward that `pip install -e .` builds, and AVX2+FMA",
+    reason="needs OpenBLAS (scipy-openblas32 or a distribution's), the BLAS forward that "
+    "`pip install -e .` builds, and AVX2+FMA",
 )
 
 EMULATE = textwrap.dedent(
@@ -81,7 +82,7 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
                                               QuantizedParts, quant_library)
 
     lib = quant_library()
-    assert lib is not None, "the forward is not preloaded"
+    assert lib is not None, "the forward is not loaded"
     rng = np.random.default_rng(7)
     report = {"cases": []}
     from veloxquant_mlx.quant_weights import widen_to_8_bits
@@ -166,15 +167,14 @@ KERNEL_CHECK = EMULATE + textwrap.dedent(
 
 
 def _run_child(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    """Run ``script`` with the forward preloaded (``env`` added); its last line's JSON."""
+    """Run ``script`` after loading the forward (``env`` added); its last line's JSON."""
     extra = env or {}
     env = cb.child_env(preload=True, base=dict(os.environ))
     env.update(extra)
     env.pop(cb.FORWARD_OPT_OUT_ENV, None)
-    env["LD_PRELOAD"] = f"{FORWARD}:{LIB}"
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", cb.LOAD_FIRST + script, *args], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -186,7 +186,7 @@ def kernel_report() -> dict:
 
 # A widened 5-bit layer's products against the exact float64 ones (relative to the largest):
 # 0.004-0.006 with the bias term on x as rounded; 0.064-0.068 with it on the exact sums
-# (the kernel before 6f676de, the same NumPy emulation).
+# (measured in the same NumPy emulation).
 WIDENED_LIMIT = 1.5e-2
 
 

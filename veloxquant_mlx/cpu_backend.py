@@ -6,63 +6,75 @@ few GFLOP/s; the same call into OpenBLAS runs ~30x faster. float16/bfloat16 matm
 go through BLAS at all, so they gain nothing.
 
 ``libmlx.so`` is loaded by Python with ``RTLD_LOCAL``, so its ``cblas_sgemm`` resolves from
-the global scope first (the main program and ``LD_PRELOAD`` objects) and from its own
-bundled dependency only when nothing global provides the symbol. ``LD_PRELOAD`` is read
-once, by the dynamic loader, at process start; hence :func:`ensure_optimized_blas`
-re-executes the current process once with it set::
+the global scope first (the main program and every library loaded with ``RTLD_GLOBAL``
+before it) and from its own bundled dependency only when nothing global provides the
+symbol. :func:`load_optimized_blas` therefore loads, in this process and before anything
+imports MLX::
 
-    python -m server ...                 (bundled BLAS, nothing imported yet)
-      └─ ensure_optimized_blas(True)
-           └─ os.execve(python -m server ..., LD_PRELOAD=<openblas>:...,
-                        VELOXQUANT_BLAS_PRELOADED=<openblas>)
-                └─ ensure_optimized_blas(True) -> marker set: no-op, carry on
+    1. the BLAS, privately: the ``scipy-openblas32`` wheel's OpenBLAS (a dependency on
+       Linux; no root needed), else a distribution's OpenBLAS (scripts/install_blas.sh)
+    2. veloxquant_mlx/_sgemv_forward*.so, handed the BLAS's sgemm and sgemv by address
+       (vq_blas_bind), then made global: MLX's ``cblas_sgemm`` lands in it
+    3. the BLAS made global too (a distribution's also serves MLX's cblas_dgemm/cgemm)
 
-Ahead of OpenBLAS the preload puts ``veloxquant_mlx/_sgemv_forward*.so`` when the install
-built it (``setup.py``; source ``sgemv_forward.c``): it defines ``cblas_sgemm``, serves the
-one-row products of single-stream decode with OpenBLAS's ``cblas_sgemv`` (which reads the
-weights about twice as fast as sgemm does for one row) and forwards every other call::
+The forward (``setup.py`` builds it from ``sgemv_forward.c``) is what makes the wheel
+usable at all: the wheel exports its BLAS as ``scipy_cblas_sgemm``, a name MLX never asks
+for. In front of either BLAS it also serves the one-row products of single-stream decode
+with ``sgemv`` (which reads the weights about twice as fast as sgemm does for one row) and
+products against registered quantized weights (``quant_matmul.c``). Without the forward
+(no compiler at install time) only a distribution's OpenBLAS, which exports the plain
+names, can serve MLX.
 
-    LD_PRELOAD=<veloxquant_mlx/_sgemv_forward...so>:<openblas>
+Before loading a candidate in this process, a child process loads it the same way and
+checks a few sgemms: a library built for another CPU dies there (SIGILL), not in the
+server. Any failure leaves MLX on its bundled BLAS and logs one warning line.
 
-On a GPU the re-exec is skipped: matmuls run on cuBLAS or Metal there, so a preload would
-buy nothing and cost a probe and a restart. macOS means Metal; on Linux, MLX's CUDA build
-is recognised without importing MLX (:func:`veloxquant_mlx.mlx_device.mlx_build`). MLX
-reads no environment variable that moves its default device to the CPU (the CUDA build's
-``gpu::is_available()`` is hard-wired true), so there is no MLX override to honour here.
+On a GPU nothing is loaded: matmuls run on cuBLAS or Metal there. macOS means Metal; on
+Linux, MLX's CUDA build is recognised without importing MLX
+(:func:`veloxquant_mlx.mlx_device.mlx_build`).
 
 Process-level environment variables (the only environment this module reads; they govern
-the process image, not server configuration):
+the process, not server configuration):
 
-* ``VELOXQUANT_NO_BLAS_PRELOAD=1`` -- never re-exec (same as ``enabled=False``).
-* ``VELOXQUANT_NO_SGEMV_FORWARD=1`` -- preload OpenBLAS alone, without the one-row forward
-  (for measuring what it buys).
-* ``VELOXQUANT_BLAS_PRELOADED`` -- set on the re-executed process; prevents a second re-exec
-  even when the preload did not take.
-* ``OPENBLAS_THREAD_TIMEOUT`` -- set to 4 on the re-executed process unless already set.
-  OpenBLAS's idle worker threads otherwise busy-wait for 2**28 cycles (~0.1 s) after every
-  call; between the many small matmuls of a decode step they steal the core MLX needs (on
-  2 cores, decode ran ~15-50% slower with the default).
+* ``VELOXQUANT_NO_BLAS_PRELOAD=1`` -- load no optimized BLAS (same as ``enabled=False``).
+* ``VELOXQUANT_NO_SGEMV_FORWARD=1`` -- the forward only passes calls on to the BLAS: no
+  one-row sgemv, no products from quantized codes, no prompt kernels (for measuring what
+  they buy).
+* ``OPENBLAS_THREAD_TIMEOUT`` -- set to 4 before OpenBLAS loads (it reads it then) unless
+  already set. OpenBLAS's idle worker threads otherwise busy-wait for 2**28 cycles
+  (~0.1 s) after every call; between the many small matmuls of a decode step they steal
+  the core MLX needs (on 2 cores, decode ran ~15-50% slower with the default).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import logging
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from veloxquant_mlx.mlx_device import describe_device, gpu_expected, mlx_build
 
+log = logging.getLogger(__name__)
+
 OPT_OUT_ENV = "VELOXQUANT_NO_BLAS_PRELOAD"
 FORWARD_OPT_OUT_ENV = "VELOXQUANT_NO_SGEMV_FORWARD"
 FORWARD_STEM = "_sgemv_forward"
-MARKER_ENV = "VELOXQUANT_BLAS_PRELOADED"
 # log2 of the cycles an idle OpenBLAS thread spins before sleeping (OpenBLAS's minimum).
 THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 THREAD_TIMEOUT = "4"
+# The PyPI wheel of OpenBLAS with 32-bit integers, every symbol prefixed with "scipy_".
+WHEEL_MODULE = "scipy_openblas32"
+WHEEL_PREFIX = "scipy_"
+# First lines of a child Python that runs MLX on the optimized BLAS, as the server does
+# (``child_env`` decides whether it loads anything).
+LOAD_FIRST = "from veloxquant_mlx.cpu_backend import load_optimized_blas\nload_optimized_blas()\n"
 
 # Distribution OpenBLAS builds, best first. Debian's ``libblas.so.3`` under
 # ``openblas-pthread`` is OpenBLAS exporting the plain BLAS/CBLAS names MLX calls.
@@ -75,24 +87,32 @@ _CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
-# Runs in a child with the candidate preloaded: a 64x64 sgemm and one-row products (what
-# the sgemv forward serves, both ways round) through the global ``cblas_sgemm``. A library
-# built for another CPU dies here (SIGILL), not in the server.
+# Runs in the probe child: loads a candidate as the parent would, then checks it (see
+# _probe_child). ``-I -S`` keeps user site-packages and PYTHONPATH out of the probe.
 _PROBE = """
-import ctypes, sys
-g = ctypes.CDLL(None)
-n = 64
-a = (ctypes.c_float * (n * n))(*([1.0] * (n * n)))
-f = g.cblas_sgemm
-f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
-              ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-ok = True
-for m, trans_b in ((n, 111), (1, 111), (1, 112)):
-    c = (ctypes.c_float * (n * n))(*([float("nan")] * (n * n)))
-    f(101, 111, trans_b, m, n, n, 1.0, a, n, a, n, 0.0, c, n)
-    ok = ok and all(v == n for v in c[: m * n])
-sys.exit(0 if ok else 3)
+import sys
+sys.path.insert(0, sys.argv[1])
+from veloxquant_mlx.cpu_backend import _probe_child
+sys.exit(_probe_child(sys.argv[2:]))
 """
+
+
+@dataclass(frozen=True, slots=True)
+class BlasLibrary:
+    """An optimized BLAS to load under MLX.
+
+    Attributes:
+        path: The shared library.
+        prefix: What its CBLAS names start with: ``"scipy_"`` for the wheel's, ``""`` for a
+            distribution's (``cblas_sgemm``).
+    """
+
+    path: Path
+    prefix: str = ""
+
+    def symbol(self, name: str) -> str:
+        """This library's name for the CBLAS function ``name`` (e.g. ``cblas_sgemm``)."""
+        return self.prefix + name
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,20 +120,23 @@ class ActiveBlas:
     """The BLAS that MLX's ``cblas_sgemm`` calls resolve to in this process.
 
     Attributes:
-        path: The BLAS library serving ``cblas_sgemm`` (behind the sgemv forward when that
-            is preloaded), or None when none is loaded yet.
-        preloaded: True when it comes from the global scope (``LD_PRELOAD``), i.e. it
-            overrides the copy bundled with MLX.
+        path: The BLAS library serving ``cblas_sgemm`` (behind the forward when that is in
+            front), or None when none is loaded yet.
+        loaded: True when it comes from the global scope (:func:`load_optimized_blas`),
+            i.e. it overrides the copy bundled with MLX.
         config: OpenBLAS's ``openblas_get_config()`` string when available.
         threads: OpenBLAS's thread count when available.
-        forward: The preloaded one-row sgemv forward, when it is in front.
+        forward: The forward library in front of it, when there is one.
+        routes: Whether the forward serves one-row products and quantized codes itself
+            (False under ``VELOXQUANT_NO_SGEMV_FORWARD``: it only passes calls on).
     """
 
     path: Path | None
-    preloaded: bool
+    loaded: bool
     config: str | None = None
     threads: int | None = None
     forward: Path | None = None
+    routes: bool = False
 
 
 class _DlInfo(ctypes.Structure):
@@ -125,68 +148,232 @@ class _DlInfo(ctypes.Structure):
     ]
 
 
-def find_optimized_blas() -> Path | None:
-    """Return the first installed optimized BLAS that MLX could use, without probing it.
+def wheel_blas() -> BlasLibrary | None:
+    """The ``scipy-openblas32`` wheel's OpenBLAS, found without importing the wheel.
+
+    Importing ``scipy_openblas32`` loads its library as a side effect; this only looks.
 
     Returns:
-        The library path, or None on non-Linux systems or when none is installed
-        (``scripts/install_blas.sh`` installs Debian's OpenBLAS).
+        The library, or None when the wheel is not installed (one this user may not read
+        is returned: loading it says why it cannot be used).
     """
-    if sys.platform != "linux":
+    try:
+        spec = importlib.util.find_spec(WHEEL_MODULE)
+    except (ImportError, ValueError):
         return None
-    triplet = f"{platform.machine()}-linux-gnu"
-    for pattern in _CANDIDATES:
-        path = Path(pattern.format(triplet=triplet))
-        if path.exists():
-            return path
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        try:
+            found = sorted((Path(folder) / "lib").glob("libscipy_openblas*.so*"))
+        except OSError:
+            continue
+        if found:
+            return BlasLibrary(found[0], WHEEL_PREFIX)
     return None
 
 
-def find_sgemv_forward(env: dict[str, str] | None = None) -> Path | None:
-    """Return the built one-row sgemv forward (see the module docstring), if any.
+def system_blas(patterns: Sequence[str] = _CANDIDATES) -> BlasLibrary | None:
+    """The first distribution OpenBLAS there (``scripts/install_blas.sh`` installs one).
 
     Args:
-        env: The environment whose ``VELOXQUANT_NO_SGEMV_FORWARD`` counts; defaults to
-            ``os.environ``.
+        patterns: Where to look, best first; ``{triplet}`` is e.g. ``x86_64-linux-gnu``.
 
     Returns:
-        ``veloxquant_mlx/_sgemv_forward*.so``; None off Linux, when the install did not
-        build it, or when the environment opts out.
+        The library, or None when none is installed. One this user may not read (or may
+        not even look for) is returned too: loading it then says why it cannot be used.
     """
-    env = os.environ if env is None else env
-    if sys.platform != "linux" or env.get(FORWARD_OPT_OUT_ENV, "") not in ("", "0"):
+    triplet = f"{platform.machine()}-linux-gnu"
+    for pattern in patterns:
+        path = Path(pattern.format(triplet=triplet))
+        try:
+            if path.is_file():
+                return BlasLibrary(path)
+        except PermissionError:  # a folder on the way that this user may not search
+            return BlasLibrary(path)
+    return None
+
+
+def find_sgemv_forward() -> Path | None:
+    """Return the built forward library (see the module docstring), if any.
+
+    Returns:
+        ``veloxquant_mlx/_sgemv_forward*.so``; None off Linux or when the install did not
+        build it (no C compiler).
+    """
+    if sys.platform != "linux":
         return None
     built = sorted(Path(__file__).resolve().parent.glob(f"{FORWARD_STEM}*.so"))
     return built[0] if built else None
 
 
-def preload_list(lib: Path, env: dict[str, str] | None = None) -> list[Path]:
-    """What to preload for ``lib``: the sgemv forward (when built) first, then ``lib``."""
-    forward = find_sgemv_forward(env)
-    return [forward, lib] if forward is not None else [lib]
-
-
-def probe_blas(path: Path, timeout: float = 20.0, forward: Path | None = None) -> bool:
-    """Check, in a child process, that ``path`` preloads and computes sgemms correctly.
+def blas_candidates(with_forward: bool) -> list[BlasLibrary]:
+    """The optimized BLAS libraries to try, best first (Linux).
 
     Args:
-        path: The candidate library.
-        timeout: Seconds to wait for the child.
-        forward: The sgemv forward to preload in front of ``path``, if any.
+        with_forward: Whether the forward is there to put in front: the wheel's prefixed
+            names serve MLX only through it.
+    """
+    if sys.platform != "linux":
+        return []
+    found = [wheel_blas() if with_forward else None, system_blas()]
+    return [lib for lib in found if lib is not None]
+
+
+def find_optimized_blas() -> Path | None:
+    """The library :func:`load_optimized_blas` tries first, without loading it."""
+    candidates = blas_candidates(find_sgemv_forward() is not None)
+    return candidates[0].path if candidates else None
+
+
+def _forward_routes() -> bool:
+    """False when ``VELOXQUANT_NO_SGEMV_FORWARD`` asks the forward only to pass calls on."""
+    return os.environ.get(FORWARD_OPT_OUT_ENV, "") in ("", "0")
+
+
+def _opted_out(enabled: bool) -> bool:
+    return not enabled or os.environ.get(OPT_OUT_ENV, "") not in ("", "0")
+
+
+def load_optimized_blas(enabled: bool = True,
+                        candidates: Sequence[BlasLibrary] | None = None) -> ActiveBlas | None:
+    """Load an optimized BLAS under MLX in this process (Linux, MLX's CPU build).
+
+    Call it before anything imports ``mlx``: MLX binds ``cblas_sgemm`` when it loads, so a
+    BLAS loaded later is never called. Loading is in place (no restart); a second call
+    reports what the first loaded.
+
+    Nothing is loaded when: not Linux (macOS uses Accelerate/Metal), ``enabled`` is False,
+    ``VELOXQUANT_NO_BLAS_PRELOAD=1``, MLX's CUDA build is installed (the GPU does the
+    matmuls; :func:`~veloxquant_mlx.mlx_device.mlx_build`), or no candidate is installed.
+    A candidate that fails to load or compute is skipped with one warning line; MLX then
+    keeps its bundled BLAS.
+
+    Args:
+        enabled: The ``cpu.optimized_blas`` setting.
+        candidates: The libraries to try, best first; by default :func:`blas_candidates`.
 
     Returns:
-        True when the child exited cleanly with the right products.
+        What serves MLX's float32 matmuls now, or None when nothing was loaded.
     """
-    preload = f"{forward}:{path}" if forward is not None else str(path)
-    env = dict(os.environ, LD_PRELOAD=preload)
+    if sys.platform != "linux" or _opted_out(enabled) or gpu_expected():
+        return None
+    current = active_blas()
+    if current.loaded:
+        return current
+    forward = find_sgemv_forward()
+    if candidates is None:
+        candidates = blas_candidates(forward is not None)
+    if not candidates:
+        return None
+    if "mlx.core" in sys.modules:
+        log.warning("optimized BLAS not loaded: MLX is already imported, and it binds its "
+                    "BLAS when it loads; MLX uses its bundled reference BLAS")
+        return None
+    os.environ.setdefault(THREAD_TIMEOUT_ENV, THREAD_TIMEOUT)
+    routes = _forward_routes()
+    problems = []
+    for lib in candidates:
+        problem = probe_blas(lib, forward, routes) or _load(lib, forward, routes)
+        if problem is None:
+            if problems:
+                log.warning("optimized BLAS: skipped %s; loaded %s", "; ".join(problems),
+                            lib.path)
+            return active_blas()
+        problems.append(problem if str(lib.path) in problem else f"{lib.path}: {problem}")
+    log.warning("optimized BLAS not loaded (%s); MLX uses its bundled reference BLAS",
+                "; ".join(problems))
+    return None
+
+
+def _load(lib: BlasLibrary, forward: Path | None, routes: bool) -> str | None:
+    """Load ``lib`` behind ``forward`` into the global scope; the problem, or None.
+
+    Nothing becomes global until the forward is bound, so a failure part-way leaves no
+    unbound ``cblas_sgemm`` for MLX to find.
+    """
+    try:
+        blas = ctypes.CDLL(str(lib.path), mode=os.RTLD_LOCAL)
+        sgemm = getattr(blas, lib.symbol("cblas_sgemm"))
+        sgemv = getattr(blas, lib.symbol("cblas_sgemv"))
+        if forward is not None:
+            front = ctypes.CDLL(str(forward), mode=os.RTLD_LOCAL)
+            front.vq_blas_bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            addresses = (ctypes.cast(f, ctypes.c_void_p) for f in (sgemm, sgemv))
+            if front.vq_blas_bind(*addresses, int(routes)) != 0:
+                return "the forward refused its sgemm/sgemv"
+            # Reopening with RTLD_GLOBAL makes a loaded library global, in this order:
+            # the forward's cblas_sgemm must come before a distribution BLAS's own.
+            ctypes.CDLL(str(forward), mode=os.RTLD_GLOBAL)
+        elif lib.prefix:
+            return "its names are prefixed and the forward that serves them is not built"
+        ctypes.CDLL(str(lib.path), mode=os.RTLD_GLOBAL)
+    except (OSError, AttributeError) as exc:
+        return str(exc)
+    return None
+
+
+def probe_blas(lib: BlasLibrary, forward: Path | None, routes: bool = True,
+               timeout: float = 30.0) -> str | None:
+    """Check, in a child process, that ``lib`` (behind ``forward``) loads and computes.
+
+    Args:
+        lib: The candidate library.
+        forward: The forward to put in front of it, if any.
+        routes: Whether the forward serves one-row products itself.
+        timeout: Seconds to wait for the child.
+
+    Returns:
+        None when the child loaded it and got the right products; else what went wrong.
+    """
+    package_parent = str(Path(__file__).resolve().parents[1])
+    args = [str(lib.path), lib.prefix, str(forward or ""), "1" if routes else "0"]
     try:
         done = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _PROBE],
-            env=env, capture_output=True, timeout=timeout, check=False,
+            [sys.executable, "-I", "-S", "-c", _PROBE, package_parent, *args],
+            capture_output=True, text=True, timeout=timeout, check=False,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+    except subprocess.TimeoutExpired:
+        return f"its check took over {timeout:.0f} s"
+    except OSError as exc:
+        return f"its check did not start: {exc}"
+    if done.returncode == 0:
+        return None
+    last = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+    if done.returncode < 0:
+        last = [f"its check died with signal {-done.returncode}"]
+    return last[0]
+
+
+def _probe_child(argv: list[str]) -> int:
+    """The probe child's work: load as the parent would, then check sgemms (exit status)."""
+    path, prefix, forward, routes = argv
+    problem = _load(BlasLibrary(Path(path), prefix), Path(forward) if forward else None,
+                    routes == "1")
+    problem = problem or _check_sgemm()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 3
+    return 0
+
+
+def _check_sgemm() -> str | None:
+    """A 64x64 sgemm and one-row products (both ways round) through the global
+    ``cblas_sgemm``, as MLX will call it; the problem, or None."""
+    handle = ctypes.CDLL(None)
+    try:
+        sgemm = handle.cblas_sgemm
+    except AttributeError:
+        return "no cblas_sgemm in the global scope after loading"
+    n = 64
+    ones = (ctypes.c_float * (n * n))(*([1.0] * (n * n)))
+    for m, trans_b in ((n, 111), (1, 111), (1, 112)):
+        out = (ctypes.c_float * (n * n))(*([float("nan")] * (n * n)))
+        sgemm(101, 111, trans_b, m, n, n, ctypes.c_float(1.0), ones, n, ones, n,
+              ctypes.c_float(0.0), out, n)
+        if any(v != n for v in out[: m * n]):
+            return f"wrong sgemm products (m={m})"
+    return None
 
 
 def _global_symbol_path(name: str) -> Path | None:
@@ -196,8 +383,15 @@ def _global_symbol_path(name: str) -> Path | None:
         func = getattr(handle, name)
     except AttributeError:
         return None
+    return _address_path(ctypes.cast(func, ctypes.c_void_p).value)
+
+
+def _address_path(address: int | None) -> Path | None:
+    """Path of the loaded object holding ``address``, if any."""
+    if not address:
+        return None
     info = _DlInfo()
-    if not handle.dladdr(ctypes.cast(func, ctypes.c_void_p), ctypes.byref(info)):
+    if not ctypes.CDLL(None).dladdr(ctypes.c_void_p(address), ctypes.byref(info)):
         return None
     return Path(os.fsdecode(info.dli_fname)) if info.dli_fname else None
 
@@ -215,126 +409,100 @@ def _mapped_bundled_blas() -> Path | None:
     return None
 
 
+def forward_calls() -> int | None:
+    """How many ``cblas_sgemm`` calls reached the forward in this process (None: absent)."""
+    handle = ctypes.CDLL(None)
+    if not hasattr(handle, "vq_blas_calls"):
+        return None
+    handle.vq_blas_calls.restype = ctypes.c_long
+    return int(handle.vq_blas_calls())
+
+
 def active_blas() -> ActiveBlas:
     """Report which BLAS serves ``cblas_sgemm`` to MLX in this process (Linux).
 
     Returns:
-        The preloaded library when one provides ``cblas_sgemm`` globally; otherwise the
-        bundled one if MLX is loaded (path None before that).
+        The loaded library when one provides ``cblas_sgemm`` globally (named behind the
+        forward when that is in front); otherwise the bundled one if MLX is loaded (path
+        None before that).
     """
     if sys.platform != "linux":
-        return ActiveBlas(path=None, preloaded=False)
-    preloaded = _global_symbol_path("cblas_sgemm")
-    if preloaded is None:
-        return ActiveBlas(path=_mapped_bundled_blas(), preloaded=False)
-    forward = None
-    if preloaded.name.startswith(FORWARD_STEM):  # the BLAS is where its sgemv comes from
-        forward, preloaded = preloaded, _global_symbol_path("cblas_sgemv") or preloaded
+        return ActiveBlas(path=None, loaded=False)
+    serving = _global_symbol_path("cblas_sgemm")
+    if serving is None:
+        return ActiveBlas(path=_mapped_bundled_blas(), loaded=False)
     handle = ctypes.CDLL(None)
+    forward, routes = None, False
+    if serving.name.startswith(FORWARD_STEM) and hasattr(handle, "vq_blas_bound"):
+        handle.vq_blas_bound.restype = ctypes.c_void_p
+        forward, routes = serving, bool(handle.vq_forward_routes())
+        serving = _address_path(handle.vq_blas_bound()) or serving
+    config, threads = _openblas_info(serving)
+    return ActiveBlas(path=serving, loaded=True, config=config, threads=threads,
+                      forward=forward, routes=routes)
+
+
+def _openblas_info(path: Path) -> tuple[str | None, int | None]:
+    """OpenBLAS's configuration string and thread count, from the loaded ``path``."""
+    try:
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None, None
     config = threads = None
-    if hasattr(handle, "openblas_get_config"):
-        handle.openblas_get_config.restype = ctypes.c_char_p
-        config = handle.openblas_get_config().decode(errors="replace").strip()
-    if hasattr(handle, "openblas_get_num_threads"):
-        threads = int(handle.openblas_get_num_threads())
-    return ActiveBlas(path=preloaded, preloaded=True, config=config, threads=threads,
-                      forward=forward)
+    for prefix in (WHEEL_PREFIX, ""):
+        if hasattr(lib, f"{prefix}openblas_get_config"):
+            get_config = getattr(lib, f"{prefix}openblas_get_config")
+            get_config.restype = ctypes.c_char_p
+            config = get_config().decode(errors="replace").strip()
+            threads = int(getattr(lib, f"{prefix}openblas_get_num_threads")())
+            break
+    return config, threads
 
 
 def child_env(preload: bool, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Build an environment for a child Python that runs MLX with or without the preload.
+    """Build an environment for a child Python that runs MLX with or without the BLAS.
+
+    The child loads the BLAS itself: ``python -m server`` does, and other child code
+    starts with :data:`LOAD_FIRST`.
 
     Args:
-        preload: True to preload the optimized BLAS (when one is installed), with a short
-            OpenBLAS thread spin unless the caller chose one; False to strip it from
-            ``LD_PRELOAD`` and opt the child out of re-executing itself.
+        preload: True to let the child load the optimized BLAS; False to opt it out.
         base: The environment to start from; defaults to ``os.environ``.
 
     Returns:
         A fresh dict, ready for ``subprocess.run(..., env=...)``.
     """
     env = dict(os.environ if base is None else base)
-    lib = find_optimized_blas()
-    ours = {str(p) for p in preload_list(lib, {})} if lib is not None else set()
-    kept = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p not in ours]
-    if preload and lib is not None:
-        kept[:0] = [str(p) for p in preload_list(lib, env)]
-        env[MARKER_ENV] = str(lib)
-        env.setdefault(THREAD_TIMEOUT_ENV, THREAD_TIMEOUT)
+    if preload:
         env.pop(OPT_OUT_ENV, None)
     else:
-        env.pop(MARKER_ENV, None)
         env[OPT_OUT_ENV] = "1"
-    if kept:
-        env["LD_PRELOAD"] = ":".join(kept)
-    else:
-        env.pop("LD_PRELOAD", None)
     return env
 
 
-def _reexec_argv() -> list[str] | None:
-    """The command line that restarts this interpreter the way it was started, or None."""
-    orig = list(getattr(sys, "orig_argv", []))
-    # Interactive or stdin-fed interpreters cannot be replayed faithfully.
-    if not sys.executable or len(orig) < 2 or orig[1] == "-":
-        return None
-    # orig_argv keeps interpreter flags and "-m pkg" (sys.argv[0] would be a file path).
-    return [sys.executable] + orig[1:]
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args`` that loads the optimized BLAS first, for a program that
+    does not load it itself (e.g. ``mlx_lm.server`` as a benchmark's peer).
 
-
-def ensure_optimized_blas(enabled: bool = True) -> None:
-    """Re-exec this process once with an optimized BLAS preloaded under MLX (Linux only).
-
-    Call it first thing in an entry point, before ``mlx`` is imported and before any
-    side effect (sockets, files) that a restart would repeat. On success this function
-    does not return: the process image is replaced and starts again from ``main``.
-
-    No-op when: not Linux (macOS uses Accelerate/Metal), ``enabled`` is False,
-    ``VELOXQUANT_NO_BLAS_PRELOAD=1``, the marker of a previous re-exec is set, a BLAS is
-    already preloaded, MLX's CUDA build is the one installed (the GPU does the matmuls;
-    :func:`~veloxquant_mlx.mlx_device.mlx_build`), no optimized BLAS is installed, the
-    candidate fails its probe, or the command line cannot be replayed.
-
-    Args:
-        enabled: The ``cpu.optimized_blas`` setting.
+    Whether it loads follows the child's environment, as for :data:`LOAD_FIRST`.
     """
-    if sys.platform != "linux" or not enabled:
-        return
-    if os.environ.get(OPT_OUT_ENV, "") not in ("", "0") or MARKER_ENV in os.environ:
-        return
-    if _global_symbol_path("cblas_sgemm") is not None or gpu_expected():
-        return
-    lib = find_optimized_blas()
-    argv = _reexec_argv()
-    if lib is None or argv is None:
-        return
-    env = child_env(preload=True)
-    forward = find_sgemv_forward()
-    if forward is not None and not probe_blas(lib, forward=forward):
-        # OpenBLAS alone may still be fine: never let the forward cost the whole preload.
-        env = child_env(preload=True, base=dict(os.environ, **{FORWARD_OPT_OUT_ENV: "1"}))
-        forward = None
-    if forward is None and not probe_blas(lib):
-        return
-    # Buffered output would be lost with the old process image.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
+    run = f"import runpy\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    return [sys.executable, "-c", LOAD_FIRST + run, *args]
 
 
 def describe_backend(dtype: str | None = None) -> str:
     """One start-up log line: MLX version, the device, the BLAS behind a CPU and the dtype.
 
-    Imports ``mlx.core``, so call it after :func:`ensure_optimized_blas`.
+    Imports ``mlx.core``, so call it after :func:`load_optimized_blas`.
 
     Args:
         dtype: The compute dtype of the loaded model, if known (e.g. ``"float32"``).
 
     Returns:
         For example ``"MLX 0.32.4 on gpu (CUDA: NVIDIA H200, 140 GiB); dtype bfloat16"``, or
-        ``"MLX 0.32.4 on cpu (AMD EPYC); BLAS: optimized (preloaded
-        /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3; OpenBLAS 0.3.21 ...,
-        2 threads); dtype float32"``.
+        ``"MLX 0.32.4 on cpu (AMD EPYC); BLAS: optimized (loaded
+        .../scipy_openblas32/lib/libscipy_openblas.so; OpenBLAS 0.3.34 ..., 2 threads;
+        one-row products as sgemv); dtype float32"``.
     """
     import mlx.core as mx
 
@@ -354,7 +522,7 @@ def describe_backend(dtype: str | None = None) -> str:
 
 
 def _prompt_kernels() -> bool:
-    """Whether the preloaded forward also serves prompt attention and SwiGLU (AVX2)."""
+    """Whether the forward also serves prompt attention and SwiGLU (AVX2)."""
     from veloxquant_mlx import native_swiglu
     from veloxquant_mlx.memory import native_attention
 
@@ -366,14 +534,23 @@ def _describe_cpu_blas() -> str:
     if sys.platform == "darwin":
         return "BLAS: Accelerate"
     blas = active_blas()
-    if blas.preloaded:
-        extra = "; ".join(
-            s for s in (blas.config, f"{blas.threads} threads" if blas.threads else "") if s
-        )
-        if blas.forward is not None:
-            extra = f"{extra}; one-row products as sgemv" if extra else "one-row products as sgemv"
-            if _prompt_kernels():
-                extra += "; prompt attention and SwiGLU in C"
-        return f"BLAS: optimized (preloaded {blas.path}{'; ' + extra if extra else ''})"
-    hint = "install libopenblas0-pthread for ~30x faster float32 matmuls"
-    return f"BLAS: MLX's bundled reference BLAS ({blas.path}); {hint}"
+    if not blas.loaded:
+        return f"BLAS: MLX's bundled reference BLAS ({blas.path}); {_bundled_hint()}"
+    extra = [s for s in (blas.config, f"{blas.threads} threads" if blas.threads else "") if s]
+    if blas.routes:
+        extra.append("one-row products as sgemv")
+        if _prompt_kernels():
+            extra.append("prompt attention and SwiGLU in C")
+    return f"BLAS: optimized (loaded {'; '.join([str(blas.path), *extra])})"
+
+
+def _bundled_hint() -> str:
+    """What would put MLX on an optimized BLAS here."""
+    if _opted_out(True):
+        return f"{OPT_OUT_ENV} is set"
+    if wheel_blas() is None:
+        return f"pip install {WHEEL_MODULE.replace('_', '-')} for ~30x faster float32 matmuls"
+    if find_sgemv_forward() is None:
+        return ("the BLAS forward (veloxquant_mlx/sgemv_forward.c) is not built: reinstall "
+                "with a C compiler for ~30x faster float32 matmuls")
+    return "installed but not loaded here: turned off, or see the warning before this line"

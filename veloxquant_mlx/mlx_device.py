@@ -1,6 +1,6 @@
 """Which MLX build this process will load and which device it computes on.
 
-:func:`mlx_build` and :func:`gpu_expected` import no MLX: the OpenBLAS re-exec
+:func:`mlx_build` and :func:`gpu_expected` import no MLX: the OpenBLAS loader
 (:mod:`veloxquant_mlx.cpu_backend`) asks them before anything loads ``libmlx.so``.
 :func:`describe_device` is given ``mlx.core`` by its caller and only reads what MLX reports,
 tolerating MLX versions or backends that report less (it cannot be tested on CUDA in CI).

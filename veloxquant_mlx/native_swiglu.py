@@ -5,7 +5,7 @@ mlx-lm's Llama-family MLPs compute ``down(silu(gate(x)) * up(x))`` with
 scalar exp), a third of a SmolLM2 prefill chunk. :func:`install` routes a model
 module's ``swiglu`` through the C kernel for float32 calls of
 :data:`MIN_COLUMNS` sequence positions or more on the CPU, when the kernel is loaded
-(the library preloaded ahead of OpenBLAS, :mod:`veloxquant_mlx.cpu_backend`). Decode
+(the library loaded in front of OpenBLAS, :mod:`veloxquant_mlx.cpu_backend`). Decode
 calls (one position) and every other call keep mlx-lm's function, so compiled decode
 and the library's stock paths are untouched.
 
@@ -31,7 +31,7 @@ MIN_COLUMNS = 16
 
 @functools.cache
 def kernel() -> Any | None:
-    """The preloaded kernel's entry point, or None when this process lacks it."""
+    """The loaded kernel's entry point, or None when this process lacks it."""
     handle = ctypes.CDLL(None)
     if not hasattr(handle, "vq_swiglu") or not handle.vq_swiglu_supported():
         return None

@@ -274,7 +274,8 @@ def write_weights(config: dict, path: Path, seed: int) -> int:
 def build_info(preset: ModelPreset, seed: int) -> dict:
     """What a built folder was made from; a mismatch means rebuild."""
     shape = asdict(preset)
-    # float32 folders built before presets had a dtype stay current: same bytes.
+    # float32 stays out of the info, so folders whose info names no dtype (same bytes)
+    # stay current.
     if shape["dtype"] == "float32":
         del shape["dtype"]
     return {

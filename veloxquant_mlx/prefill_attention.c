@@ -83,7 +83,8 @@ static float softmax_row(float *s, int n) {
 
 int vq_attention_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return vq_forward_routes() && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
 }
 
 /* One (batch row, KV head, query tile): rows = rep heads x queries [i0, i1). */

@@ -85,7 +85,8 @@ static void free_matrix(qmatrix *q) {
 int vq_qmm_supported(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return vq_forward_routes() && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
 #else
     return 0; /* the kernels below are x86-64 only: nothing registers elsewhere */
 #endif
@@ -176,9 +177,9 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
 /* Each group of 32: scale = max|x| / 127, q = round(x / scale), and the sums of the
  * rounded values (scale * sum q, of the group and of each half) for the bias term. With
  * those, every product is the weights times the rounded x, whatever the codes' offset:
- * with exact sums instead, x's rounding error came back multiplied by the codes
+ * with exact sums instead, x's rounding error would come back multiplied by the codes
  * themselves, and codes far from 0 (a 5-bit code widened to a byte sits near -112 once
- * signed) made it ~10x larger (SmolLM2 Q4_K_M decoded from its codes: perplexity 59.8
+ * signed) would make it ~10x larger (SmolLM2 Q4_K_M decoded from its codes: perplexity 59.8
  * against 29.4 in float32). */
 __attribute__((target("avx2,fma")))
 static void quantize_rows(const float *a, int lda, int m, int cols, int8_t *xq, float *xd,

@@ -16,6 +16,10 @@ enum {
     VQ_QMM_NOT_FOUND = -5,
 };
 
+/* 0 when the forward only passes calls on (VELOXQUANT_NO_SGEMV_FORWARD, sgemv_forward.c):
+ * its own paths, this one and the prompt kernels, then report themselves unsupported. */
+int vq_forward_routes(void);
+
 int vq_qmm_supported(void);
 /* group: columns per scale and bias, 32 (or 16 for 8-bit codes). */
 int vq_qmm_register(const float *weight, int rows, int cols, int bits, int group,

@@ -3,7 +3,7 @@
 On MLX's CPU backend a quantized model is dequantized to float32 so that its matmuls
 run on OpenBLAS (``server/model_weights.py``). Decode then streams 4 bytes a weight from
 memory where the checkpoint needed ~0.6 (4-bit) or ~1.1 (8-bit). This module hands each
-dequantized weight's codes to the preloaded BLAS forward (``veloxquant_mlx/quant_matmul.c``),
+dequantized weight's codes to the loaded BLAS forward (``veloxquant_mlx/quant_matmul.c``),
 keyed by the float32 buffer's address; products of at most ``max_rows`` rows against
 that weight (decode steps) are then computed from the codes, with the rows quantized to
 int8 per group of 32 as llama.cpp does. Larger products (prefill) stay on OpenBLAS.
@@ -16,7 +16,7 @@ The copy holds the checkpoint's own codes, scales and biases, so the weights are
 exactly the ones the float32 copy was made from; only the activations are rounded
 (int8, one scale per 32 values: ~0.5% relative error on a random product).
 
-Needs the forward preloaded (``veloxquant_mlx/cpu_backend.py``) and AVX2 + FMA;
+Needs the forward loaded (``veloxquant_mlx/cpu_backend.py``) and AVX2 + FMA;
 :func:`quant_library` says None otherwise and the float32 path serves everything. The
 products use one thread per online CPU (at most 8; ``VELOXQUANT_QMM_THREADS`` overrides).
 """
@@ -71,7 +71,7 @@ class QuantizedParts:
 
 
 def quant_library() -> Any | None:
-    """The preloaded forward's entry points, or None when this process lacks them."""
+    """The loaded forward's entry points, or None when this process lacks them."""
     handle = ctypes.CDLL(None)
     if not hasattr(handle, "vq_qmm_register") or not handle.vq_qmm_supported():
         return None
@@ -265,7 +265,7 @@ def attach_quantized_copies(library: Any, model: Any, parts: dict[str, Quantized
 
     Returns:
         The registered copies; None when there is nothing to register, no library (this
-        process has no forward to serve them: not preloaded, not x86-64, no AVX2), or the
+        process has no forward to serve them: not loaded, not x86-64, no AVX2), or the
         forward refused one (logged: the float32 weights then serve every product).
     """
     if library is None or not parts or max_rows <= 0:

@@ -11,12 +11,14 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "quant_matmul.h"
 #include "vq_exp.h"
 
 int vq_swiglu_supported(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return vq_forward_routes() && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
 #else
     return 0;
 #endif

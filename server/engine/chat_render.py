@@ -14,7 +14,8 @@ plain ChatML) gets the server's own convention, as plain text:
   does not know).
 
 The HTTP side parses calls in either the tagged form or the bare JSON form
-that native templates ask for (``server.http.routes.tool_calls``).
+that native templates ask for (``server.http.routes.tool_calls``), and in the
+syntax a native template teaches (:func:`tool_call_format`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,30 @@ _TOOLS_HOWTO = (
     f"{TOOL_CALL_CLOSE}\nIf no function is needed, answer normally.")
 
 
+# Marks of each tool-call syntax in chat templates, tried in this order: a template may
+# hold several (Llama 3.2's pythonic variants keep Llama 3's "ipython" role).
+_FORMAT_MARKS = (
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("hermes", (TOOL_CALL_OPEN,)),
+    ("pythonic", ("[func_name1(", "python list of the function calls")),
+    ("llama3_json", ("<|python_tag|>", "ipython", "dictionary of argument name")),
+)
+
+
+def tool_call_format(tokenizer: Any) -> str:
+    """The syntax the chat template teaches for tool calls (``server.http.routes.tool_formats``).
+
+    A template that does not render tools gets the server's own ``<tool_call>``
+    convention, so its model answers in ``hermes``; so does one whose syntax is
+    none of the known ones.
+    """
+    if not template_takes_tools(tokenizer):
+        return "hermes"
+    template = tokenizer.chat_template
+    return next((name for name, marks in _FORMAT_MARKS
+                 if any(mark in template for mark in marks)), "hermes")
+
+
 def template_takes_tools(tokenizer: Any) -> bool:
     """True when the tokenizer's chat template renders a ``tools`` list itself."""
     return _template_knows(tokenizer, "tools")
@@ -45,7 +70,8 @@ def _template_knows(tokenizer: Any, word: str) -> bool:
 
 
 def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
-    """The prompt ids of a chat, generation prompt included.
+    """The prompt ids of a chat, generation prompt included; the prompt's template
+    variables go to the template as keyword arguments.
 
     A ``developer`` message is OpenAI's newer name for a ``system`` one, and is
     rendered as one unless the template knows the role: most templates would
@@ -65,7 +91,8 @@ def render_ids(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
         extra = {}
     ids = list(tokenizer.apply_chat_template(messages,
                                              add_generation_prompt=prompt.generation_prompt,
-                                             tokenize=True, **extra))
+                                             tokenize=True, **dict(prompt.template_kwargs),
+                                             **extra))
     bos = bos_on_encode(tokenizer)
     if bos is not None and ids[:1] != [bos]:
         ids.insert(0, bos)  # a template without {{ bos_token }}: as llama.cpp adds it

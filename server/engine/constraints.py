@@ -10,6 +10,11 @@ the runner advances with each sampled token and asks for the next token mask::
     Constraint.matcher()                    -> Matcher (one per row, engine thread)
     Matcher.consume(token); fill_masks(...) -> bit mask of the next token, 1 bit per id
 
+Compiled constraints are kept in a :class:`GrammarCache` bounded by bytes (what
+llguidance holds for each, estimated from its grammar's size), least recently
+used first out; a schema nested deeper than :data:`MAX_SCHEMA_DEPTH` is refused
+before anything walks it.
+
 When the document is complete the mask allows only the end tokens, so a
 constrained row stops with ``finish_reason: "stop"`` right after its JSON.
 Output is compact JSON (``", "`` and ``": "`` between items and keys, no
@@ -33,6 +38,7 @@ from server.engine.protocol import (
     TOOL_CALL_OPEN,
     ConstraintError,  # noqa: F401 - raised here, part of this API
 )
+from server.schema_depth import MAX_SCHEMA_DEPTH, check_depth
 
 # How JSON is laid out: fixed separators, no free whitespace (see the module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -49,7 +55,16 @@ _COMBINERS = ("anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentS
 # Keywords whose value maps names to schemas (the map itself is no schema).
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                           "dependentSchemas"})
-_CACHE_SIZE = 256  # compiled constraints kept (clients repeat their schemas)
+# What the server builds around a client's schema (a tool call around its parameters) may
+# nest deeper than the client's own; still far from the recursion limit (see schema_depth).
+_MAX_BUILT_DEPTH = 2 * MAX_SCHEMA_DEPTH
+DEFAULT_CACHE_BYTES = 256 << 20  # limits.grammar_cache_bytes' default
+# What llguidance holds for a compiled grammar, measured with glibc's mallinfo2 around
+# compiling (4,096-token vocabulary): ~70 KB, plus 26 to 87 bytes per byte of the grammar's
+# serialized form (a 40,000-value enum 33: ~14 MB; 2,000 properties 64; 200 patterns 87).
+# The estimate takes the high end, so the cache's real memory stays within its bound.
+_MATCHER_BYTES = 96 << 10
+_BYTES_PER_GRAMMAR_BYTE = 96
 
 
 class ConstraintViolation(RuntimeError):
@@ -74,12 +89,15 @@ class Constraint:
         name: The schema's name (``json_schema.name``), or the kind.
         proto: llguidance's matcher in its start state; rows copy it.
         vocab: Token ids the mask covers (the tokenizer's vocabulary).
+        nbytes: Estimated memory it holds (its matcher and its start-state mask).
     """
 
-    __slots__ = ("kind", "name", "_proto", "vocab", "_first")
+    __slots__ = ("kind", "name", "_proto", "vocab", "nbytes", "_first")
 
-    def __init__(self, kind: str, name: str, proto: llguidance.LLMatcher, vocab: int) -> None:
+    def __init__(self, kind: str, name: str, proto: llguidance.LLMatcher, vocab: int,
+                 nbytes: int = 0) -> None:
         self.kind, self.name, self._proto, self.vocab = kind, name, proto, vocab
+        self.nbytes = nbytes
         self._first: np.ndarray | None = None
 
     def matcher(self) -> Matcher:
@@ -213,29 +231,65 @@ class BatchMasks:
             self.bitmask[sorted(gone)] = -1
 
 
-class _Compiler:
-    """Compiled constraints by (tokenizer, type, schema); one llguidance tokenizer per model."""
+class GrammarCache:
+    """Compiled constraints by (tokenizer, type, schema), bounded by their estimated bytes.
 
-    def __init__(self) -> None:
+    Clients repeat their schemas, so compiling each once pays; but a large schema
+    holds megabytes (a 40,000-value enum ~14 MB), so the bound is memory, not a
+    count. Past ``max_bytes`` the least recently used entries go; one larger than
+    the whole bound is compiled and used, never kept. Each model's llguidance
+    tokenizer (its token index, built once) is kept apart and not counted.
+
+    Args:
+        max_bytes: Most bytes the cached entries may hold together
+            (``limits.grammar_cache_bytes``).
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._tokenizers: dict[int, tuple[Any, llguidance.LLTokenizer]] = {}
-        self._cache: OrderedDict[tuple[int, str, str], Constraint] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, str, str], tuple[Constraint, int]] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        """Estimated bytes the cached entries hold together."""
+        return self._bytes
+
+    @property
+    def entries(self) -> int:
+        """Compiled constraints cached."""
+        return len(self._cache)
 
     def compile(self, kind: str, name: str, schema: dict[str, Any], tokenizer: Any,
                 param: str) -> Constraint:
+        """The constraint of ``schema``: cached, or compiled now (and cached if it fits)."""
         key = (id(tokenizer), kind, json.dumps(schema, sort_keys=True))
         with self._lock:  # compiling takes ~1 ms; the first call per model ~0.4 s (its index)
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+                return hit[0]
             ll_tok = self._tokenizer(tokenizer)
-            matcher = _build_matcher(kind, schema, ll_tok, param)
-            constraint = Constraint(kind, name, matcher, ll_tok.vocab_size)
-            self._cache[key] = constraint
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            grammar = _grammar(kind, schema, param)
+            constraint = Constraint(kind, name, _build_matcher(grammar, ll_tok, param),
+                                    ll_tok.vocab_size,
+                                    estimated_bytes(grammar, ll_tok.vocab_size))
+            self._keep(key, constraint)
             return constraint
+
+    def _keep(self, key: tuple[int, str, str], constraint: Constraint) -> None:
+        """Cache ``constraint`` (its key's text counted too), evicting the least recently
+        used entries past the bound; one larger than the bound alone is not kept."""
+        size = constraint.nbytes + len(key[2])
+        if size > self.max_bytes:
+            return
+        self._cache[key] = (constraint, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (_, evicted) = self._cache.popitem(last=False)
+            self._bytes -= evicted
 
     def _tokenizer(self, tokenizer: Any) -> llguidance.LLTokenizer:
         held = self._tokenizers.get(id(tokenizer))
@@ -246,11 +300,24 @@ class _Compiler:
         return held[1]
 
 
-_COMPILER = _Compiler()
+# The cache of callers that pass none (the engine passes its own, sized by its settings).
+_SHARED_CACHE = GrammarCache()
+
+
+def estimated_bytes(grammar: str, vocab: int) -> int:
+    """What a compiled constraint holds: llguidance's matcher for ``grammar`` (its size
+    measured against the grammar's, see ``_BYTES_PER_GRAMMAR_BYTE``) and the start-state
+    mask over ``vocab`` tokens."""
+    return _MATCHER_BYTES + _BYTES_PER_GRAMMAR_BYTE * len(grammar) + mask_words(vocab) * 4
+
+
+def _shared(cache: GrammarCache | None) -> GrammarCache:
+    return _SHARED_CACHE if cache is None else cache
 
 
 def compile_response_format(response_format: dict[str, Any] | None, tokenizer: Any,
-                            calls: dict[str, Any] | None = None) -> Constraint | None:
+                            calls: dict[str, Any] | None = None, *,
+                            cache: GrammarCache | None = None) -> Constraint | None:
     """Compile an OpenAI ``response_format`` for ``tokenizer`` (cached; any thread).
 
     Args:
@@ -262,13 +329,15 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
         calls: With tools the model may call (``tool_choice`` auto),
             the JSON Schema of one call (``ToolPlan.call_schema``): a JSON answer
             may then be a tagged call instead (:func:`compile_answer_or_calls`).
+        cache: Where compiled constraints are kept (None: one shared by such callers).
 
     Returns:
         The constraint for :attr:`SamplingParams.constraint`, or None for text.
 
     Raises:
-        ConstraintError: unknown type, malformed ``json_schema``, or a schema
-            llguidance cannot compile (the message says which, and why).
+        ConstraintError: unknown type, malformed ``json_schema``, a schema nested
+            deeper than :data:`MAX_SCHEMA_DEPTH`, or one llguidance cannot compile
+            (the message says which, and why).
     """
     if response_format is None:
         return None
@@ -282,8 +351,10 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
         return None
     if kind == "json_object":
         if calls is not None:
-            return compile_answer_or_calls({"type": "object"}, calls, tokenizer, name=kind)
-        return _COMPILER.compile(kind, kind, {"type": "object"}, tokenizer, "response_format")
+            return compile_answer_or_calls({"type": "object"}, calls, tokenizer, name=kind,
+                                           cache=cache)
+        return _shared(cache).compile(kind, kind, {"type": "object"}, tokenizer,
+                                      "response_format")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
         raise ConstraintError("response_format.json_schema must be an object with "
@@ -295,14 +366,16 @@ def compile_response_format(response_format: dict[str, Any] | None, tokenizer: A
         raise ConstraintError("response_format.json_schema.schema must be a JSON Schema object")
     if strict is not None and not isinstance(strict, bool):
         raise ConstraintError("response_format.json_schema.strict must be true or false")
+    check_depth(schema, "response_format")
     # strict or not, the schema is enforced in full: masks cannot be "mostly" followed.
     if calls is not None:
-        return compile_answer_or_calls(schema, calls, tokenizer, name=name)
-    return compile_json_schema(schema, tokenizer, name=name)
+        return compile_answer_or_calls(schema, calls, tokenizer, name=name, cache=cache)
+    return compile_json_schema(schema, tokenizer, name=name, cache=cache)
 
 
 def compile_answer_or_calls(answer: dict[str, Any], call: dict[str, Any], tokenizer: Any, *,
-                            name: str = "schema") -> Constraint:
+                            name: str = "schema",
+                            cache: GrammarCache | None = None) -> Constraint:
     """A JSON answer following ``answer``, or one ``<tool_call>`` tagged call.
 
     A JSON ``response_format`` beside tools the model may call: the format shapes
@@ -319,13 +392,14 @@ def compile_answer_or_calls(answer: dict[str, Any], call: dict[str, Any], tokeni
             ``response_format`` for the answer's, ``tools`` for the calls').
     """
     # Each alone first (cached): a schema llguidance refuses is blamed on its own field.
-    compile_json_schema(answer, tokenizer, name=name)
-    compile_json_schema(call, tokenizer, name="tool_call", param="tools")
+    compile_json_schema(answer, tokenizer, name=name, cache=cache)
+    compile_json_schema(call, tokenizer, name="tool_call", param="tools", cache=cache)
     # Separators as in every other JSON output here (llguidance reads "x-guidance").
     schemas: dict[str, Any] = {
         part: {**close_objects(bound_integers(schema)), "x-guidance": JSON_OPTIONS}
         for part, schema in (("answer", answer), ("call", call))}
-    return _COMPILER.compile("answer_or_calls", name, schemas, tokenizer, "response_format")
+    return _shared(cache).compile("answer_or_calls", name, schemas, tokenizer,
+                                  "response_format")
 
 
 def _answer_or_calls_grammar(schemas: dict[str, Any]) -> str:
@@ -345,20 +419,22 @@ def _as_json(value: Any) -> str:
 
 
 def compile_json_schema(schema: dict[str, Any], tokenizer: Any, *, name: str = "schema",
-                        param: str = "response_format") -> Constraint:
+                        param: str = "response_format",
+                        cache: GrammarCache | None = None) -> Constraint:
     """A constraint to JSON that validates against ``schema`` (cached; any thread).
 
     What ``json_schema`` response formats compile to; also the way to hold a
     tool call's arguments to its function's ``parameters``.
 
     Raises:
-        ConstraintError: llguidance cannot compile ``schema``; ``param`` names
-            the request field it came from.
+        ConstraintError: llguidance cannot compile ``schema``, or it nests too deep
+            to walk; ``param`` names the request field it came from.
     """
     if not isinstance(schema, dict):
         raise ConstraintError(f"{param}: the schema must be a JSON Schema object", param)
-    return _COMPILER.compile("json_schema", name, close_objects(bound_integers(schema)),
-                             tokenizer, param)
+    check_depth(schema, param, _MAX_BUILT_DEPTH)
+    return _shared(cache).compile("json_schema", name, close_objects(bound_integers(schema)),
+                                  tokenizer, param)
 
 
 def bound_integers(schema: Any) -> Any:
@@ -443,17 +519,19 @@ def _close(schema: dict[str, Any], out: dict[str, Any]) -> None:
         out["additionalProperties"] = False
 
 
-def _build_matcher(kind: str, schema: dict[str, Any], tokenizer: llguidance.LLTokenizer,
-                   param: str) -> llguidance.LLMatcher:
-    """llguidance's matcher for ``schema``, or ConstraintError with llguidance's reason."""
+def _grammar(kind: str, schema: dict[str, Any], param: str) -> str:
+    """llguidance's serialized grammar of ``schema``, or ConstraintError with its reason."""
     try:
         if kind == "answer_or_calls":
-            grammar = llguidance.LLMatcher.grammar_from_lark(_answer_or_calls_grammar(schema))
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,
-                                                                    defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_lark(_answer_or_calls_grammar(schema))
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise ConstraintError(f"{param} schema is not valid JSON: {exc}", param) from exc
+
+
+def _build_matcher(grammar: str, tokenizer: llguidance.LLTokenizer,
+                   param: str) -> llguidance.LLMatcher:
+    """llguidance's matcher for ``grammar``, or ConstraintError with llguidance's reason."""
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     error = messages[0] if failed else ""
     matcher = None if failed else llguidance.LLMatcher(tokenizer, grammar, log_level=0)

@@ -279,9 +279,11 @@ class LeaderRunner:
         return getattr(self._runner, name)
 
     def add(self, owner: int, prompt_ids: list[int], params: SamplingParams,
-            prefix: Any = None) -> None:
+            prefix: Any = None, task: Any = None) -> None:
         if prefix is not None:
             raise DistributedError("prefix caching is off with distributed serving")
+        if task is not None:  # the routes refuse scoring and embeddings over ranks
+            raise DistributedError("whole-prompt tasks are not served over ranks")
         self._runner.add(owner, prompt_ids, params, None)
         # A follower's draws are replaced by rank 0's: it needs no grammar and no seed.
         self._ops.append(("add", owner, list(prompt_ids),

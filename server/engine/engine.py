@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from server.engine.chat_render import tool_call_format
+from server.engine.embedding import can_embed
 from server.engine.intake import RequestRejected, out_of_vocab, tokenize_prompt, vocab_size
 from server.engine.kv_memory import KVMemory
 from server.engine.output import OutputProcessor
@@ -33,14 +35,16 @@ from server.engine.prefix import PromptPrefixes
 from server.engine.preparer import Prepared, PromptPreparer
 from server.engine.protocol import (
     ChatPrompt,
+    ConversationBound,
     FinishReason,
     GenerationRequest,
     Reason,
     Rejected,
+    ThinkTags,
 )
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
-from server.engine.scoring import ScoringJob, new_job
+from server.engine.scoring import echo_ids
 from server.engine.startup import (
     assemble,
     events_at_submit,
@@ -50,9 +54,11 @@ from server.engine.startup import (
 )
 from server.engine.step_clock import StepClock
 from server.engine.steps import EngineSteps, FaultHook
+from server.engine.think_tags import opens_thinking, think_tags
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
 from server.settings import Settings
+from server.settings_sections import parse_bytes
 from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("veloxquant.server")
@@ -66,6 +72,16 @@ class _Command:
 
     fn: Callable[[], Any]
     future: concurrent.futures.Future
+
+
+def _grammar_cache(settings: Settings) -> Any:
+    """The engine's compiled-grammar cache, bounded by ``limits.grammar_cache_bytes``.
+
+    Imported here, not at the top: server.engine.constraints loads llguidance.
+    """
+    from server.engine.constraints import GrammarCache
+
+    return GrammarCache(parse_bytes(settings.limits.grammar_cache_bytes))
 
 
 class Engine:
@@ -106,6 +122,7 @@ class Engine:
         self.prefixes: PromptPrefixes | None = None  # prefix caching, once the model is loaded
         self.clock = StepClock()  # where step time goes (/metrics)
         self.steps: EngineSteps | None = None  # the loop's body, once the model is loaded
+        self.grammars = _grammar_cache(settings)  # compiled structured-output grammars
 
     # -- lifecycle (any thread) -----------------------------------------------
 
@@ -144,9 +161,27 @@ class Engine:
         return self.loaded.name if self.loaded else ""
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request may give the model, ``model_name`` first (none before load)."""
+        return self.loaded.served_names if self.loaded else ()
+
+    @property
     def context_length(self) -> int | None:
         """Positions one request may reach, prompt included (None: unbounded or not loaded)."""
         return self.loaded.context_length if self.loaded else None
+
+    @property
+    def conversation_bound(self) -> ConversationBound | None:
+        """The sizes past which a conversation cannot fit, judged before its chat template
+        runs (None before load)."""
+        preparer = self._preparer
+        return preparer.conversation_bound if preparer is not None else None
+
+    @property
+    def tool_call_format(self) -> str:
+        """The syntax the model's chat template teaches for tool calls ("hermes" before load)."""
+        loaded = self.loaded
+        return tool_call_format(loaded.tokenizer) if loaded is not None else "hermes"
 
     def submit(self, request: GenerationRequest) -> None:
         """Hand a request to the prompt workers, then the engine thread (never blocks)."""
@@ -193,26 +228,40 @@ class Engine:
 
         tokenizer = self.loaded.tokenizer
         if schema is not None:
-            return compile_json_schema(schema, tokenizer, name=name, param=param)
-        return compile_response_format(response_format, tokenizer, calls)
+            return compile_json_schema(schema, tokenizer, name=name, param=param,
+                                       cache=self.grammars)
+        return compile_response_format(response_format, tokenizer, calls, cache=self.grammars)
 
-    def prompt_scorer(self, prompt: str | list[int],
-                      top_n: int | None) -> ScoringJob | Rejected:
-        """A job scoring ``prompt``'s own tokens (completions ``echo``), or its refusal.
-
-        Tokenizes, so it blocks: call it from a worker thread. Run the job's
-        ``step`` through :meth:`run_on_engine` until it is ``done`` (one chunk
-        per call, so running requests decode in between; server.engine.scoring).
-        """
+    def echo_ids(self, prompt: str | list[int]) -> list[int] | Rejected:
+        """The ids of a prompt echoed but scored by no model (completions ``echo``
+        without ``logprobs``), or its refusal. Tokenizes, so it blocks: call it from a
+        worker thread. Scoring is a request (``GenerationRequest.score``)."""
         loaded = self.loaded
         if loaded is None:
             return Rejected(Reason.SHUTTING_DOWN, "the model is not loaded")
-        if self.settings.distributed.ranks > 1:  # a model call only rank 0 would make
-            return Rejected(Reason.INVALID_VALUE, "echo and prompt logprobs are not "
-                            "available while the model is split over ranks "
-                            "(distributed.ranks > 1)")
-        return new_job(loaded, self.settings.limits.max_prompt_tokens,
-                       self.settings.batch.prefill_chunk_size, prompt, top_n)
+        return echo_ids(loaded, self.settings.limits.max_prompt_tokens, prompt)
+
+    def thinking(self, template_kwargs: tuple[tuple[str, Any], ...] = ()
+                 ) -> tuple[ThinkTags, bool] | None:
+        """The served model's think tags, and whether a generation prompt rendered with
+        ``template_kwargs`` leaves a block open (the answer starts inside it); None for a
+        model without think tags. May render the template once: a worker thread's."""
+        tokenizer = self.loaded.tokenizer if self.loaded is not None else None
+        tags = think_tags(tokenizer) if tokenizer is not None else None
+        if tags is None:
+            return None
+        return tags, opens_thinking(tokenizer, tags, template_kwargs)
+
+    @property
+    def can_embed(self) -> bool:
+        """Whether the served model gives embeddings (its backbone's hidden states)."""
+        return self.loaded is not None and can_embed(self.loaded.model)
+
+    @property
+    def embedding_size(self) -> int | None:
+        """The width of the served model's embeddings (its hidden size), where known."""
+        args = getattr(self.loaded.model, "args", None) if self.loaded else None
+        return getattr(args, "hidden_size", None)
 
     def tokenize(self, prompt: str | ChatPrompt, add_special: bool = True,
                  parse_special: bool = True) -> list[int] | Rejected:
@@ -386,7 +435,7 @@ class Engine:
             return
         while True:
             if isinstance(item, _Command):
-                self.steps.send_events()  # commands may run model work (echo scoring)
+                self.steps.send_events()  # commands may run model work
                 _run_command(item)
             elif isinstance(item, Prepared):
                 self.scheduler.intake(item)

@@ -107,7 +107,7 @@ def blocks_for_longest_request(settings: Settings, layout: KVLayout, context: in
     ``kv_memory``) grows, and only while its KV arena stays within a quarter of
     the device's memory: a server that states a context of 8,192 tokens should
     take a prompt of 7,000 (SmolLM2's needs 30,720 blocks where the default has
-    16,384; QA pass 31), but a 128k-token model must not claim half a laptop.
+    16,384), but a 128k-token model must not claim half a laptop.
 
     A pool left short is logged at start-up (``_warn_if_the_context_never_fits``).
     """

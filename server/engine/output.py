@@ -91,9 +91,9 @@ def primer_token(tokenizer: Any) -> int | None:
 
     mlx-lm's streaming detokenizers drop the leading space of the first token
     they see (right for a whole text, wrong for a continuation): "Once upon a
-    time" + " shapes" came out as "shapes", while the log-probability tokens
-    (``decode([id])``) said " shapes" and ``text_offset`` pointed into a
-    string that was not the text. Fed a plain one-token word first, the
+    time" + " shapes" would come out as "shapes", while the log-probability tokens
+    (``decode([id])``) say " shapes" and ``text_offset`` would point into a
+    string that is not the text. Fed a plain one-token word first, the
     detokenizer has text already and keeps every space after it; the word's
     own text is skipped (:func:`prime`). This is the token of ``"a"`` when
     that is one token the detokenizer emits at once, else None (no priming).

@@ -2,10 +2,10 @@
 
 The pool is allocated once, at start: its block records (host memory, ~250 bytes
 each with the native allocator) when the app is built, its KV arena when the model
-has loaded. A pool that cannot fit used to be discovered by the kernel:
-``pool.kv_memory = "1000TiB"`` or ``pool.n_blocks = 10**20`` was accepted and the
-process grew until the out-of-memory killer ended it (and everything around it
-felt the pressure). These checks refuse such a pool with one line naming the key.
+has loaded. Unchecked, a pool that cannot fit is discovered by the kernel:
+``pool.kv_memory = "1000TiB"`` or ``pool.n_blocks = 10**20`` is accepted and the
+process grows until the out-of-memory killer ends it (and everything around it
+feels the pressure). These checks refuse such a pool with one line naming the key.
 """
 
 from __future__ import annotations

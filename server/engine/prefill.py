@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from server.engine.embedding import PromptEmbedding
 from server.engine.protocol import SamplingParams
 from server.engine.sampling import Sampler
+from server.engine.scoring import PromptScores
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
@@ -92,6 +94,9 @@ class Row:
         cached_blocks: Cached blocks its prompt starts on, ``[position][stream]``.
         fed: Generated tokens fed to the model so far (kept only with prefix caching:
             its output's full blocks are cached when it ends), else None.
+        task: A whole-prompt task (scoring, :mod:`server.engine.scoring`; an embedding,
+            :mod:`server.engine.embedding`): the row prefills alone, its task reads
+            every position, and it generates nothing. None for a generation.
     """
 
     owner: int
@@ -110,6 +115,7 @@ class Row:
     prefix_keys: list[bytes] = field(default_factory=list)
     cached_blocks: list[list[Block]] = field(default_factory=list)
     fed: list[int] | None = None
+    task: PromptScores | PromptEmbedding | None = None
 
     def fed_ids(self, block_size: int) -> list[int]:
         """The prompt tokens prefill computes: those after the shared blocks."""
@@ -130,6 +136,10 @@ class PrefillGroup:
     prompts: list[list[int]]
     width: int
     done: int = 0
+    # Prompt tokens a second of a task group's last chunk (None: not timed yet). A
+    # scoring chunk projects every position onto the vocabulary, and its attention
+    # grows with its depth: the prefill rate of other groups says little about it.
+    rate: float | None = None
 
     @classmethod
     def form(cls, waiting: list[Row], model: Any, arena: KVArena,
@@ -139,13 +149,15 @@ class PrefillGroup:
         A row joins while the padded group (rows x width) stays within
         ``max_tokens``; the first row always does. Owners in ``solo`` (their
         group's model call failed once) prefill alone, so a fault is pinned on
-        the request that causes it.
+        the request that causes it; so does a row with a whole-prompt task (its
+        calls read every position, which no other row needs).
         """
         bs = arena.block_size
         take = 1
         width = len(waiting[0].fed_ids(bs))
-        while take < len(waiting) and waiting[0].owner not in solo:
-            if waiting[take].owner in solo:
+        alone = waiting[0].owner in solo or waiting[0].task is not None
+        while take < len(waiting) and not alone:
+            if waiting[take].owner in solo or waiting[take].task is not None:
                 break
             w = max(width, len(waiting[take].fed_ids(bs)))
             if (take + 1) * w > max_tokens:
@@ -171,6 +183,11 @@ class PrefillGroup:
         """
         rows, left = len(self.rows), self.width - self.done
         n = min(chunk, left, max(budget // rows, 1))
+        task = self.rows[0].task
+        if task is not None:  # every position read, no first token
+            fed = task.step(model, self.batch.caches, n)
+            self.done += fed
+            return fed, None
         if (n == left > 1 and rows * (left - 1) >= LAST_COLUMN_ALONE_MIN
                 and not projects_last_column(model)):
             n = left - 1

@@ -18,6 +18,7 @@ block computed by another model or stored in another format never matches.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from veloxquant_mlx.memory.prefix_cache import (
 def kv_format_tag(arena: KVArena) -> str:
     """The tag of how ``arena`` stores KV (``"fp32"``, ``"q8g64"``...): part of every key."""
     layout = arena.layout
-    tag = getattr(layout, "format_tag", None)  # set by the KV-format work (issue 14)
+    tag = getattr(layout, "format_tag", None)  # a layout without one stores the native dtype
     return tag if isinstance(tag, str) else f"native-{layout.dtype}"
 
 
@@ -43,6 +44,11 @@ def cache_root(model_name: str, arena: KVArena) -> bytes:
     layout = arena.layout
     model = f"{model_name}|{layout.dtype}|{layout.n_layers}x{layout.n_kv_heads}x{layout.head_dim}"
     return prefix_root(model, kv_format_tag(arena), arena.block_size)
+
+
+def salted_root(root: bytes, salt: str) -> bytes:
+    """The chain root of a cache namespace (any string, lone surrogates included)."""
+    return hashlib.sha256(root + b"\0salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 @dataclass(slots=True)
@@ -103,9 +109,15 @@ class PromptPrefixes:
         self.block_size = block_size
         self.min_tail = max(min_tail, 1)
 
-    def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit:
-        """Keys of the prompt and the cached run it may start on (nothing acquired)."""
-        keys = chain_hashes(prompt_ids, self.block_size, self.root)
+    def lookup(self, prompt_ids: Sequence[int], salt: str | None = None) -> PrefixHit:
+        """Keys of the prompt and the cached run it may start on (nothing acquired).
+
+        ``salt`` (a request's ``cache_salt``) starts the chain from a root of its
+        own, so its blocks match only prompts sent under the same salt: what one
+        client's prompts leave in the cache is invisible to clients without it.
+        """
+        root = self.root if salt is None else salted_root(self.root, salt)
+        keys = chain_hashes(prompt_ids, self.block_size, root)
         usable = max(len(prompt_ids) - self.min_tail, 0) // self.block_size
         return PrefixHit(keys, self.cache.match(keys[:usable]))
 

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from server.engine.chat_bound import conversation_bound
 from server.engine.intake import (
     RequestRejected,
     ban_end_tokens,
@@ -80,6 +81,9 @@ class PromptPreparer:
         self.deliver = deliver
         per_token = max_bytes_per_token(loaded.tokenizer)
         self.max_prompt_bytes = None if per_token is None else self.max_prompt_tokens * per_token
+        # What the HTTP side judges a conversation by before its template runs.
+        self.conversation_bound = conversation_bound(loaded.tokenizer, self.max_prompt_tokens,
+                                                     per_token)
         self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, "veloxquant-tokenize")
         self._lock = threading.Lock()
         # Requests accepted and not yet delivered or refused, by id().

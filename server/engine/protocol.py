@@ -119,11 +119,14 @@ class ChatPrompt:
             :mod:`server.engine.chat_render`); empty for none.
         generation_prompt: End with the template's opening of the assistant's turn
             (always, to generate; ``/tokenize`` may leave it out, as vLLM's does).
+        template_kwargs: Extra variables for the template, as (name, value) pairs
+            (``chat_template_kwargs``, ``reasoning_effort``, ``enable_thinking``).
     """
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
     generation_prompt: bool = True
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(slots=True)
@@ -135,6 +138,14 @@ class GenerationRequest:
         prompt: Text, token ids, or a :class:`ChatPrompt` (tokenized by the engine).
         params: Sampling and stopping settings.
         channel: Where events for this request go.
+        score: Score the prompt's own tokens with this many alternatives a position
+            and generate nothing (completions ``echo``; ``params.max_tokens`` is 0);
+            None for a generation. See :mod:`server.engine.scoring`.
+        embed: Pool the prompt's final hidden states (``"mean"`` or ``"last"``) into
+            an embedding and generate nothing (``/v1/embeddings``); None otherwise.
+        cache_salt: Prefix-cache namespace: its blocks match only prompts sent
+            under the same salt (None: the shared namespace).
+        choices: The sibling choices it is admitted with, all or none (None: alone).
     """
 
     request_id: str
@@ -142,10 +153,45 @@ class GenerationRequest:
     params: SamplingParams
     channel: EventChannel
     cancelled: threading.Event = field(default_factory=threading.Event)
+    score: int | None = None
+    embed: str | None = None
+    cache_salt: str | None = None
+    choices: Any = None
+
+    @property
+    def whole_prompt(self) -> bool:
+        """It reads every prompt position (scoring, embedding): no cached prefix applies."""
+        return self.score is not None or self.embed is not None
 
     def cancel(self) -> None:
         """Ask the engine to stop this request; safe from any thread, idempotent."""
         self.cancelled.set()
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkTags:
+    """The text that opens and the text that closes a model's think block
+    (:mod:`server.engine.think_tags`)."""
+
+    start: str
+    end: str
+
+
+@dataclass(eq=False, slots=True)
+class ChoiceGroup:
+    """The engine requests of one prompt's ``n`` choices, admitted together or refused
+    together (:mod:`server.engine.choices`).
+
+    Attributes:
+        members: Every choice's request, in choice order.
+    """
+
+    members: list[GenerationRequest] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """Choices in the group."""
+        return len(self.members)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,11 +280,15 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The request ended; ``text`` is output held back until the end (stop matching)."""
+    """The request ended; ``text`` is output held back until the end (stop matching);
+    ``result``: a whole-prompt task's (a scoring request's
+    :class:`server.engine.scoring.PromptScores`, an embedding's
+    :class:`server.engine.embedding.PromptEmbedding`)."""
 
     reason: FinishReason
     usage: Usage
     text: str = ""
+    result: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +304,62 @@ class Failed:
 
 
 Event = Admitted | Rejected | TokenEvent | Finished | Failed
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationSize:
+    """What a conversation holds, as the bound counts it.
+
+    Attributes:
+        messages: Messages the chat template renders.
+        chars: Characters of text the template writes whole (see the module doc).
+    """
+
+    messages: int
+    chars: int
+
+    def __add__(self, other: ConversationSize) -> ConversationSize:
+        return ConversationSize(self.messages + other.messages, self.chars + other.chars)
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationBound:
+    """The sizes past which a conversation cannot fit ``limits.max_prompt_tokens``.
+
+    Attributes:
+        max_prompt_tokens: ``limits.max_prompt_tokens``.
+        max_messages: The most messages that may fit (None: the template does not
+            frame every message, so no count bound).
+        max_chars: The most characters that may fit (None: the tokenizer has no
+            sound per-token bound).
+        chars_per_token: ``B``, the most characters one token covers (None with
+            ``max_chars``).
+    """
+
+    max_prompt_tokens: int
+    max_messages: int | None
+    max_chars: int | None
+    chars_per_token: int | None
+
+    def fits(self, size: ConversationSize) -> bool:
+        """Whether a conversation of ``size`` may fit (False proves it cannot)."""
+        return ((self.max_messages is None or size.messages <= self.max_messages)
+                and (self.max_chars is None or size.chars <= self.max_chars))
+
+    def refusal(self, size: ConversationSize, field: str) -> Rejected | None:
+        """The 400 for a conversation of ``size`` that cannot fit, naming ``field``
+        (``messages``, ``input``); None when it may fit."""
+        limit = f"limits.max_prompt_tokens={self.max_prompt_tokens}"
+        if self.max_messages is not None and size.messages > self.max_messages:
+            why = (f"the conversation has {size.messages} messages, more than {limit} tokens "
+                   "can hold: every message takes at least one token of the chat template")
+        elif self.max_chars is not None and size.chars > self.max_chars:
+            why = (f"the conversation has {size.chars} characters of message text, more "
+                   f"than {limit} tokens can hold (one token covers at most "
+                   f"{self.chars_per_token} characters)")
+        else:
+            return None
+        return Rejected(Reason.TOO_LARGE, f"{why}; shorten the {field}", field)
 
 
 class ShrinkRefused(Exception):

@@ -25,6 +25,7 @@ class PendingRequest:
     reservation: Reservation
     enqueued_at: float
     deadline: float
+    group: Any = None  # the ChoiceGroup it stands for (server.engine.choices), else None
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class RequestState:
     ended_on_eos: bool = False
     prefix: Any = None  # its PrefixHit (server.engine.prefix) when prefix caching is on
     cached_tokens: int = 0  # prompt tokens served from cached blocks
+    result: Any = None  # a whole-prompt task once done (server.engine.steps.prompt_task)
 
     @property
     def request_id(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -47,6 +48,22 @@ class RowFailure:
     held: int
 
 
+@dataclass(frozen=True, slots=True)
+class TaskDone:
+    """A row whose whole-prompt task is done; it has already left the runner.
+
+    Attributes:
+        owner: The row's owner id.
+        result: The task (:class:`server.engine.scoring.PromptScores`,
+            :class:`server.engine.embedding.PromptEmbedding`).
+        held: Blocks the row held just before it left.
+    """
+
+    owner: int
+    result: Any
+    held: int
+
+
 @dataclass(slots=True)
 class RunOutput:
     """What one prefill or decode pass produced.
@@ -58,6 +75,7 @@ class RunOutput:
         calls_ran: Model calls handed to the device without raising.
         call_error: What the last model call that raised raised (its rows are in
             ``failed`` or, for a prefill group, restart alone), else None.
+        tasks_done: Rows whose whole-prompt task is done (a prefill pass).
     """
 
     tokens: list[Sampled] = field(default_factory=list)
@@ -65,3 +83,4 @@ class RunOutput:
     rows: int = 0
     calls_ran: int = 0
     call_error: Exception | None = None
+    tasks_done: list[TaskDone] = field(default_factory=list)

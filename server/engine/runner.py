@@ -54,7 +54,7 @@ from server.engine.decode_sampling import SamplingPlan, ban, constrain, sample_o
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.protocol import SamplingParams
-from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled
+from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled, TaskDone
 from server.engine.sampling import batchable, build_logits_processors, build_sampler, mask_logits
 from server.engine.step_clock import StepClock
 from veloxquant_mlx import native_swiglu
@@ -127,17 +127,19 @@ class ModelRunner:
         # prompt stops its prefill at the next chunk, not after the whole step.
         self.before_chunk: Callable[[], None] = _nothing
         # Prompt tokens a second that recent prefill chunks ran at (None: not measured
-        # yet); sizes the chunks of a time-sliced prefill (see prefill()).
+        # yet); sizes the chunks of a time-sliced prefill (see prefill()). A scoring
+        # group keeps its own (PrefillGroup.rate).
         self.prefill_rate: float | None = None
 
     # -- rows in and out -------------------------------------------------------
 
     def add(self, owner: int, prompt_ids: list[int], params: SamplingParams,
-            prefix: PrefixHit | None = None) -> None:
+            prefix: PrefixHit | None = None, task: Any = None) -> None:
         """Queue a request for prefill (no model work yet).
 
         ``prefix``: the cached blocks it starts on (acquired at admission) and
-        its prompt's block keys, when prefix caching is on.
+        its prompt's block keys, when prefix caching is on. ``task``: a whole-prompt
+        task (:class:`~server.engine.prefill.Row`), or None to generate.
         """
         processors = build_logits_processors(params, len(prompt_ids))
         row = Row(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
@@ -150,6 +152,7 @@ class ModelRunner:
             row.history = mx.array(prompt_ids)
         if params.constraint is not None:
             row.matcher = params.constraint.matcher()
+        row.task = task
         self.prefilling.append(row)
 
     def remove(self, owners: Iterable[int]) -> dict[int, int]:
@@ -236,22 +239,34 @@ class ModelRunner:
                 started = time.monotonic()
                 used, logits = group.advance(self.model, self._chunk_for(group, time_left),
                                              left)
-                if logits is None:  # a chunk before the last has run (on a CPU): timed
-                    self._measure(used, time.monotonic() - started)
-                else:
+                if logits is None and used:  # a chunk before the last has run: timed
+                    self._measure(group, used, time.monotonic() - started)
+                elif logits is not None:
                     self._first_tokens(group, logits)
             except Exception as exc:
                 out.call_error = exc
                 self._prefill_failed(group, exc, out)
                 continue
             out.calls_ran += 1
-            left -= used
+            left -= max(used, 1)
             ran = True
-            if logits is not None:
+            task = group.rows[0].task
+            if task is not None and task.done:
+                self._task_done(group, out)
+            elif logits is not None:
                 self.group = None
                 self.joining.append(group)
                 self._publish(group)
         return out
+
+    def _task_done(self, group: PrefillGroup, out: RunOutput) -> None:
+        """A row's whole-prompt task is done: it leaves now, its blocks back in the pool."""
+        owner = group.rows[0].owner
+        held = self.pool.n_blocks_held(owner)
+        group.batch.close()
+        self.group = None
+        self._solo.discard(owner)
+        out.tasks_done.append(TaskDone(owner, group.rows[0].task, held))
 
     def _chunk_for(self, group: PrefillGroup, seconds: float | None) -> int:
         """Columns of the group's next chunk: the configured chunk, or while rows wait
@@ -260,13 +275,20 @@ class ModelRunner:
         more than the configured chunk."""
         if seconds is None or not (self.rows or self.joining):
             return self.chunk
-        if self.prefill_rate is None:
+        scoring = group.rows[0].task is not None  # a whole-prompt task's group
+        rate = group.rate if scoring else self.prefill_rate
+        if rate is None:
             return min(self.chunk, MIN_SLICED_CHUNK)
-        columns = int(self.prefill_rate * seconds / len(group.rows))
+        if scoring:  # the next chunk sits deeper in the prompt, so it runs slower
+            seconds /= 2
+        columns = int(rate * seconds / len(group.rows))
         return min(self.chunk, max(MIN_SLICED_CHUNK, columns // 16 * 16))
 
-    def _measure(self, tokens: int, elapsed: float) -> None:
+    def _measure(self, group: PrefillGroup, tokens: int, elapsed: float) -> None:
         rate = tokens / max(elapsed, 1e-6)
+        if group.rows[0].task is not None:
+            group.rate = rate  # its last chunk, at the depth nearest the next one's
+            return
         old = self.prefill_rate
         self.prefill_rate = rate if old is None else (old + rate) / 2
 

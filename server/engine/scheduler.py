@@ -28,11 +28,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from server.engine.capacity import CapacityPlanner, Reservation
+from server.engine.choices import ChoiceHolds, times
 from server.engine.intake import RequestRejected, no_room_in_pool
 from server.engine.output import StopMatcher
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.preparer import Prepared
-from server.engine.protocol import GenerationRequest, Reason, Rejected, ShrinkRefused
+from server.engine.protocol import (
+    GenerationRequest,
+    Reason,
+    Rejected,
+    ShrinkRefused,
+)
 from server.engine.request_state import PendingRequest, RequestState
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
@@ -64,12 +70,17 @@ class Scheduler:
         self.prefixes = prefixes  # prefix caching (None: off)
         self.planner = CapacityPlanner(pool, loaded.n_layers, prefixes)
         self.waiting: deque[PendingRequest] = deque()
+        # The n choices of a prompt, admitted together (server.engine.choices).
+        self.choices = ChoiceHolds(self.reject, self._drop_cancelled,
+                                   self.limits.queue_timeout_s)
+        self.max_pool_share = self.limits.max_pool_share
         self.running: dict[int, RequestState] = {}  # owner -> state; written under _lock
         self._lock = threading.Lock()
         self._owners = itertools.count(1)
         self._seen_blocks = pool.stats.n_blocks
         self._releases = 0  # requests released so far
-        self._stuck: tuple[int, PendingRequest] | None = None  # (releases, head) that did not fit
+        # (releases, candidate, queue length) when the candidate did not fit
+        self._stuck: tuple[int, PendingRequest, int] | None = None
         # Why the pool cannot hold one maximal request since a shrink left it smaller than
         # at start (capacity_changed), else None.
         self.degraded: str | None = None
@@ -88,7 +99,7 @@ class Scheduler:
 
     def depths(self) -> tuple[int, int]:
         """(running, waiting) request counts."""
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.choices.ready)
 
     # -- intake --------------------------------------------------------------------
 
@@ -98,8 +109,15 @@ class Scheduler:
         if self.closing is not None:
             self.reject(request, self.closing, len(prompt_ids), 0.0)
             return
+        group = request.choices if request.choices and request.choices.size > 1 else None
+        if group is not None and group in self.choices:
+            self.choices.join(request, prompt_ids)
+            return
+        each = None
         try:
-            need = self._check_size(request, prompt_ids)
+            need = each = self._check_size(request, prompt_ids)
+            if group is not None:  # the first of its group stands for all of it
+                need = self._check_group(request, prompt_ids, need, group.size)
             # The queue's bound counts requests that will really wait: a burst the
             # engine takes in before its next admission starts partly at once.
             starting = self._starts_next(
@@ -112,10 +130,37 @@ class Scheduler:
                     "retry later"))
         except RequestRejected as exc:  # refused on arrival: it waited in no queue
             self.reject(request, exc.event, len(prompt_ids), 0.0)
+            if group is not None:
+                self.choices.open(group, request, each or Reservation({}), refused=exc.event)
             return
         now = time.monotonic()
-        self.waiting.append(PendingRequest(request, prompt_ids, need, now,
-                                           now + self.limits.queue_timeout_s))
+        pending = PendingRequest(request, prompt_ids, need, now,
+                                 now + self.limits.queue_timeout_s, group)
+        if group is not None:
+            self.choices.open(group, request, each, pending)
+        self.waiting.append(pending)
+
+    def _check_group(self, request: GenerationRequest, prompt_ids: list[int],
+                     need: Reservation, size: int) -> Reservation:
+        """The reservation of a whole choice group, or the 400 when the pool never holds it."""
+        total = times(need, size)
+        if self._fits_now(total):
+            return total
+        n_tokens = size * (len(prompt_ids) + request.params.max_tokens)
+        why = self.planner.never_fits(total, n_tokens, f"n x {request.params.max_tokens_param}")
+        if why is None:
+            return total
+        raise RequestRejected(Rejected(
+            Reason.TOO_LARGE, f"the n={size} choices of a prompt start together or not at all, "
+            f"and together {why}; or lower n", "n"))
+
+    def _refit_group(self, entry: PendingRequest, need: Reservation) -> Reservation | Rejected:
+        """A waiting group's reservation after a resize, or why it can never fit now."""
+        self.choices.refit(entry, need)
+        try:
+            return self._check_group(entry.request, entry.prompt_ids, need, entry.group.size)
+        except RequestRejected as exc:
+            return exc.event
 
     def reject(self, request: GenerationRequest, event: Rejected,
                prompt_tokens: int | None = None, waited_s: float | None = None) -> None:
@@ -155,7 +200,7 @@ class Scheduler:
         if room >= 1:
             request.params = replace(params, max_tokens=min(room, params.max_tokens))
             return self.planner.reservation(n_prompt + request.params.max_tokens)
-        # The prompt alone fills the pool: no max_tokens helps (QA pass 31).
+        # The prompt alone fills the pool: no max_tokens helps.
         return no_room_in_pool(request.prompt, n_prompt, n_prompt + room)
 
     # -- capacity changes ------------------------------------------------------------
@@ -172,9 +217,13 @@ class Scheduler:
         keep: deque[PendingRequest] = deque()
         for pending in self.waiting:
             fitted = self._fit_pool(pending.request, pending.prompt_ids)
+            if pending.group is not None and not isinstance(fitted, Rejected):
+                fitted = self._refit_group(pending, fitted)
             if isinstance(fitted, Rejected):
-                self.reject(pending.request, fitted, len(pending.prompt_ids),
-                            time.monotonic() - pending.enqueued_at)
+                waited = time.monotonic() - pending.enqueued_at
+                self.reject(pending.request, fitted, len(pending.prompt_ids), waited)
+                if pending.group is not None:
+                    self.choices.refuse(pending, fitted, waited)
                 continue
             pending.reservation = fitted  # smaller, if its omitted max_tokens was lowered
             keep.append(pending)
@@ -260,7 +309,7 @@ class Scheduler:
         why = self.maximal_request_misfit(retiring)
         # A pool that already cannot hold a maximal request (the default model's, at its
         # whole context) is refused too when the shrink lowers the longest request it
-        # serves: an unforced target_free 0 retired all of the default model's pool.
+        # serves: otherwise an unforced target_free 0 retires all of the default model's pool.
         already = why is not None and self.maximal_request_misfit() is not None
         # Retired blocks that growth can bring back (under max_blocks) lower nothing.
         lowers = already and any(
@@ -279,7 +328,7 @@ class Scheduler:
                 "\"force\": true")
         # Evict only what the free blocks cannot cover, the retirements and the running
         # requests' outstanding reservations (their growth takes free blocks, it does not
-        # evict): the rest of the cache stays warm (any shrink used to empty it).
+        # evict): the rest of the cache stays warm rather than emptying on every shrink.
         short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
         if self.prefixes is not None and any(n > 0 for n in short.values()):
             self.prefixes.evict(short)
@@ -307,6 +356,8 @@ class Scheduler:
         """
         if self.pool.stats.n_blocks != self._seen_blocks:
             self.capacity_changed()
+        if self.choices.holds:
+            self.choices.expire()
         if not self.waiting:
             return
         now = time.monotonic()
@@ -314,16 +365,23 @@ class Scheduler:
         for pending in self.waiting:
             waited = now - pending.enqueued_at
             if pending.request.cancelled.is_set():
-                self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request,
-                                      len(pending.prompt_ids), waited)
+                self._drop_cancelled(pending)
+                if pending.group is not None:  # the route cancels every choice together
+                    self.choices.refuse(pending, Rejected(
+                        Reason.CANCELLED_WAITING, "the request was cancelled"), waited)
             elif now >= pending.deadline:
-                self.reject(pending.request, Rejected(
-                    Reason.QUEUE_TIMEOUT, "no KV capacity within limits.queue_timeout_s="
-                    f"{self.limits.queue_timeout_s}s; retry later"),
-                    len(pending.prompt_ids), waited)
+                event = Rejected(Reason.QUEUE_TIMEOUT, "no KV capacity within limits."
+                                 f"queue_timeout_s={self.limits.queue_timeout_s}s; retry later")
+                self.reject(pending.request, event, len(pending.prompt_ids), waited)
+                if pending.group is not None:
+                    self.choices.refuse(pending, event, waited)
             else:
                 keep.append(pending)
         self.waiting = keep
+
+    def _drop_cancelled(self, pending: PendingRequest) -> None:
+        self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request,
+                              len(pending.prompt_ids), time.monotonic() - pending.enqueued_at)
 
     def admit(self) -> Iterator[RequestState]:
         """Move waiting requests to running, first come first served, while they fit.
@@ -331,24 +389,48 @@ class Scheduler:
         Yields:
             Each admitted request, its owner registered on the pool.
         """
+        yield from self._admit_ready()
         if not self.waiting or not self._has_room() or self._still_stuck():
             return
         outstanding = self.outstanding()
-        while self.waiting and self._has_room():
-            head = self.waiting[0]
-            hit = self.prefixes.lookup(head.prompt_ids) if self.prefixes is not None else None
+        i = 0
+        while i < len(self.waiting) and self._has_room():
+            head = self.waiting[i]
+            if len(self.waiting) > 1 and self._over_share(head.reservation):
+                i += 1  # others wait: it may not hold them back (limits.max_pool_share)
+                continue
+            hit = self._lookup(head)
             need = _new_blocks(head.reservation, hit)
             if not self.planner.fits_now(need, outstanding, hit.pinned() if hit else None):
-                # Nothing but a release (or a pool resize) can make it fit: skip
+                # Nothing but a release, an arrival or a pool resize can make it fit: skip
                 # the per-step re-check over every running request until then.
-                self._stuck = (self._releases, head)
+                self._stuck = (self._releases, head, len(self.waiting))
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if head.group is not None:  # it stands for its group: the hold keeps the rest
+                self.choices.admitted(head)
             state = self._register(head, hit)
             self.planner.make_room(need, outstanding)  # its own prefix is referenced now
             for stream, blocks in need.per_stream.items():
                 outstanding[stream] = outstanding.get(stream, 0) + blocks
             yield state
+            yield from self._admit_ready()
+
+    def _admit_ready(self) -> Iterator[RequestState]:
+        """Choices of admitted groups take free batch slots (their blocks are reserved)."""
+        while self.choices.ready and self._has_room():
+            pending = self.choices.ready.popleft()
+            yield self._register(pending, self._lookup(pending))
+
+    def _lookup(self, pending: PendingRequest) -> PrefixHit | None:
+        """Its cached prompt prefix (a whole-prompt task computes every position: none)."""
+        if self.prefixes is None or pending.request.whole_prompt:
+            return None
+        return self.prefixes.lookup(pending.prompt_ids, pending.request.cache_salt)
+
+    def _over_share(self, reservation: Reservation) -> bool:
+        """More of the pool than one request may reserve while others wait."""
+        return reservation.total > self.max_pool_share * self.pool.stats.n_blocks
 
     def reset_cache(self) -> int:
         """Drop every unreferenced cached block (``POST /admin/cache/reset``).
@@ -414,13 +496,19 @@ class Scheduler:
         return [s for s in self.running.values() if s.request.cancelled.is_set()]
 
     def outstanding(self) -> dict[str, int]:
-        """Per stream, blocks running requests reserved but do not hold yet."""
-        return self.planner.outstanding((s.owner, s.reservation) for s in self.running.values())
+        """Per stream, blocks running requests reserved but do not hold yet, and those of
+        admitted groups' choices not running yet."""
+        out = self.planner.outstanding((s.owner, s.reservation) for s in self.running.values())
+        for stream, blocks in self.choices.reserved().items():
+            out[stream] = out.get(stream, 0) + blocks
+        return out
 
     def _still_stuck(self) -> bool:
         """The head did not fit and no request has released blocks since."""
         stuck = self._stuck
-        return stuck is not None and stuck[0] == self._releases and stuck[1] is self.waiting[0]
+        return (stuck is not None and stuck[0] == self._releases
+                and stuck[2] == len(self.waiting)
+                and any(p is stuck[1] for p in self.waiting))
 
     def _has_room(self) -> bool:
         return len(self.running) < self.max_batch_size
@@ -459,6 +547,9 @@ class Scheduler:
             pending = self.waiting.popleft()
             self.reject(pending.request, event, len(pending.prompt_ids),
                         now - pending.enqueued_at)
+            if pending.group is not None:
+                self.choices.refuse(pending, event, now - pending.enqueued_at)
+        self.choices.close(event)
 
 
 def _new_blocks(reservation: Reservation, hit: PrefixHit | None) -> Reservation:

@@ -92,7 +92,7 @@ def prefill_time_slice(settings: Settings) -> float:
 def _refuse_a_pool_that_holds_no_request(scheduler: Scheduler, pool: BlockPoolAllocator) -> None:
     """Stop start-up when not even a 1-token prompt with ``max_tokens`` 1 fits the pool.
 
-    Such a server would come up healthy and refuse every request (QA pass 29).
+    Such a server would come up healthy and refuse every request.
 
     Raises:
         ValueError: Saying how many blocks the smallest request needs.

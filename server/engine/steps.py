@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from server.engine.call_health import CallHealth
 from server.engine.constraints import ConstraintViolation
+from server.engine.embedding import PromptEmbedding
 from server.engine.kv_memory import memory_snapshot
 from server.engine.protocol import (
     Admitted,
@@ -29,12 +30,14 @@ from server.engine.protocol import (
     Failed,
     Finished,
     FinishReason,
+    GenerationRequest,
     Reason,
     Usage,
 )
 from server.engine.request_state import RequestState
 from server.engine.run_output import RunOutput
 from server.engine.sampling import reset_random_state
+from server.engine.scoring import PromptScores
 from server.engine.startup import EngineParts
 from server.engine.step_clock import StepClock
 from server.metrics import ServerMetrics
@@ -44,6 +47,16 @@ log = logging.getLogger("veloxquant.server")
 # Called on the engine thread with a request's state right before each model
 # call of that request; raising fails that request only (fault injection in tests).
 FaultHook = Callable[[RequestState], None]
+
+
+def prompt_task(request: GenerationRequest,
+                prompt_ids: list[int]) -> PromptScores | PromptEmbedding | None:
+    """The whole-prompt task a request asks for (scoring, an embedding), else None."""
+    if request.score is not None:
+        return PromptScores(prompt_ids, request.score)
+    if request.embed is not None:
+        return PromptEmbedding(prompt_ids, request.embed)
+    return None
 
 
 class EngineSteps:
@@ -150,7 +163,8 @@ class EngineSteps:
 
     def _start(self, state: RequestState) -> None:
         try:
-            self.runner.add(state.owner, state.prompt_ids, state.request.params, state.prefix)
+            self.runner.add(state.owner, state.prompt_ids, state.request.params, state.prefix,
+                            prompt_task(state.request, state.prompt_ids))
         except Exception as exc:
             log.exception("request %s failed to start", state.request_id)
             self.end([state], FinishReason.ERROR, Reason.MODEL_ERROR,
@@ -177,6 +191,11 @@ class EngineSteps:
                 done.append(state)
         self.metrics.tokens(generated)
         self.end(done)  # they leave the runner together (one filter of each layer)
+        for done in out.tasks_done:  # scoring and embedding requests end with their task
+            state = running.get(done.owner)
+            if state is not None:
+                state.result, state.finish = done.result, FinishReason.LENGTH
+                self.end([state], held=done.held)
         self._sent_unless_deferred()
         if out.failed:
             reset_random_state()  # a failure inside a compiled sampler poisons it
@@ -245,7 +264,7 @@ class EngineSteps:
             if reason in (FinishReason.STOP, FinishReason.LENGTH):
                 state.finish = reason
                 tail = self.output.final_text(state)
-            self._events.add(state.request.channel, Finished(reason, usage, tail))
+            self._events.add(state.request.channel, Finished(reason, usage, tail, state.result))
         self.metrics.finished(state, reason, kv_blocks, failure)
 
     def sample_memory(self) -> None:

@@ -2,8 +2,8 @@
 
 A token may hold part of a character: SmolLM2 writes "🎉" as three tokens of one,
 two and one bytes. Decoded alone such a token is U+FFFD, so bytes taken from its
-decoded text were those of U+FFFD, and the ``bytes`` of an answer's tokens, joined,
-were not its text. OpenAI's ``bytes`` are the token's own UTF-8 bytes, which is
+decoded text would be those of U+FFFD, and the ``bytes`` of an answer's tokens, joined,
+would not be its text. OpenAI's ``bytes`` are the token's own UTF-8 bytes, which is
 what lets a client put split characters back together; they come from the
 vocabulary here:
 

@@ -26,8 +26,9 @@ from server.http.errors import (
     install_error_handlers,
 )
 from server.http.guards import DrainState, Guards
-from server.http.routes import admin, chat, completions, responses, system, tokens
-from server.metrics import EngineCollector, PoolCollector, ServerMetrics
+from server.http.routes import admin, chat, completions, embeddings, responses, system, tokens
+from server.http.unknown_fields import UnknownFields
+from server.metrics import EngineCollector, PoolCollector, ServerMetrics, VllmNames
 from server.settings import Settings
 
 
@@ -138,7 +139,11 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
         engine = Engine(settings, ServerMetrics())
     metrics: ServerMetrics = getattr(engine, "metrics", None) or ServerMetrics()
     metrics.registry.register(PoolCollector(lambda: engine.pool))  # sized at model load
-    metrics.registry.register(EngineCollector(engine, metrics))
+    metrics.label_model(lambda: engine.model_name)  # known once the model loads
+    gauges = EngineCollector(engine, metrics)
+    metrics.registry.register(gauges)
+    if settings.metrics.vllm_names:
+        metrics.registry.register(VllmNames(metrics, gauges))
     metrics.listeners.append(request_log.RequestLog())
 
     @contextlib.asynccontextmanager
@@ -165,6 +170,7 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.unknown_fields = UnknownFields(settings.server.unknown_fields, metrics)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     # /health stays open, /metrics too unless server.metrics_require_key; the inference
@@ -172,6 +178,7 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     guarded = [Depends(require_api_key)]
     routers = [(completions.router, guarded), (chat.router, guarded),
                (responses.router, guarded), (tokens.router, guarded),
+               (embeddings.router, guarded),
                (system.models_router, guarded), (system.router, []), (admin.router, [])]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)

@@ -2,8 +2,8 @@
 
 A route that waits for its engine events must stop when its client leaves, so
 the engine frees the request's blocks. Asking Starlette's
-``Request.is_disconnected()`` on a timer did that, but each ask enters and
-cancels an anyio cancel scope; at 64 streams polled every 100 ms it was about
+``Request.is_disconnected()`` on a timer does that, but each ask enters and
+cancels an anyio cancel scope; at 64 streams polled every 100 ms it is about
 a fifth of the event loop's CPU. Here one listener task per HTTP request reads
 ``receive()`` once the body is in (it returns only when the client hangs up)
 and the stall guard marks a client that stopped reading; either one calls the

@@ -84,6 +84,15 @@ class InvalidRequestError(APIError):
     code = "invalid_value"
 
 
+def unrecognized(names: list[str]) -> InvalidRequestError:
+    """OpenAI's 400 for request fields it does not know ("Unrecognized request argument
+    supplied"), naming the first."""
+    return InvalidRequestError(
+        f"unrecognized request argument supplied: {', '.join(names)} (not a field of this "
+        "endpoint in OpenAI's API or this server's; a misspelling, or another server's "
+        "extension?)", param=names[0], code="unknown_parameter")
+
+
 class RequestTooLargeError(APIError):
     """The request body is over ``limits.max_body_bytes`` (413)."""
 
@@ -215,9 +224,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         return f"request body is not valid JSON: {reason}{where}", None, "invalid_value"
     unknown = [field_path(tuple(e["loc"])) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
-        return (f"unrecognized request argument supplied: {', '.join(unknown)} (not a field "
-                "of this endpoint in OpenAI's API or this server's; a misspelling, or another "
-                "server's extension?)"), unknown[0], "unknown_parameter"
+        refusal = unrecognized(unknown)
+        return refusal.message, refusal.param, refusal.code
     message, param = validation_message(errors)
     return message, param, "invalid_value"
 

@@ -173,7 +173,7 @@ class Guards:
         encoding = _header(scope, b"content-encoding")
         if scope.get("method") == "POST" and encoding is not None \
                 and encoding.strip().lower() not in ("", "identity"):
-            # Read as JSON it was "not valid JSON (must be UTF-8)"; say what is wrong.
+            # Read as JSON it would be "not valid JSON (must be UTF-8)"; say what is wrong.
             return APIError(f"Content-Encoding {encoding.strip()!r} is not supported: send "
                             "the body uncompressed", param=None,
                             code="unsupported_content_encoding", status=415)

@@ -43,7 +43,7 @@ def configure(enabled: bool, stream: TextIO | None = None) -> None:
 
     The logger's own level is INFO whatever ``server.log_level`` says, so an
     operator who quiets the server's logs keeps the request lines; only
-    ``server.request_log`` turns them off (QA pass 29). Turned off, its level
+    ``server.request_log`` turns them off. Turned off, its level
     is above every record's: ``disabled`` would not last, since uvicorn's
     ``dictConfig`` sets it back to False on every logger it does not name.
     """

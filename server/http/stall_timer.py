@@ -3,7 +3,7 @@
 The guards cut a stream whose client stopped reading: a body ``send`` that has
 not completed ``limits.stream_stall_timeout_s`` after it started. A timer per
 ``send`` (``asyncio.wait_for`` or ``asyncio.timeout``) costs a handle, and with
-``wait_for`` a task, for every streamed token; at 64 streams that was a fifth
+``wait_for`` a task, for every streamed token; at 64 streams that is a fifth
 of the event loop's CPU. Here a response's sends share one
 :class:`~server.deadline.Deadline`, and the one that overruns it is cancelled.
 """

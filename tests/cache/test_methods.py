@@ -147,8 +147,8 @@ def test_memory_bytes_known_values(method, bits, extra, n_tokens, expected, data
     assert cache.memory_bytes() == expected
 
 
-# (key error, value error, attention error) bounds on make_kv(256): measured
-# values at the time of writing times ~1.25, so a real regression fails them.
+# (key error, value error, attention error) bounds on make_kv(256): the measured
+# values times ~1.25, so a real regression fails them.
 BOUNDS = {
     ("kivi", 2): (0.45, 0.46, 0.75),
     ("kivi", 4): (0.09, 0.092, 0.15),

@@ -1,4 +1,4 @@
-"""Counters and owner bookkeeping that a mutation sample showed were untested.
+"""Counters and owner bookkeeping, each pinned so that a mutation of it fails a test.
 
 ``n_reused`` on the many-block path when every block taken is a recycled one
 (and when some are fresh), and ``release_owner`` of an owner that holds

@@ -41,7 +41,7 @@ def test_allocator_tests_pass_on_the_pure_python_source():
 def test_a_compiled_build_is_judged_by_its_source_hash_not_file_times(tmp_path):
     """pip does not keep a wheel's file times, so a fresh wheel install may write a
     module's .so before its .py; only the build's recorded source hash tells stale
-    from fresh (QA pass 30: every wheel install fell back to pure Python)."""
+    from fresh (by file times, every wheel install would fall back to pure Python)."""
     import hashlib
 
     from veloxquant_mlx.memory import _built_from_other_source

@@ -1,4 +1,4 @@
-"""QA round 5 regressions in the allocator: int subclasses, huge growth, checkouts.
+"""The allocator's edge cases: int subclasses, huge growth, checkouts.
 
 Named test_block_pool_* so that it also runs on the pure-Python source
 (test_block_pool_pure_python.py) when the compiled build is in use.

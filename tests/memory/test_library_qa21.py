@@ -1,4 +1,4 @@
-"""The library used on its own: what exploratory QA pass 21 found, kept fixed.
+"""The library used on its own, without the server: the edges a direct caller meets.
 
 A step that runs out of blocks part-way through a request's layers, another
 pool's block read through a storage, caches dropped without ``release()``,
@@ -69,8 +69,8 @@ def test_a_step_that_runs_out_in_a_later_layer_leaves_every_layer_where_it_began
 
 
 def test_a_draft_models_caches_on_the_same_owner_are_not_trimmed_by_its_failure():
-    # QA pass 24: the undo went over every cache of the owner, so a second model's layers
-    # that happened to sit at the failing step's end lost a token they had rightly taken.
+    # The undo covers the failing model's caches only: over every cache of the owner, the
+    # other model's layers that sit at the failing step's end would lose a token rightly taken.
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=2 * 6))
     main, draft = (build_pooled_caches(SimpleNamespace(layers=[None] * 2), pool, owner=1)
                    for _ in "md")
@@ -91,7 +91,7 @@ def test_caches_dropped_without_release_do_not_keep_their_pool():
     assert len(table) == 1
     del caches
     gc.collect()
-    # The table held the lease (and through it the pool) for good before.
+    # Held strongly, the table would keep the lease (and through it the pool) for good.
     assert len(table) == 0
     # A later lease drops the emptied table.
     other = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=8))

@@ -26,7 +26,7 @@ def _same_logits(want: mx.array, have: mx.array) -> bool:
 
     A GPU picks its matmul kernel by shape (and may round float32 products to
     TF32), so a call of two rows need not repeat a one-row call's bits there:
-    on an H200 they differed by up to ~6e-4 on logits of magnitude ~1.
+    on an H200 they differ by up to ~6e-4 on logits of magnitude ~1.
     """
     if ON_CPU:
         return mx.array_equal(want, have).item()

@@ -1,6 +1,6 @@
 """The C prompt attention (veloxquant_mlx/prefill_attention.c, memory/native_attention.py).
 
-Each check runs in a child with the BLAS forward preloaded, as the server runs: only
+Each check runs in a child that loads the BLAS forward first, as the server does: only
 there is the kernel loaded. The kernel is compared with a float64 NumPy attention over
 the concatenated parts and masks, across the shapes a paged prefill hands it (a first
 chunk, a chunk over stored tokens, left padding, rows that see different stored
@@ -27,7 +27,8 @@ from veloxquant_mlx.memory import native_attention
 ROOT = Path(__file__).resolve().parents[2]
 needs_forward = pytest.mark.skipif(
     LIB is None or FORWARD is None or not _has_avx2_fma(),
-    reason="needs OpenBLAS, the BLAS forward that `pip install -e .` builds, and AVX2+FMA",
+    reason="needs OpenBLAS (scipy-openblas32 or a distribution's), the BLAS forward that "
+    "`pip install -e .` builds, and AVX2+FMA",
 )
 
 KERNEL_CHECK = textwrap.dedent(
@@ -132,12 +133,10 @@ PREFILL_CHECK = textwrap.dedent(
 
 def _run_child(script: str, *args: str, preload: bool = True) -> dict:
     env = cb.child_env(preload=preload, base=dict(os.environ))
-    if preload:
-        env.pop(cb.FORWARD_OPT_OUT_ENV, None)
-        env["LD_PRELOAD"] = f"{FORWARD}:{LIB}"
+    env.pop(cb.FORWARD_OPT_OUT_ENV, None)
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", cb.LOAD_FIRST + script, *args], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -171,7 +170,7 @@ def test_without_the_preload_the_kernel_is_absent_and_mlx_attends(tiny_model_pat
 
 
 def test_no_kernel_in_a_plain_test_process_means_no_native_call() -> None:
-    """This pytest process is not preloaded: the router must not try the kernel."""
+    """Without the forward loaded in this process, the router must not try the kernel."""
     if native_attention.kernel() is not None:
-        pytest.skip("this process runs with the forward preloaded")
+        pytest.skip("this process runs with the forward loaded")
     assert native_attention.try_causal_attention(None, [], [], [], 1.0) is None

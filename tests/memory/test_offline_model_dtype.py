@@ -36,7 +36,7 @@ def test_unknown_dtype_is_refused():
 
 
 def test_float32_build_info_is_unchanged_by_the_dtype_field():
-    # Folders built before presets had a dtype must stay current (no rebuild).
+    # Folders whose build info names no dtype (float32) must stay current (no rebuild).
     assert "dtype" not in build_info(offline_model.PRESETS["tiny"], 0)["preset"]
     assert build_info(TINY_BF16, 0)["preset"]["dtype"] == "bfloat16"
 

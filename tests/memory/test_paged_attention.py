@@ -117,7 +117,7 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
 
     Parts kept past their call can pin the arena version they were read from,
     and on a GPU (where every call is left to mlx-lm) each write makes a whole
-    new one: on an H200, an unclosed batch kept an old copy until a gc ran. A
+    new one: on an H200, an unclosed batch keeps an old copy until a gc runs. A
     bfloat16 call on the CPU is left to mlx-lm the same way.
     """
     import mlx_lm

@@ -1,4 +1,4 @@
-"""QA round 5 regressions: storage privacy, caches against free_all, all-or-nothing failures."""
+"""Storage privacy, caches against free_all, all-or-nothing failures."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def held(pool: BlockPoolAllocator) -> dict[int, int]:
     return pool.blocks_held_by_owner()
 
 
-# -- D1: MLXBlockStorage never shows a previous owner's rows ------------------------
+# -- MLXBlockStorage never shows a previous owner's rows ----------------------------
 
 
 def test_new_owner_reads_zeros_not_the_previous_owners_rows():
@@ -80,7 +80,7 @@ def test_a_zero_row_write_does_not_claim_rows():
     assert block.n_used == 1
 
 
-# -- D4: a cache whose owner was free_all()'d never touches another owner's blocks --
+# -- a cache whose owner was free_all()'d never touches another owner's blocks ------
 
 
 def test_pool_backed_cache_after_free_all_raises_and_leaves_the_new_owner_alone():
@@ -122,7 +122,7 @@ def test_pooled_cache_after_free_all_raises_and_leaves_the_new_owner_alone():
     assert a.n_keys == 1 and a.n_values == 1
 
 
-# -- D5: PooledKVCache.append is all-or-nothing -----------------------------------
+# -- PooledKVCache.append is all-or-nothing ---------------------------------------
 
 
 def _inner():
@@ -144,7 +144,7 @@ def test_pooled_append_that_exhausts_the_values_stores_no_keys():
     assert (cache.n_keys, cache.n_values, cache.n_blocks_held()) == (8, 8, 4)
 
 
-# -- D6: PoolBackedKVCache failure paths change nothing ------------------------------
+# -- PoolBackedKVCache failure paths change nothing ----------------------------------
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -200,7 +200,7 @@ def test_meta_state_cannot_take_the_step_of_an_attached_cache():
     cache.update_and_fetch(ones(5), ones(5))
 
 
-# -- D7: PoolBackedBatchKVCache filter / extend ---------------------------------------
+# -- PoolBackedBatchKVCache filter / extend -------------------------------------------
 
 
 def _batch(pool: BlockPoolAllocator) -> PoolBackedBatchKVCache:
@@ -245,7 +245,7 @@ def test_batch_bad_trim_is_refused():
     assert cache.size() == 6 and held(pool) == {1: 4, 2: 4}
 
 
-# -- D13: compression configs refuse non-int counts up front -------------------------
+# -- compression configs refuse non-int counts up front ------------------------------
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -262,7 +262,7 @@ def test_compression_config_refuses_non_int_counts(kwargs):
         KVCacheConfig(head_dim=64, **kwargs)
 
 
-# -- D12: bad arguments get typed errors ------------------------------------------------
+# -- bad arguments get typed errors -----------------------------------------------------
 
 
 def test_storage_refuses_a_non_pool_a_bad_offset_and_another_pools_block():

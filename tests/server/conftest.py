@@ -45,13 +45,19 @@ class LiveServer:
     engine: Any
 
     def metrics(self) -> dict[str, float]:
-        """Scrape /metrics into {sample name (with labels): value}."""
+        """Scrape /metrics into {sample name (with labels): value}.
+
+        The keys leave out ``model_name``: a server has one model, whose name every
+        labelled sample must carry (checked here).
+        """
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                model = sample.labels.pop("model_name", self.engine.model_name)
+                assert model == self.engine.model_name, (sample.name, model)
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
                 out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
         return out

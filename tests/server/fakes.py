@@ -7,8 +7,10 @@ on a real (tiny) block pool so pool-facing routes see real numbers.
 from __future__ import annotations
 
 import concurrent.futures
+from types import SimpleNamespace
 from typing import Any
 
+from server.engine.chat_render import tool_call_format
 from server.engine.protocol import (
     Admitted,
     ChatPrompt,
@@ -21,6 +23,7 @@ from server.engine.protocol import (
     TokenEvent,
     Usage,
 )
+from server.engine.think_tags import opens_thinking, think_tags
 from server.metrics import ServerMetrics
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -40,10 +43,23 @@ class FakeEngine:
         self.metrics = ServerMetrics()
         self.is_ready = ready
         self.model_name = "fake-model"
+        self.chat_template: str | None = None  # what tool_call_format reads, as a model's
+        self.served_names = ("fake-model",)
         self.load_error = None if ready else "boom"
         self.submitted: list[GenerationRequest] = []
         self.live: dict[int, str] = {}
         self.started = False
+
+    @property
+    def tool_call_format(self) -> str:
+        return tool_call_format(SimpleNamespace(chat_template=self.chat_template))
+
+    def thinking(self, template_kwargs: tuple = ()) -> Any:
+        """As the engine's: the think tags of ``loaded.tokenizer``, where a test sets one."""
+        tokenizer = getattr(getattr(self, "loaded", None), "tokenizer", None)
+        tags = think_tags(tokenizer) if tokenizer is not None else None
+        return None if tags is None else (tags, opens_thinking(tokenizer, tags,
+                                                               template_kwargs))
 
     def start(self) -> None:
         self.started = True

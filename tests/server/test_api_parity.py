@@ -1,5 +1,5 @@
 """OpenAI API parity on a live server (tiny model): nulls, seeds, leading spaces, models,
-stream_options, and fields refused rather than ignored (issue 15, items 1-6 and 9).
+stream_options, and fields refused rather than ignored.
 
 Each item goes through the official ``openai`` client, and raw answers are checked
 against the client's own pydantic types (tests/server/openai_shapes.py).

@@ -76,7 +76,7 @@ def test_greedy_and_top_k_1_rows_take_the_argmax_next_to_sampled_rows():
 
 @pytest.mark.parametrize("top_k", [2**31, 2**63])
 def test_a_top_k_past_int32_keeps_every_token_beside_other_rows(top_k):
-    # It was cast to int32 unchecked: std::bad_cast failed every row of the step.
+    # Cast to int32 unchecked, it raises std::bad_cast and fails every row of the step.
     lp = _logprobs(2, 3)
     params = [SamplingParams(max_tokens=1, temperature=1.0, top_k=top_k),
               SamplingParams(max_tokens=1, temperature=0.0)]

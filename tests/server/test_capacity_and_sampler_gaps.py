@@ -1,4 +1,4 @@
-"""Admission arithmetic and the min-p filter, tested directly (gaps a mutation sample found).
+"""Admission arithmetic and the min-p filter, tested directly (paths no other test pins).
 
 ``CapacityPlanner.never_fits`` must refuse a request whose streams each fit
 alone but whose total passes the shared growth head room, and one that no

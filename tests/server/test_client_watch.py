@@ -18,7 +18,6 @@ import pytest
 from server.engine.protocol import EventChannel, TokenEvent
 from server.http.client_watch import SCOPE_KEY, ClientWatch, client_watch
 from server.http.routes import call
-from server.http.routes.call import ClientGone
 from server.http.stall_timer import StallTimer
 
 from .conftest import make_settings, run_server
@@ -311,41 +310,3 @@ def test_channels_and_stall_timers_are_freed_without_the_cycle_collector():
     finally:
         gc.enable()
     assert alive == [False, False]
-
-
-def test_a_scoring_wait_ends_when_its_client_leaves(monkeypatch):
-    """The echo route's wait for the engine (prompt scoring) is woken by the watch, not
-    by its engine check, which comes far apart here."""
-    import concurrent.futures
-
-    from server.http.routes import echo
-
-    monkeypatch.setattr(echo, "ENGINE_CHECK_S", 30.0)
-
-    class SlowEngine:
-        is_ready = True
-
-        def run_on_engine(self, fn):
-            return concurrent.futures.Future()  # the job never finishes
-
-    class HttpRequest:
-        scope: dict = {}
-
-        @staticmethod
-        async def receive():
-            await asyncio.Event().wait()  # the client stays connected
-
-    async def main() -> float:
-        request = HttpRequest()
-        watch = client_watch(request.scope)
-        task = asyncio.ensure_future(echo._on_engine(request, SlowEngine(), lambda: None))
-        await asyncio.sleep(0.05)
-        assert not task.done()
-        left = time.monotonic()
-        watch.mark_gone()
-        with pytest.raises(ClientGone):
-            await asyncio.wait_for(task, 10.0)
-        watch.close()
-        return time.monotonic() - left
-
-    assert asyncio.run(main()) < 5.0

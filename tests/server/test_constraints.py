@@ -306,7 +306,7 @@ def test_a_json_format_beside_tools_takes_the_answer_or_one_tagged_call(tokenize
     constraint = compile_response_format(_schema_format(), tokenizer, calls=CALL)
     assert _accepts(constraint, tokenizer, '{"n": 3, "tag": "x"}')
     assert _accepts(constraint, tokenizer, ONE_CALL)
-    # One call, as a forced call: offered more, SmolLM2 repeated its call (QA pass 26).
+    # One call, as a forced call: offered more, SmolLM2 repeats its call.
     assert not _accepts(constraint, tokenizer, ONE_CALL + "\n" + ONE_CALL)
     assert not _accepts(constraint, tokenizer, '{"n": 3}')  # the answer's schema holds
     assert not _accepts(constraint, tokenizer, '<tool_call>{"name": "sub", "arguments": {}}')

@@ -107,13 +107,13 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     # A prompt that takes the whole pool leaves no room: the prompt is named.
     error = _error(_complete(base, prompt=[7] * 1030))
     assert error["param"] == "prompt" and "at most 1024 tokens a request" in error["message"]
-    # So it is with max_tokens sent: no max_tokens helps, so none is named (QA pass 31).
+    # So it is with max_tokens sent: no max_tokens helps, so none is named.
     error = _error(_complete(base, prompt=[7] * 1030, max_tokens=5))
     assert error["param"] == "prompt" and "max_tokens" not in error["message"]
     assert "shorten the prompt" in error["message"]
     # Past the configured context (2,048) too: the one refusal already says what the pool
-    # allows, so following its advice is served (it said "at most 1048" before, which the
-    # pool then refused; QA pass 32).
+    # allows, so following its advice is served (the context's room alone, "at most 1048",
+    # would name a request the pool refuses).
     error = _error(_complete(base, prompt=[7] * 1000, max_tokens=1100))
     assert error["param"] == "max_tokens"
     assert "the served context of 2048 tokens (limits.max_context_tokens)" in error["message"]

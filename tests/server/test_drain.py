@@ -138,8 +138,8 @@ def test_sigterm_refuses_queued_requests_at_once(tiny_model_path, tmp_path):
 def server_waiting(client: httpx.Client) -> float:
     """The engine's waiting queue length, from /metrics."""
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("veloxquant_requests_waiting "):
-            return float(line.split()[1])
+        if line.startswith(("veloxquant_requests_waiting ", "veloxquant_requests_waiting{")):
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 

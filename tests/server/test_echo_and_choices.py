@@ -1,5 +1,5 @@
 """``echo`` (prompt text and prompt log-probabilities), batch prompts and ``n`` choices,
-on a live server with the tiny model (issue 15, items 7 and 8).
+on a live server with the tiny model.
 
 Scoring is checked against the model itself: the log-probabilities the server gives an
 echoed prompt are the ones a plain forward pass gives, across chunk boundaries, and the
@@ -141,7 +141,8 @@ def test_echo_refusals(live_server):
 
 
 def test_scoring_requests_write_their_request_log_line(live_server, caplog):
-    """No generation's line covers an echo with max_tokens 0: it writes its own."""
+    """An echo with max_tokens 0 is a scoring request of the engine's: it writes its own
+    line, with the owner its KV was held under."""
     caplog.set_level("INFO", logger="veloxquant.requests")
     ok = post(live_server, COMPLETIONS, {"prompt": PROMPT, "echo": True, "max_tokens": 0,
                                          "logprobs": 1})
@@ -152,7 +153,8 @@ def test_scoring_requests_write_their_request_log_line(live_server, caplog):
     assert [(line["request_id"], line["status"], line["finish_reason"]) for line in lines] == [
         (ok.json()["id"], 200, "length"), (lines[1]["request_id"], 400, "rejected")]
     assert lines[0]["prompt_tokens"] == ok.json()["usage"]["prompt_tokens"]
-    assert lines[1]["code"] == "invalid_prompt" and lines[0]["owner"] is None
+    assert lines[1]["code"] == "invalid_prompt" and lines[0]["owner"] >= 1
+    assert lines[0]["blocks_peak"] > 0
 
 
 # -- 8. batch prompts and n --------------------------------------------------------------------

@@ -64,7 +64,7 @@ def check_answer(status: int, body: bytes, content_type: str) -> None:
 
 # Every documented operation; test_openapi_documents_exactly_these keeps the list honest.
 ROUTES = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
-          ("/v1/responses", "POST"), ("/v1/models", "GET"),
+          ("/v1/responses", "POST"), ("/v1/embeddings", "POST"), ("/v1/models", "GET"),
           ("/v1/models/{model_id}", "GET"), ("/health", "GET"), ("/health", "HEAD"),
           ("/metrics", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
           ("/admin/pool", "GET"), ("/admin/shrink", "POST"), ("/admin/cache/reset", "POST")]
@@ -193,16 +193,16 @@ def test_chat_hypothesis_bodies(fuzz_server: LiveServer, body):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"logit_bias": {"10000000": 5}}, "logit_bias"),  # crashed the process (MLX out of bounds)
+    ({"logit_bias": {"10000000": 5}}, "logit_bias"),  # unchecked: MLX out of bounds, a crash
     ({"logit_bias": {"4096": 5}}, "logit_bias"),  # one past the tiny vocabulary
-    ({"logit_bias": {"-5": 5}}, "logit_bias"),  # silently biased a token from the end
-    ({"seed": 2**70}, "seed"),  # was a 500 from mx.random.key
+    ({"logit_bias": {"-5": 5}}, "logit_bias"),  # unchecked: biases a token from the end
+    ({"seed": 2**70}, "seed"),  # unchecked: a 500 from mx.random.key
     ({"seed": 2**63}, "seed"),  # past int64, the API's seed range
     ({"logit_bias": {"5": 1e308}, "logprobs": 2}, "logit_bias"),  # NaN logprobs: a 500
     ({"repetition_penalty": 1e-300, "logprobs": 2}, "repetition_penalty"),  # inf logits: a 500
 ])
 def test_fuzz_findings_answer_400(fuzz_server: LiveServer, extra, param):
-    """Inputs the fuzzing found to crash or 500 the server now get a plain 400."""
+    """Inputs that crash or 500 a server that does not check them get a plain 400."""
     for path, base in (("/v1/completions", {"prompt": "x"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         body = {**base, **extra}

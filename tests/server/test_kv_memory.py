@@ -1,7 +1,7 @@
 """The pool governs the real KV memory: a live server under a hostile mix of lengths.
 
-Replays the pattern that used to blow MLX memory far past what the pool
-counted: many short streaming requests decoding while one long prompt joins
+Replays a pattern that can drive MLX memory far past what the pool
+counts: many short streaming requests decoding while one long prompt joins
 their batch. The engine samples MLX memory and the pool's KV bytes together
 every step; each ``/metrics`` scrape must satisfy
 

@@ -131,6 +131,12 @@ def small_pool_server(tiny_model_path):
         yield server
 
 
+def _waiting(metrics: str) -> float:
+    """``veloxquant_requests_waiting`` (labelled with the model's name) from a /metrics page."""
+    line = next(x for x in metrics.splitlines() if x.startswith("veloxquant_requests_waiting{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 async def _admission_scenario(base_url: str) -> dict:
     out = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
@@ -142,7 +148,7 @@ async def _admission_scenario(base_url: str) -> dict:
             await lines.__anext__()  # admitted and generating
             waiting = [asyncio.ensure_future(_complete(c, max_tokens=100)) for _ in range(2)]
             for _ in range(100):  # until both wait (at most 10 s)
-                if "veloxquant_requests_waiting 2.0" in (await c.get("/metrics")).text:
+                if _waiting((await c.get("/metrics")).text) == 2:
                     break
                 await asyncio.sleep(0.1)
             out["queue_full"] = await _complete(c, max_tokens=100)
@@ -151,7 +157,7 @@ async def _admission_scenario(base_url: str) -> dict:
             out["small_behind"] = await _complete(c, prompt="x", max_tokens=10)
             out["never_fits"] = await _complete(c, prompt="x", max_tokens=4096)
             metrics = (await c.get("/metrics")).text
-            out["waiting_gauge"] = "veloxquant_requests_waiting 2.0" in metrics
+            out["waiting_gauge"] = _waiting(metrics) == 2
         # The hog's client left: its blocks return and both waiters run.
         out["waiters"] = await asyncio.gather(*waiting)
         async with c.stream("POST", "/v1/completions", json=body) as hog:
@@ -239,7 +245,7 @@ async def _shrink_while_generating(base_url: str) -> dict:
 def test_shrink_with_growth_and_no_prefix_cache_while_a_request_runs(tiny_model_path):
     # The running request reserves 4 layers x ceil(601/16) = 152 blocks a stream, more than
     # the 128 each has (growth covers it), and there is no prefix cache to evict from: the
-    # shrink used to fail with a 500 there.
+    # shrink must not fail with a 500 there.
     settings = make_settings(env={"VELOXQUANT_ADMIN_TOKEN": ADMIN_TOKEN},
                              model={"path": str(tiny_model_path)}, cache={"prefix_caching": False},
                              pool={"n_blocks": 256, "grow_on_exhaustion": True,

@@ -9,7 +9,9 @@ below say what this server does with each one:
 - ``refused``: a 400 whose ``param`` names the field.
 
 A new ``openai`` release with a new field fails ``test_tables_cover_every_field`` until the
-field is given a handling here (and in the server).
+field is given a handling here (and in the server). A field in none of the lists is ignored by
+default (tests/server/test_dropin_fields.py); with ``server.unknown_fields = "reject"`` it is a
+400 naming it, checked here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
 import pytest
 
-from tests.server.conftest import LiveServer
+from tests.server.conftest import LiveServer, run_server
 from tests.server.openai_shapes import (
     CHAT,
     COMPLETIONS,
@@ -140,7 +142,9 @@ CHAT_FIELDS: dict[str, tuple[str, Any, Check | None]] = {
     "prompt_cache_key": ("noop", "cache-key", same(chat)),
     "prompt_cache_options": ("noop", {"ttl": "30m"}, same(chat)),
     "prompt_cache_retention": ("noop", "24h", same(chat)),
-    "reasoning_effort": ("refused", "low", None),
+    # Passed to the chat template, which reads it or not: the tiny model's does not
+    # (tests/server/test_reasoning.py shows one that does).
+    "reasoning_effort": ("honoured", "low", same(chat)),
     "response_format": ("honoured", {"type": "json_object"},
                         lambda r, b, _: chat(r).choices[0].message.content.startswith("{")),
     "safety_identifier": ("noop", "hashed-user", same(chat)),
@@ -222,16 +226,26 @@ def test_field_is_honoured_or_refused(live_server, baselines, path, field):
     assert check(resp, baseline, send), (handling, resp.text[:500])
 
 
+@pytest.fixture(scope="module")
+def rejecting_server(live_settings) -> LiveServer:
+    """The live server's settings with ``server.unknown_fields = "reject"``."""
+    settings = live_settings.replace(
+        server=live_settings.server.model_copy(update={"unknown_fields": "reject"}))
+    with run_server(settings) as server:
+        yield server
+
+
 @pytest.mark.parametrize("path,body,unknown", [
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "temprature": 0.0}, "temprature"),
     (CHAT, {"messages": MESSAGES, "max_tokens": 2, "guided_json": {"type": "object"}},
      "guided_json"),
     ("/v1/responses", {"input": "hi", "max_tokens": 2}, "max_tokens"),  # max_output_tokens
 ])
-def test_a_field_no_endpoint_knows_is_refused_by_name(live_server, path, body, unknown):
-    # OpenAI answers "Unrecognized request argument supplied"; dropping it would leave a
-    # typo, or another server's extension (vLLM's guided_json), silently without effect.
-    err = error_of(httpx.post(live_server.base_url + path, json=body, timeout=60))
+def test_with_reject_a_field_no_endpoint_knows_is_refused_by_name(rejecting_server, path,
+                                                                  body, unknown):
+    # OpenAI answers "Unrecognized request argument supplied": a typo, or another server's
+    # extension (vLLM's guided_json), is not left silently without effect.
+    err = error_of(httpx.post(rejecting_server.base_url + path, json=body, timeout=60))
     assert err["code"] == "unknown_parameter" and err["param"] == unknown
     assert f"unrecognized request argument supplied: {unknown}" in err["message"]
 

@@ -60,7 +60,7 @@ def test_impossible_pools_and_formats_stop_start_up_with_exit_2(tiny_model_path)
              ({"VELOXQUANT_KV_FORMAT": "q4", "VELOXQUANT_KV_GROUP_SIZE": "128"},
               "model failed to load: KVFormatError: KV format q4 with group_size 128"),
              # 4 layers x k and v: 7 blocks hold no request, so the server would come up
-             # healthy and refuse everything (QA pass 29).
+             # healthy and refuse everything.
              ({"VELOXQUANT_POOL_N_BLOCKS": "7"},
               "model failed to load: ValueError: the KV pool (7 blocks) holds no request: the "
               "smallest (a 1-token prompt, max_tokens 1) needs 8 blocks")]
@@ -73,8 +73,8 @@ def test_impossible_pools_and_formats_stop_start_up_with_exit_2(tiny_model_path)
 
 
 def test_the_default_pool_grows_to_hold_one_request_of_the_served_context() -> None:
-    """A server that states a context should take a prompt that long (QA pass 31: the
-    default 16,384 blocks held 4,368 of SmolLM2's 8,192 tokens a request)."""
+    """A server that states a context should take a prompt that long (the default 16,384
+    blocks hold 4,368 of SmolLM2's 8,192 tokens a request)."""
     import mlx.core as mx
 
     from server.engine.kv_memory import blocks_for_longest_request
@@ -90,7 +90,7 @@ def test_the_default_pool_grows_to_hold_one_request_of_the_served_context() -> N
     # Never past a quarter of the device's memory (360 MiB here), nor over a size the
     # operator chose.
     assert blocks_for_longest_request(default, smollm2, 8192, device_memory=GIB) is None
-    # pool.max_blocks caps it (QA pass 32: a cap under 30,720 stopped start-up).
+    # pool.max_blocks caps it (a cap under 30,720 must not stop start-up).
     capped = make_settings(pool={"max_blocks": 20000})
     assert blocks_for_longest_request(capped, smollm2, 8192, 24 * GIB) == 20000
     below = make_settings(pool={"max_blocks": 16384})

@@ -1,9 +1,9 @@
 """A client that leaves during a long prompt stops its prefill at the next chunk.
 
 One engine step prefills up to ``batch.max_prefill_tokens_per_step`` prompt tokens
-in chunks of ``batch.prefill_chunk_size``. Cancellations used to be seen only at
-the next step, so a hung-up 1,900-token prompt still cost its whole prefill (~16 s
-of SmolLM2 on 2 cores) while every other stream waited. The fault hook runs
+in chunks of ``batch.prefill_chunk_size``. Seen only at the next step, a
+cancellation would leave a hung-up 1,900-token prompt costing its whole prefill (~16 s
+of SmolLM2 on 2 cores) while every other stream waits. The fault hook runs
 before each model call of a row; here it raises the request's cancellation flag
 (what the HTTP layer does when the client disconnects) during the first chunk.
 """

@@ -89,7 +89,7 @@ def _first_tokens(model, prompts) -> tuple[dict[int, int], int]:
 
 
 def test_a_large_group_takes_its_prompt_in_one_call_with_the_same_first_tokens(model):
-    prompts = _prompts(8, 40)  # 8 x 39 positions: the old split fed the last column alone
+    prompts = _prompts(8, 40)  # 8 x 39 positions: one call, the last column not split off
     first, calls = _first_tokens(model, prompts)
     assert calls == 1
     for owner, prompt in enumerate(prompts, start=1):

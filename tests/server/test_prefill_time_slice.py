@@ -129,8 +129,9 @@ def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     runner.chunk = 16  # the configured chunk bounds a sliced one too, under the floor
     assert runner._chunk_for(group, 0.5) == 16
     runner.chunk = 512
-    runner._measure(100, 0.5)  # 200 tokens/s, averaged with what was measured
+    runner._measure(group, 100, 0.5)  # 200 tokens/s, averaged with what was measured
     assert runner.prefill_rate == (1e9 + 200) / 2
+    assert group.rate is None  # only a scoring group keeps a rate of its own
     runner.remove([1, 2])  # nobody waits: the whole chunk again
     runner.prefill_rate = 10.0
     assert runner._chunk_for(group, 0.5) == 512

@@ -88,9 +88,9 @@ def test_huge_prompts_do_not_stall_running_streams(tiny_model_path, max_prompt_t
         for resp in out["answers"]:
             err = assert_openai_error(resp, 400, "context_length_exceeded")
             assert err["param"] in ("prompt", "max_tokens")
-        # Was 1.1-1.9 s with tokenizing on the engine thread. Tokenizing 3 x 1 M tokens in
+        # Tokenizing on the engine thread gives 1.1-1.9 s. Tokenizing 3 x 1 M tokens in
         # the workers competes for this machine's 2 shared cores, hence its wider margin.
-        assert out["worst_gap_s"] < 0.8  # a loaded CI machine adds noise; the bug gave 1.1+
+        assert out["worst_gap_s"] < 0.8  # a loaded CI machine adds noise; 1.1+ is the fault
         _idle(server)
 
 
@@ -113,7 +113,7 @@ def small_server(tiny_model_path):
 ], ids=["lone-high", "lone-low-streamed", "one-of-several"])
 def test_a_prompt_with_a_lone_surrogate_is_refused_not_left_hanging(small_server, body):
     # json.dumps writes "\ud800" as that escape, which json.loads turns back into a lone
-    # surrogate: a string no UTF-8 encoder takes. It used to leave the request unanswered.
+    # surrogate: a string no UTF-8 encoder takes. Unchecked, it leaves the request unanswered.
     resp = httpx.post(small_server.base_url + "/v1/completions", content=json.dumps(body),
                       headers={"content-type": "application/json"}, timeout=20)
     err = assert_openai_error(resp, 400, "invalid_prompt")

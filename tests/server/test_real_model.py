@@ -88,7 +88,7 @@ def test_perplexity_on_english_text_is_far_below_a_random_models(smollm2_server:
 
 
 def test_first_token_keeps_its_leading_space(smollm2_server: LiveServer):
-    """SmolLM2's BPE detokenizer used to drop it: "...France is" + "Paris" (issue 15)."""
+    """A fresh SmolLM2 BPE detokenizer drops it: "...France is" + "Paris" (unless primed)."""
     import json
 
     import httpx
@@ -169,9 +169,9 @@ def test_a_warm_prefix_cache_keeps_the_cold_prompts_first_token(tmp_path):
     """With the codes on (the default), a hit still leaves 17 prompt rows to compute.
 
     Products of up to 16 rows come from the codes with int8 activations; the cold prompt
-    (over 16 rows) ran in float32. A hit used to leave a tail of 1-16 rows, computed from
+    (over 16 rows) runs in float32. A hit that leaves a tail of 1-16 rows computes it from
     the codes: SmolLM2's first answer token to the capital of France ("The", 0.10 above
-    "L") flipped on the second asking, to "L'Étoile, la Marseillaise". With the tail kept
+    "L") then flips on the second asking, to "L'Étoile, la Marseillaise". With the tail kept
     at 17 rows the first token is the cold prompt's. (Later tokens decode from the codes
     either way, where the last bits of the cached and the cold keys can still part ways:
     the README's "reproducible output".)
@@ -196,4 +196,8 @@ def test_a_warm_prefix_cache_keeps_the_cold_prompts_first_token(tmp_path):
             assert used["prompt_tokens"] - 16 >= 17
             first = [answer["choices"][0]["logprobs"]["content"][0] for answer in (cold, warm)]
             assert first[0]["token"] == first[1]["token"], prompt
-            assert abs(first[0]["logprob"] - first[1]["logprob"]) < 1e-3, prompt
+            # The cold prompt's products and the warm tail's run in float32 through BLAS
+            # blockings of different row counts, whose sums part in their last bits (up to
+            # ~1.5e-3 in a log-probability on the wheel's OpenBLAS); a tail computed from
+            # the codes moves it by ~0.1.
+            assert abs(first[0]["logprob"] - first[1]["logprob"]) < 5e-3, prompt

@@ -9,7 +9,7 @@ orphaned block, and the stopped replica exits 0. Then the last replica drains to
 balancer passes its 503 and Retry-After through, and the script exits 0 once no replica
 is left. A second test stops the script as a terminal's Ctrl-C would. The tests that run
 nginx are skipped where it is not installed (``apt-get install nginx-light``); the checks
-of ``config/prometheus.yml``, the dashboard's replica selector and the README's compose
+of ``config/prometheus.yml``, the dashboard's replica selector and docs/operations.md's compose
 example always run.
 """
 
@@ -110,10 +110,11 @@ async def run_load(base_url: str, midway) -> list[Outcome]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """A replica's /metrics (on its own port), unlabelled samples by name."""
+    """A replica's /metrics (on its own port): samples labelled at most with the model's
+    name, by name."""
     text = httpx.get(url + "/metrics", timeout=10).text
     return {s.name: s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if not s.labels}
+            for s in f.samples if s.labels.keys() <= {"model_name"}}
 
 
 def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
@@ -367,11 +368,11 @@ def test_dashboard_panels_filter_by_the_replica_selector():
                 (panel["title"], target["expr"])
 
 
-def test_readme_compose_example_parses_and_drains():
-    """The compose text in the README (not run here: no Docker) is valid YAML and gives
-    ``docker stop`` more time than the drain's grace period."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### On containers (docker compose)"):]
+def test_compose_example_parses_and_drains():
+    """The compose text in docs/operations.md (not run here: no Docker) is valid YAML and
+    gives ``docker stop`` more time than the drain's grace period."""
+    page = (ROOT / "docs" / "operations.md").read_text()
+    section = page[page.index("### Containers"):]
     compose = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
     grace_s = make_settings().server.shutdown_grace_s
     for name in ("replica1", "replica2"):

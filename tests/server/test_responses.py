@@ -375,7 +375,7 @@ def test_allowed_tools_narrow_a_required_call(client: openai.OpenAI):
 
 def test_a_replayed_refusal_part_is_the_assistants_words(client: openai.OpenAI,
                                                           live_server: LiveServer):
-    # A client replays earlier output items as input; a refusal part was a 400.
+    # A client replays earlier output items as input; a refusal part is its words, not a 400.
     out = client.responses.create(model="default", max_output_tokens=2, input=[
         {"role": "user", "content": "Do the bad thing."},
         {"type": "message", "role": "assistant",

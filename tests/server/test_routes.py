@@ -197,7 +197,7 @@ def test_nan_and_infinity_are_refused_as_not_finite(client, raw, param):
 ])
 def test_validation_messages_say_what_was_wrong_in_json_terms(client, path, body, message,
                                                               param):
-    # QA pass 22: union branches came back as "stop.str: ...; stop.list[str]: ..." with
+    # Not pydantic's words: union branches as "stop.str: ...; stop.list[str]: ..." with
     # param "stop.str", list items as "messages.0", validators as "body: Value error, ...".
     raw = json.dumps(body).encode()  # the lone surrogate as JSON escapes it: valid JSON
     err = assert_error(client.post(path, content=raw), 400, param)
@@ -338,7 +338,7 @@ def test_metrics_page_parses_and_detects_orphans(client, engine):
                  "veloxquant_time_to_first_token_seconds_count",
                  "veloxquant_inter_token_latency_seconds_count",
                  "veloxquant_request_latency_seconds_count", "veloxquant_request_kv_blocks_count"):
-        assert name in samples, name
+        assert f"{name},model_name=fake-model" in samples, name
     # Blocks held by an owner the engine does not know: an orphan, and the gauge sees it.
     engine.pool.allocate("k", 40, owner=777)
     engine.pool.allocate("v", 40, owner=777)

@@ -138,7 +138,7 @@ def test_lone_surrogate_is_refused(live_server: LiveServer, field):
                       headers={"content-type": "application/json"}, timeout=30)
     error = assert_openai_error(resp, 400, "invalid_prompt")
     assert error["param"] == field
-    # Said plainly, as /v1/completions says it, not in the tokenizer's words (QA pass 24).
+    # Said plainly, as /v1/completions says it, not in the tokenizer's words.
     assert "not valid Unicode: a lone surrogate (U+D800)" in error["message"]
     assert error["message"].startswith("the prompt" if field == "prompt" else "content")
 

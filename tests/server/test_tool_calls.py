@@ -60,7 +60,7 @@ def auto(parallel: bool | None = None):
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], None,
      "tools[0].function.parameters"),
     ([WEATHER, WEATHER], None, "tools"),
-    # Arguments are an object: a forced call with an array of them was never read as a call.
+    # Arguments are an object: a forced call with an array of them would never read as a call.
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
      "required", "tools[0].function.parameters"),
     (TOOLS, "sometimes", "tool_choice"),
@@ -504,7 +504,7 @@ def test_a_forced_call_a_stop_string_cuts_ends_stop_not_tool_calls(live_server, 
     "  Hello there. " + TWO_CALLS.split("Let me check. ")[1] + "  ",
 ])
 def test_streamed_content_around_calls_is_the_non_streamed_content(text):
-    # QA pass 23: the stream sent whitespace before a call (an item of "\n" alone) and the
+    # The stream must not send whitespace before a call (an item of "\n" alone) or the
     # space of "Sure! ", which the non-streamed answer strips.
     content, calls = parse_calls(text, auto())
     stream = ToolStream(auto())
@@ -515,8 +515,8 @@ def test_streamed_content_around_calls_is_the_non_streamed_content(text):
 
 
 def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
-    # QA pass 23: the format's grammar made any call impossible (openai-agents' tools with an
-    # output_type). The tag's first token, pushed up, must now lead to a call.
+    # The format's grammar must leave a call possible (openai-agents' tools with an
+    # output_type): the tag's first token, pushed up, leads to a call.
     import httpx
 
     tag = httpx.post(live_server.base_url + "/tokenize",
@@ -545,7 +545,7 @@ def test_a_json_format_beside_tools_leaves_the_calls_open(live_server, client):
     ('Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_', ["add"]),
 ])
 def test_a_call_cut_in_its_json_is_not_content(cut, calls):
-    # QA pass 23: a length cut left '<tool_call>{"name": "get' in the visible text.
+    # A length cut must not leave '<tool_call>{"name": "get' in the visible text.
     content, parsed = parse_calls(cut, auto())
     assert content == "Sure." and [c["function"]["name"] for c in parsed] == calls
     if cut.endswith("</tool_"):  # cut in the closing tag: the call itself is whole
@@ -557,7 +557,7 @@ def test_a_call_cut_in_its_json_is_not_content(cut, calls):
 
 
 def test_a_replayed_assistant_refusal_part_is_its_words():
-    # OpenAI's assistant content takes text or refusal parts; a replay was a 400 (QA 26).
+    # OpenAI's assistant content takes text or refusal parts; a replay is not a 400.
     from server.http.schemas.chat import ChatMessage
 
     said = ChatMessage(role="assistant", content=[{"type": "refusal", "refusal": "I can't."}])

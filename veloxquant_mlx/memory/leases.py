@@ -58,8 +58,8 @@ class LayerGroup:
 # reused owner id starts a fresh lease that old caches cannot touch. Keyed by
 # id, not weakly by the pool: the compiled allocator (setup.py) cannot be
 # weakly referenced. The leases are held weakly: the table must not keep a
-# pool alive whose caches were dropped without release() (each such pool used
-# to stay in memory for good). A live lease holds its pool, so a lease found
+# pool alive whose caches were dropped without release() (held strongly, each
+# such pool would stay in memory for good). A live lease holds its pool, so a lease found
 # under an id belongs to that live pool; an emptied table (its pool's leases
 # all gone) is dropped when the next lease is made.
 _LEASES: dict[int, weakref.WeakValueDictionary[int, OwnerLease]] = {}

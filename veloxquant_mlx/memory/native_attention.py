@@ -4,7 +4,7 @@
 query columns (prefill chunks): their softmax, run by MLX as one single-threaded op
 after another over the whole score block, cost 2-3x the two products around it. The C
 kernel keeps the products on OpenBLAS and makes the softmax one vectorised pass a row
-over cache-sized tiles. It lives in the library preloaded ahead of OpenBLAS
+over cache-sized tiles. It lives in the library loaded in front of OpenBLAS
 (:mod:`veloxquant_mlx.cpu_backend`), so it is there exactly when the fast float32
 path is; elsewhere :func:`kernel` is None and MLX's attention serves.
 
@@ -38,7 +38,7 @@ class NativeAttentionError(RuntimeError):
 
 @functools.cache
 def kernel() -> Any | None:
-    """The preloaded kernel's entry point, or None when this process lacks it."""
+    """The loaded kernel's entry point, or None when this process lacks it."""
     handle = ctypes.CDLL(None)
     if not hasattr(handle, "vq_attention") or not handle.vq_attention_supported():
         return None

@@ -4,7 +4,7 @@ Why this exists: on the CPU, ``mx.fast.scaled_dot_product_attention`` falls
 back to plain ops whose softmax calls a scalar ``exp`` per score (measured
 here: ~12 ns each, 8 ms for the 665k scores of one layer of a 65-token
 prompt over a 1,072-token cached prefix; the two matmuls around it take
-1.4 ms). Attention over a long context was therefore most of a cached
+1.4 ms). Attention over a long context is therefore most of a cached
 prompt's time to first token. This module computes the same attention with:
 
 - an ``exp`` built from MLX's vectorised elementwise ops (range reduction to
@@ -33,7 +33,7 @@ faster (a 65-token prompt over a 1,072-token cached prefix: 554 -> 412 ms;
 512 tokens cold: 3.29 -> 2.45 s), decode 3-6% faster.
 
 A prompt chunk (:data:`native_attention.MIN_QUERIES` query columns or more) goes
-further, where the BLAS forward is preloaded: to the C kernel of
+further, where the BLAS forward is loaded: to the C kernel of
 :mod:`~veloxquant_mlx.memory.native_attention`, whose softmax is one vectorised pass
 a row (a 4,096-token SmolLM2 prompt: 50.0 -> 25.5 s to its first token).
 
@@ -214,7 +214,7 @@ def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if isinstance(cache, PagedLayerCache):
             # Dropped unused too (a GPU call, another dtype): parts kept past their call
             # can pin the arena version they were read from, which on a GPU is a whole
-            # copy after each write (an unclosed batch held one until a gc: H200, 2026-12-04).
+            # copy after each write (an unclosed batch holds one until a gc).
             cache.parts = None
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks)

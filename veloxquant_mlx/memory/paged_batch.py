@@ -378,8 +378,8 @@ class PagedKVBatch:
         without this waits for Python's cycle collector, and so does the device
         memory of its last call's arrays: a prefill chunk's gathered keys and
         values, up to ``write_back`` held decode columns of every row and layer
-        (on the served tiny model, ~260 KB stayed after every request had ended
-        until a collection ran).
+        (on the served tiny model, ~260 KB stays after every request has ended
+        until a collection runs).
         """
         self.release()
         for cache in self.caches:

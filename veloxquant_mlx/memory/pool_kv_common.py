@@ -110,8 +110,8 @@ def allocate_kv(
         BlockPoolExhaustedError: One stream did not fit; nothing stays allocated.
     """
     # The stream with fewer free blocks first: on a split pool that cannot cover both
-    # it is the one that fails, before the other's blocks were taken and given back
-    # (which moved the allocation, free and peak counters for a call that failed).
+    # it is the one that fails, before the other's blocks are taken and given back
+    # (which would move the allocation, free and peak counters for a call that failed).
     v_first = pool.config.separate_kv and pool.n_free("v") < pool.n_free("k")
     first, second = ("v", "k") if v_first else ("k", "v")
     taken = pool.allocate(first, n_tokens, owner, format=fmt)

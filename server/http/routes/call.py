@@ -33,8 +33,8 @@ from server.http.errors import UnavailableError, engine_error
 # How long a waiting route hears nothing before it checks that the engine still runs
 # (its client leaving wakes it at once). Only a safety net: an engine that stops on
 # purpose tells every request itself. Each stream's wait timer fires this often while
-# the stream waits (server/deadline.py); at 0.1 s and 64 streams on the CPU that was
-# about a timer callback per streamed token.
+# the stream waits (server/deadline.py); at 0.1 s and 64 streams on the CPU that would
+# be about a timer callback per streamed token.
 ENGINE_CHECK_S = 1.0
 
 
@@ -73,14 +73,19 @@ class GenerationCall:
         params: Resolved sampling parameters.
         request_id: The id returned to the client.
         prompt_param: How an error about the prompt names it (``prompt[2]`` in a batch).
+        options: The request's ``score``, ``cache_salt`` and ``choices``
+            (:class:`~server.engine.protocol.GenerationRequest`).
     """
 
     def __init__(self, http_request: Request, engine: Any, prompt: Any,
-                 params: SamplingParams, request_id: str, prompt_param: str = "prompt") -> None:
+                 params: SamplingParams, request_id: str, prompt_param: str = "prompt",
+                 **options: Any) -> None:
         self.http_request = http_request
         self.engine = engine
         self.prompt_param = prompt_param
-        self.request = GenerationRequest(request_id, prompt, params, EventChannel())
+        # options: GenerationRequest's score, cache_salt and choices
+        self.request = GenerationRequest(request_id, prompt, params, EventChannel(),
+                                         **options)
         self.created = int(time.time())
         self.admitted: Admitted | None = None
         self._ahead: list[Any] = []  # events read early by prefilled(), delivered first

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.protocol import (
     TOOL_CALL_CLOSE,
     ChatPrompt,
+    ChoiceGroup,
     Finished,
     SamplingParams,
     TokenEvent,
 )
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
-from server.http.routes.fanout import Fanout, UsageTotal, shared_prefill
+from server.http.routes.conversation import messages_fit
+from server.http.routes.fanout import Fanout, UsageTotal, choice_group, shared_prefill
 from server.http.routes.logprobs import chat_entry
 from server.http.routes.params import (
+    cache_namespace,
     check_choices,
     check_model,
     check_stream_options,
@@ -29,18 +33,37 @@ from server.http.routes.params import (
     new_id,
     resolve_params,
 )
+from server.http.routes.reasoning import Thinking, thinking_of
 from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_stream
 from server.http.routes.structured import output_constraint
 from server.http.routes.tool_calls import ToolStream, parse_calls, whole_calls
+from server.http.routes.tool_formats import served_format
 from server.http.schemas import ChatCompletionRequest, ChatMessage
 from server.http.schemas.refusals import refuse_unsupported
+from server.http.schemas.template_kwargs import TemplateKwargs
 from server.http.schemas.tools import ToolPlan, tool_plan
+from server.http.unknown_fields import unknown_fields_of
 
 router = APIRouter()
 
 
-def chat_prompt(messages: list[ChatMessage], tools: ToolPlan) -> ChatPrompt:
-    """The conversation as the engine renders it, with the tools ``tools`` offers.
+# Conversations longer than this are built on a worker thread: past it, checking every
+# message would pause the event loop (and every stream it serves) for tens of milliseconds.
+BUILD_OFF_LOOP = 256
+
+
+async def built_prompt(messages: list[ChatMessage], tools: ToolPlan,
+                       template_kwargs: TemplateKwargs = ()) -> ChatPrompt:
+    """:func:`chat_prompt`, on a worker thread for a long conversation."""
+    if len(messages) <= BUILD_OFF_LOOP:
+        return chat_prompt(messages, tools, template_kwargs)
+    return await asyncio.to_thread(chat_prompt, messages, tools, template_kwargs)
+
+
+def chat_prompt(messages: list[ChatMessage], tools: ToolPlan,
+                template_kwargs: TemplateKwargs = ()) -> ChatPrompt:
+    """The conversation as the engine renders it, with the tools ``tools`` offers and the
+    template's extra variables.
 
     Raises:
         InvalidRequestError: A message's content cannot be rendered (non-text parts).
@@ -52,23 +75,30 @@ def chat_prompt(messages: list[ChatMessage], tools: ToolPlan) -> ChatPrompt:
         except ValueError as exc:
             raise InvalidRequestError(f"messages[{i}].content: {exc}",
                                       param=f"messages[{i}].content") from None
-        _require_unicode(rendered[-1], f"messages[{i}]")
+        require_unicode(rendered[-1], f"messages[{i}]")
     offered = tuple(f.as_tool() for f in tools.offered)
     for i, tool in enumerate(offered):
-        _require_unicode(tool, f"tools[{i}]")
-    return ChatPrompt(tuple(rendered), offered)
+        require_unicode(tool, f"tools[{i}]")
+    require_unicode(dict(template_kwargs), "chat_template_kwargs")
+    return ChatPrompt(tuple(rendered), offered, template_kwargs=template_kwargs)
 
 
-def _require_unicode(value: Any, where: str) -> None:
-    """Refuse a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON) before the tokenizer
-    does, in its own words ("TextEncodeInput must be Union[...]")."""
+def require_unicode(value: Any, where: str, code: str = "invalid_prompt") -> None:
+    """Refuse a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON) anywhere in ``value``
+    (strings, nested in objects and arrays): before the tokenizer does, in its own words
+    ("TextEncodeInput must be Union[...]"), or before a response echoing it fails to encode.
+
+    Raises:
+        InvalidRequestError: ``value`` holds one; ``where`` names the field, ``code`` is
+            the error's code (``invalid_prompt`` for what the model reads).
+    """
     text = json.dumps(value, ensure_ascii=False)
     try:
         text.encode()
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
             f"{where} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}); "
-            "send whole surrogate pairs", param=where, code="invalid_prompt") from None
+            "send whole surrogate pairs", param=where, code=code) from None
 
 
 async def with_grammar(params: SamplingParams, body: ChatCompletionRequest, engine: Any,
@@ -91,17 +121,25 @@ def _finish(tools: ToolPlan, finish: str, whole: bool = True) -> str:
     return "stop" if tools.mode == "named" else "tool_calls"
 
 
-def _message(text: str, finish: str, tools: ToolPlan) -> tuple[dict[str, Any], str]:
-    """The assistant message of one choice and its finish reason (see :func:`_finish`)."""
+def _message(text: str, finish: str, tools: ToolPlan,
+             thinking: Thinking | None = None) -> tuple[dict[str, Any], str]:
+    """The assistant message of one choice and its finish reason (see :func:`_finish`);
+    with ``thinking``, the reasoning apart in ``reasoning_content`` (calls are read from the
+    answer alone)."""
+    reasoning, text = thinking.split(text) if thinking is not None else ("", text)
     content, calls = parse_calls(text, tools) if tools.mode != "none" else (text, [])
+    message = {"role": "assistant", "content": content}
+    if thinking is not None:
+        message["reasoning_content"] = reasoning or None
     if not calls:
-        return {"role": "assistant", "content": content}, finish
+        return message, finish
     whole = not tools.forced_call or bool(whole_calls(text, tools))
-    return {"role": "assistant", "content": content, "tool_calls": calls}, \
-        _finish(tools, finish, whole)
+    return {**message, "tool_calls": calls}, _finish(tools, finish, whole)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[
+    Depends(messages_fit),
+    Depends(unknown_fields_of(ChatCompletionRequest, "/v1/chat/completions"))])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     """Answer a conversation n times (``stream: true`` for Server-Sent Events)."""
     engine = get_engine(request)
@@ -111,15 +149,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_stream_options(body)
     settings = request.app.state.settings
     check_choices(body.n, 1, settings)
-    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                      served_format(engine, settings.server.tool_call_parser))
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = resolve_params(body, settings, getattr(body, field), logprobs=body.logprobs,
                             top_logprobs=body.top_logprobs or 0, max_tokens_field=field)
-    prompt, rid = chat_prompt(body.messages, tools), new_id("chatcmpl", request)
+    prompt = await built_prompt(body.messages, tools, body.template_kwargs())
+    rid = new_id("chatcmpl", request)
     params = await with_grammar(params, body, engine, tools)
-    fanout = Fanout([GenerationCall(request, engine, prompt, for_choice(params, i),
-                                    rid if body.n == 1 else f"{rid}-{i}")
-                     for i in range(body.n)], shared_prefill(body.n, settings))
+    thinking = thinking_of(engine, settings, prompt, constrained=params.constraint is not None)
+    salt, group = cache_namespace(request, body.cache_salt), ChoiceGroup()
+    fanout = Fanout(choice_group(group, [
+        GenerationCall(request, engine, prompt, for_choice(params, i),
+                       rid if body.n == 1 else f"{rid}-{i}", cache_salt=salt, choices=group)
+        for i in range(body.n)]), shared_prefill(body.n, settings))
     try:
         await fanout.start()
     except ClientGone:
@@ -127,7 +170,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     base = {"id": rid, "created": int(time.time()), "model": engine.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(fanout, base, body.logprobs, include_usage, tools),
+        return StreamingResponse(_stream(fanout, base, body.logprobs, include_usage, tools,
+                                         thinking),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         outs = await fanout.collect()
@@ -137,7 +181,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     for i, out in enumerate(outs):
         usage.add(0, out.finished.usage)
         logprobs = {"content": [chat_entry(r) for r in out.logprobs]} if body.logprobs else None
-        message, finish = _message("".join(out.text_parts), out.finished.reason.value, tools)
+        message, finish = _message("".join(out.text_parts), out.finished.reason.value, tools,
+                                   thinking)
         choices.append({"index": i, "logprobs": logprobs, "message": message,
                         "finish_reason": finish})
     return JSONResponse({**base, "object": "chat.completion", "choices": choices,
@@ -145,11 +190,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_usage: bool,
-            tools: ToolPlan):
-    """SSE chunks; with tools, text that may be a call is held and sent as ``tool_calls``."""
+            tools: ToolPlan, thinking: Thinking | None = None):
+    """SSE chunks; with tools, text that may be a call is held and sent as ``tool_calls``;
+    with ``thinking``, the reasoning goes as ``reasoning_content`` deltas."""
     base = {**base, "object": "chat.completion.chunk"}
     usage = UsageTotal()
     held = [ToolStream(tools) if tools.mode != "none" else None for _ in fanout.calls]
+    splits = [thinking.splitter() if thinking is not None else None for _ in fanout.calls]
 
     def delta(i: int, content: dict[str, Any], finish: str | None, logprobs: Any = None):
         return {**base, "choices": [{"index": i, "delta": content, "logprobs": logprobs,
@@ -157,6 +204,8 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
 
     templates = [FrameTemplate(delta(i, {"content": TEXT_MARK}, None))
                  for i in range(len(fanout.calls))]
+    thought_templates = [FrameTemplate(delta(i, {"reasoning_content": TEXT_MARK}, None))
+                         for i in range(len(fanout.calls))] if thinking is not None else []
 
     # Log-probability entries of text held back (a possible tool call): they go out with it.
     pending: list[list[dict[str, Any]]] = [[] for _ in fanout.calls]
@@ -164,9 +213,13 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
     def on_token(i: int, event: TokenEvent) -> dict[str, Any] | bytes | None:
         if want_logprobs:
             pending[i] += [chat_entry(r) for r in event.logprobs]
-        text = event.text if held[i] is None else held[i].feed(event.text)
+        thought, text = ("", event.text) if splits[i] is None else splits[i].feed(event.text)
+        text = text if held[i] is None else held[i].feed(text)
+        # (a forced call is never split: its grammar leaves the model no room to think)
         if held[i] is not None and (piece := held[i].call_delta()) is not None:
             return delta(i, {"tool_calls": [piece]}, None)  # a forced call, as it is written
+        if thought:
+            return thought_chunk(i, thought, text)
         if not text and (held[i] is not None or not pending[i]):
             return None  # nothing to send yet (held back: it may be part of a tool call)
         if pending[i]:
@@ -174,19 +227,33 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
             return delta(i, {"content": text}, None, {"content": entries})
         return templates[i].frame(text)
 
+    def thought_chunk(i: int, thought: str, text: str) -> dict[str, Any] | bytes:
+        """A reasoning delta; with the answer's first text when the block closed in it."""
+        if not text and not pending[i]:
+            return thought_templates[i].frame(thought)
+        entries, pending[i] = pending[i], []
+        piece = {"reasoning_content": thought, **({"content": text} if text else {})}
+        return delta(i, piece, None, {"content": entries} if entries else None)
+
     def on_finish(i: int, event: Finished) -> list[dict[str, Any]]:
         usage.add(0, event.usage)
+        thought, tail = ("", event.text) if splits[i] is None else splits[i].finish(event.text)
+        return ([delta(i, {"reasoning_content": thought}, None)] if thought else []) + \
+            closing(i, tail, event.reason.value)
+
+    def closing(i: int, tail: str, reason: str) -> list[dict[str, Any]]:
+        """The answer's last chunks: text held back, whole calls, the finish reason."""
         stream = held[i]
         if stream is None:
-            return [delta(i, {"content": event.text} if event.text else {}, event.reason.value)]
-        now = stream.feed(event.text)
+            return [delta(i, {"content": tail} if tail else {}, reason)]
+        now = stream.feed(tail)
         if stream.call is not None:  # a forced call already streaming: its last piece
             piece, whole = stream.finish_call()
             entries, pending[i] = pending[i], []
             chunks = [delta(i, {"tool_calls": [piece]}, None)] if piece else []
             if entries:
                 chunks.insert(0, delta(i, {}, None, {"content": entries}))
-            return chunks + [delta(i, {}, _finish(tools, event.reason.value, whole))]
+            return chunks + [delta(i, {}, _finish(tools, reason, whole))]
         rest, calls = stream.finish()
         rest = now + rest
         entries, pending[i] = pending[i], []
@@ -194,7 +261,7 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
         chunks = [delta(i, {"content": rest}, None, logprobs)] if rest or entries else []
         chunks += [delta(i, {"tool_calls": [{"index": k, **call}]}, None)
                    for k, call in enumerate(calls)]
-        finish = _finish(tools, event.reason.value) if calls else event.reason.value
+        finish = _finish(tools, reason) if calls else reason
         return chunks + [delta(i, {}, finish)]
 
     def last() -> list[dict[str, Any]]:

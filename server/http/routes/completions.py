@@ -6,17 +6,18 @@ import dataclasses
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import Finished, SamplingParams, TokenEvent
+from server.engine.protocol import ChoiceGroup, Finished, SamplingParams, TokenEvent
 from server.http.errors import CLIENT_CLOSED, APIError, InvalidRequestError
 from server.http.request_log import RequestLog
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
-from server.http.routes.echo import score_prompts
-from server.http.routes.fanout import Fanout, UsageTotal, shared_prefill
+from server.http.routes.echo import echo_prompts
+from server.http.routes.fanout import Fanout, UsageTotal, choice_group, shared_prefill
 from server.http.routes.logprobs import LegacyLogprobs, merge_legacy
 from server.http.routes.params import (
+    cache_namespace,
     check_choices,
     check_model,
     check_stream_options,
@@ -28,6 +29,7 @@ from server.http.routes.sse import SSE_HEADERS, TEXT_MARK, FrameTemplate, sse_st
 from server.http.routes.structured import output_constraint
 from server.http.schemas import CompletionRequest
 from server.http.schemas.refusals import refuse_unsupported
+from server.http.unknown_fields import unknown_fields_of
 
 router = APIRouter()
 
@@ -60,7 +62,8 @@ def _check(body: CompletionRequest, n_prompts: int, settings: Any) -> None:
                                   "echo: true (to score the prompt)", param="max_tokens")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions",
+             dependencies=[Depends(unknown_fields_of(CompletionRequest, "/v1/completions"))])
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """Complete each prompt n times (``stream: true`` for Server-Sent Events)."""
     engine = get_engine(request)
@@ -74,9 +77,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = dataclasses.replace(params, constraint=constraint)
     rid = new_id("cmpl", request)
     try:
-        echoes = await _scored(request, engine, prompts, body.logprobs, rid,
+        echoes = await _echoes(request, engine, prompts, body.logprobs, rid,
                                params.max_tokens == 0) if body.echo else None
-        fanout = Fanout(_calls(request, engine, prompts, body.n, params, rid),
+        fanout = Fanout(_calls(request, engine, prompts, body.n, params, rid,
+                               cache_namespace(request, body.cache_salt)),
                         shared_prefill(body.n, settings))
         await fanout.start()
     except ClientGone:
@@ -94,38 +98,49 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(answer.json(outs))
 
 
-async def _scored(request: Request, engine: Any, prompts: list[str | list[int]],
+async def _echoes(request: Request, engine: Any, prompts: list[str | list[int]],
                   top_n: int | None, rid: str, only: bool) -> list[Any]:
-    """The ``echo`` scoring jobs; their request log line when no generation follows.
+    """The echoed prompts (scored when ``top_n`` is not None).
+
+    A scoring request writes its own request log line, as every engine request
+    does; an echo that is only tokenized writes one here when no generation follows.
 
     Raises:
         APIError: A prompt was refused or scoring failed.
         ClientGone: The client left while the prompts were scored.
     """
     started = time.monotonic()
+    log = only and top_n is None  # no engine request writes this request's line
     try:
-        jobs = await score_prompts(request, engine, prompts, top_n)
+        echoes = await echo_prompts(request, engine, prompts, top_n, rid)
     except ClientGone:
-        RequestLog.scored(rid, CLIENT_CLOSED, None, started)
+        if log:
+            RequestLog.scored(rid, CLIENT_CLOSED, None, started)
         raise
     except APIError as exc:
-        RequestLog.scored(rid, exc.status, None, started, exc.code)
+        if log:
+            RequestLog.scored(rid, exc.status, None, started, exc.code)
         raise
-    if only:  # max_tokens 0: no generation call writes a line for this request
-        RequestLog.scored(rid, 200, sum(len(job.ids) for job in jobs), started)
-    return jobs
+    if log:
+        RequestLog.scored(rid, 200, sum(len(echo.ids) for echo in echoes), started)
+    return echoes
 
 
 def _calls(request: Request, engine: Any, prompts: list[str | list[int]], n: int,
-           params: SamplingParams, rid: str) -> list[GenerationCall]:
-    """One call per choice (none with ``max_tokens: 0``): choice j = prompt p x n + i."""
+           params: SamplingParams, rid: str, salt: str | None) -> list[GenerationCall]:
+    """One call per choice (none with ``max_tokens: 0``): choice j = prompt p x n + i; the
+    n choices of a prompt are one group (admitted together)."""
     if params.max_tokens == 0:
         return []
-    total = len(prompts) * n
-    return [GenerationCall(request, engine, prompts[j // n], for_choice(params, j % n),
-                           rid if total == 1 else f"{rid}-{j}",
-                           "prompt" if len(prompts) == 1 else f"prompt[{j // n}]")
-            for j in range(total)]
+    total, calls = len(prompts) * n, []
+    for p, prompt in enumerate(prompts):
+        group = ChoiceGroup()
+        calls += choice_group(group, [
+            GenerationCall(request, engine, prompt, for_choice(params, i),
+                           rid if total == 1 else f"{rid}-{p * n + i}",
+                           "prompt" if len(prompts) == 1 else f"prompt[{p}]",
+                           cache_salt=salt, choices=group) for i in range(n)])
+    return calls
 
 
 class _Answer:
@@ -133,7 +148,7 @@ class _Answer:
 
     Args:
         body: The request.
-        echoes: One scoring job per prompt when ``echo`` (text, tokens, log-probs).
+        echoes: One :class:`~server.http.routes.echo.Echo` per prompt when ``echo``.
         base: ``id``, ``object``, ``created``, ``model`` of every chunk.
         total: Choices (prompts x n).
     """
@@ -151,11 +166,11 @@ class _Answer:
 
     def _echo(self, j: int) -> tuple[str, dict[str, Any] | None]:
         """Choice j's echoed prompt text and its legacy log-probabilities (or None)."""
-        job = self.echoes[j // self.n]
+        echo = self.echoes[j // self.n]
         logprobs = None
         if self.want_logprobs:
-            logprobs = self.legacy[j].chunk(job.logprobs, first=job.tokens[0])
-        return job.text, logprobs
+            logprobs = self.legacy[j].chunk(echo.logprobs, first=echo.tokens[0])
+        return echo.text, logprobs
 
     def _choice(self, j: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
         return {"index": j, "text": text, "logprobs": logprobs, "finish_reason": finish}

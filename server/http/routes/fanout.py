@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.engine.protocol import Finished, TokenEvent, Usage
+from server.engine.protocol import ChoiceGroup, Finished, TokenEvent, Usage
 from server.http.routes.call import GenerationCall, Outcome
 
 _END = object()  # a pump's last item: its call has no more events
@@ -152,6 +152,13 @@ class Fanout:
             for task in tasks:
                 task.cancel()
             self.cancel()
+
+
+def choice_group(group: ChoiceGroup, calls: list[GenerationCall]) -> list[GenerationCall]:
+    """``calls`` (one prompt's choices), their requests made the members of ``group``,
+    which the scheduler admits together or not at all (server.engine.choices)."""
+    group.members = [call.request for call in calls]
+    return calls
 
 
 def shared_prefill(n: int, settings: Any) -> int:

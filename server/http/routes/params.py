@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from typing import Any
 
@@ -27,6 +28,19 @@ _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 SEED_MODULUS = 2**64
 
 
+def cache_namespace(request: Request, salt: str | None) -> str | None:
+    """The prefix-cache namespace of a request (``GenerationRequest.cache_salt``).
+
+    The client's ``cache_salt``; with ``cache.isolation = "api_key"``, inside the
+    namespace of the bearer token it presented, so a client never matches
+    blocks another key's prompts left (the token is hashed, never kept).
+    """
+    if request.app.state.settings.cache.isolation != "api_key":
+        return salt
+    token = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+    return f"key:{hashlib.sha256(token).hexdigest()}:{salt or ''}"
+
+
 def new_id(prefix: str, request: Request | None = None, sep: str = "-") -> str:
     """A generation's id such as ``cmpl-3f2a...``: the HTTP request's ``x-request-id``
     after the prefix when there is one (so either finds the request's log line)."""
@@ -48,11 +62,16 @@ def _token_id(key: str) -> int:
 
 
 def check_model(requested: str | None, engine: Any) -> None:
-    """404 when the client names a model this server does not serve."""
-    if requested and requested not in (engine.model_name, "default"):
+    """404 when the client names a model this server does not serve.
+
+    Any of the model's served names is accepted (``model.served_name`` may list aliases),
+    and ``"default"``.
+    """
+    if requested and requested not in (*engine.served_names, "default"):
+        names = ", ".join(repr(name) for name in engine.served_names)
         raise APIError(
             f"model {quoted(requested)} is not served here; this server serves "
-            f"{engine.model_name!r} (see GET /v1/models)",
+            f"{names} (see GET /v1/models)",
             param="model", code="model_not_found", status=404,
         )
 

@@ -24,25 +24,34 @@ a hint (see the schema module).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.protocol import Finished, FinishReason, SamplingParams, TokenEvent, Usage
 from server.http.errors import CLIENT_CLOSED, APIError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
-from server.http.routes.chat import chat_prompt, with_grammar
+from server.http.routes.chat import (
+    BUILD_OFF_LOOP,
+    built_prompt,
+    require_unicode,
+    with_grammar,
+)
+from server.http.routes.conversation import input_fits
 from server.http.routes.fanout import Fanout
 from server.http.routes.logprobs import chat_entry
-from server.http.routes.params import check_model, new_id, resolve_params
+from server.http.routes.params import cache_namespace, check_model, new_id, resolve_params
 from server.http.routes.sse import SSE_HEADERS, sse
 from server.http.routes.tool_calls import ToolStream, parse_calls
-from server.http.schemas.chat import ChatMessage
+from server.http.routes.tool_formats import served_format
+from server.http.routes.truncation import fewest_to_drop, trimmed_to_fit, without_oldest
+from server.http.schemas.chat import ChatCompletionRequest, ChatMessage
 from server.http.schemas.responses import (
     ResponsesRequest,
     chat_request,
@@ -50,26 +59,34 @@ from server.http.schemas.responses import (
     refuse_unsupported,
 )
 from server.http.schemas.tools import ToolPlan, tool_plan
+from server.http.unknown_fields import unknown_fields_of
 
 router = APIRouter()
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", dependencies=[
+    Depends(input_fits), Depends(unknown_fields_of(ResponsesRequest, "/v1/responses"))])
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     """Answer ``input`` once (``stream: true`` for the typed events)."""
     engine = get_engine(request)
     check_model(body.model, engine)
     refuse_unsupported(body)
-    chat = chat_request(body)
+    _refuse_unencodable_echoes(body)
+    chat = await _as_chat(body)
     rid = new_id("resp", request, sep="_")  # OpenAI writes these ids with an underscore
     try:
-        tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        tools = tool_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                          served_format(engine, request.app.state.settings.server.tool_call_parser))
         params = resolve_params(chat, request.app.state.settings, chat.max_completion_tokens,
                                 logprobs=chat.logprobs, top_logprobs=chat.top_logprobs or 0,
                                 max_tokens_field="max_output_tokens")
+        truncate = body.truncation == "auto"  # (else input_fits refused what cannot fit)
+        messages = await asyncio.to_thread(trimmed_to_fit, engine, chat.messages) \
+            if truncate else chat.messages
         params = await with_grammar(params, chat, engine, tools)
-        fanout = await _admitted(request, engine, chat.messages, tools, params, rid,
-                                 truncate=body.truncation == "auto")
+        fanout = await _admitted(request, engine, messages, tools, params, rid,
+                                 truncate=truncate,
+                                 salt=cache_namespace(request, body.cache_salt))
     except APIError as exc:  # a check shared with chat names chat's fields
         raise in_responses_terms(exc) from None
     except ClientGone:
@@ -88,38 +105,58 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(shape.response(shape.items(content, calls, entries), out.finished))
 
 
+# Fields the response object echoes as sent that the model never reads: a lone surrogate in
+# one is found by no prompt check, and the answer would fail to encode after generating.
+_ECHOED = ("metadata", "user", "prompt_cache_key", "safety_identifier", "tool_choice", "text")
+
+
+def _refuse_unencodable_echoes(body: ResponsesRequest) -> None:
+    """400 naming the first echoed field that holds a lone UTF-16 surrogate (valid JSON,
+    not encodable as UTF-8), before anything is generated.
+
+    ``tools`` are echoed too and also rendered into the prompt: refused as chat refuses them.
+    """
+    for field in _ECHOED:
+        require_unicode(getattr(body, field), field, code="invalid_value")
+    for i, tool in enumerate(body.tools or ()):
+        require_unicode(tool, f"tools[{i}]")
+
+
+async def _as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """:func:`chat_request`, on a worker thread for a long input: validating every item
+    would pause the event loop (and every stream it serves) for tenths of a second."""
+    if isinstance(body.input, list) and len(body.input) > BUILD_OFF_LOOP:
+        return await asyncio.to_thread(chat_request, body)
+    return chat_request(body)
+
+
 async def _admitted(request: Request, engine: Any, messages: list[ChatMessage],
                     tools: ToolPlan, params: SamplingParams, rid: str, *,
-                    truncate: bool) -> Fanout:
+                    truncate: bool, salt: str | None) -> Fanout:
     """The request's generation, started; with ``truncate`` (``truncation: "auto"``), the
-    oldest input items go, one at a time, while the rest leaves the context no room.
+    oldest input items go while the rest leaves the context no room
+    (:mod:`server.http.routes.truncation`: the first refusal finds how many must go by a
+    search over rendered token counts, later ones drop one more at a time).
 
     System and developer messages (``instructions`` among them) and the last item stay;
     a tool result whose call went is dropped with it (templates expect the pair).
     """
+    searched = False
     while True:
-        fanout = Fanout([GenerationCall(request, engine, chat_prompt(messages, tools),
-                                        params, rid)])
+        prompt = await built_prompt(messages, tools)
+        fanout = Fanout([GenerationCall(request, engine, prompt, params, rid, cache_salt=salt)])
         try:
             await fanout.start()
             return fanout
         except APIError as exc:
-            shorter = _without_oldest(messages) if truncate else None
-            if exc.code != "context_length_exceeded" or shorter is None:
+            if not truncate or exc.code != "context_length_exceeded":
                 raise
-            messages = shorter
-
-
-def _without_oldest(messages: list[ChatMessage]) -> list[ChatMessage] | None:
-    """``messages`` less their oldest droppable item, or None when none can go."""
-    first = next((i for i, m in enumerate(messages[:-1])
-                  if m.role not in ("system", "developer")), None)
-    if first is None:
-        return None
-    out = messages[:first] + messages[first + 1:]
-    while first < len(out) - 1 and out[first].role == "tool":  # results of a dropped call
-        del out[first]
-    return out
+            limit = request.app.state.settings.limits.max_prompt_tokens
+            shorter = without_oldest(messages) if searched else \
+                await fewest_to_drop(engine, messages, prompt, params, limit)
+            if shorter is None:
+                raise
+            messages, searched = shorter, True
 
 
 class ResponseShape:

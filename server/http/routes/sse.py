@@ -62,7 +62,7 @@ class FrameTemplate:
     """The SSE frames of one chunk shape in which only one string differs per frame.
 
     A streamed token's chunk is the same dict every time (id, model, choice
-    index, ``null`` fields) but for its text. Encoding that dict per token was
+    index, ``null`` fields) but for its text. Encoding that dict per token costs
     about a tenth of the event loop's CPU at 64 streams; here it is encoded
     once, with :data:`TEXT_MARK` in place of the text, and each frame is the
     encoded text spliced in: the same bytes :func:`sse` gives (checked by the

@@ -53,9 +53,10 @@ async def health(request: Request) -> JSONResponse:
     return error_response(UnavailableError(message), request.app.state.settings)
 
 
-def _model_object(request: Request) -> dict[str, Any]:
+def _model_object(request: Request, name: str) -> dict[str, Any]:
+    """The model's object under one of its served names."""
     engine = request.app.state.engine
-    body = {"id": engine.model_name, "object": "model",
+    body = {"id": name, "object": "model",
             "created": request.app.state.started_at, "owned_by": "veloxquant"}
     context = getattr(engine, "context_length", None)
     if context is not None:  # vLLM's name for it, which clients already read
@@ -70,25 +71,28 @@ def _model_object(request: Request) -> dict[str, Any]:
 
 @models_router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    """The one served model, in the OpenAI list shape."""
-    data = [_model_object(request)] if request.app.state.engine.model_name else []
-    return JSONResponse({"object": "list", "data": data})
+    """The served model under each of its names (the primary first), in the OpenAI list
+    shape: clients pick an id from this list and send it back."""
+    names = request.app.state.engine.served_names
+    return JSONResponse({"object": "list", "data": [_model_object(request, n) for n in names]})
 
 
 # ":path": a served name may hold a slash ("org/name"), which the openai client sends as is.
 @models_router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
-    """The served model's object (``client.models.retrieve``); 404 for any other id."""
-    served = request.app.state.engine.model_name
+    """The served model's object under ``model_id``, one of its names
+    (``client.models.retrieve``); 404 for any other id."""
+    served = request.app.state.engine.served_names
     if not model_id:  # "/v1/models/": no redirects here, so say what was meant
         raise APIError("no model id after /v1/models/; GET /v1/models (no trailing slash) "
                        "lists the served model", param="model", code="model_not_found",
                        status=404)
-    if not served or model_id != served:
+    if model_id not in served:
+        names = ", ".join(repr(name) for name in served)
         raise APIError(f"model {quoted(model_id)} is not served here; this server serves "
-                       f"{served!r} (see GET /v1/models)", param="model",
+                       f"{names} (see GET /v1/models)", param="model",
                        code="model_not_found", status=404)
-    return JSONResponse(_model_object(request))
+    return JSONResponse(_model_object(request, model_id))
 
 
 @router.get("/metrics", dependencies=[Depends(require_metrics_key)])

@@ -18,28 +18,34 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from server.engine.protocol import Rejected
 from server.http.errors import engine_error
 from server.http.routes.call import get_engine
-from server.http.routes.chat import chat_prompt
+from server.http.routes.chat import built_prompt
+from server.http.routes.conversation import messages_fit
 from server.http.routes.params import check_model
+from server.http.schemas.template_kwargs import checked_template_kwargs
 from server.http.schemas.tokens import DetokenizeRequest, TokenizeRequest
 from server.http.schemas.tools import tool_plan
 
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", dependencies=[Depends(messages_fit)])
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    """The prompt's ids and their count, and the server's prompt limit beside them."""
+    """The prompt's ids and their count, and the server's prompt limit beside them.
+
+    A conversation that could never fit ``limits.max_prompt_tokens`` is refused (400)
+    before it is rendered (:mod:`server.http.routes.conversation`)."""
     engine = get_engine(request)
     check_model(body.model, engine)
     if body.messages is not None:
-        prompt = replace(chat_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None)),
-                         generation_prompt=body.add_generation_prompt)
+        chat = await built_prompt(body.messages, tool_plan(body.tools, body.tool_choice, None),
+                                  checked_template_kwargs(body.chat_template_kwargs))
+        prompt = replace(chat, generation_prompt=body.add_generation_prompt)
     else:
         prompt = body.text
     ids = await asyncio.to_thread(engine.tokenize, prompt, body.adds_special, body.parse_special)

@@ -4,6 +4,8 @@ The model writes calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_c
 (the convention :mod:`server.engine.chat_render` teaches, and Hermes/Qwen
 templates use), or as bare JSON, one object or a list (Llama 3.1 style; also
 what a forced call is, since constrained decoding emits exactly that JSON).
+A plan whose ``call_format`` names another syntax (Llama 3 JSON, Mistral,
+pythonic: :mod:`server.http.routes.tool_formats`) is read in that one first.
 A candidate counts as a call only when it parses, names an offered function
 and has object arguments (``"parameters"`` is taken for ``"arguments"``);
 anything else stays text, so a model that merely talks about JSON is not
@@ -14,44 +16,20 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from typing import Any
 
 from server.engine.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from server.http.routes.tool_formats import SYNTAXES, call_from, tool_call
 from server.http.schemas.tools import ToolPlan
 
 _TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) +
                      r"|\Z)", re.DOTALL)
 
 
-def _call(obj: Any, names: set[str]) -> dict[str, Any] | None:
-    """An OpenAI tool call from a parsed candidate, or None when it is not one."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return _tool_call(obj["name"], json.dumps(args))
-
-
-def _tool_call(name: str, arguments: str) -> dict[str, Any]:
-    """An OpenAI tool call object with a fresh id (``arguments`` as JSON text)."""
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
 def _bare(text: str, names: set[str]) -> list[dict[str, Any]]:
     """Calls when the whole text is one JSON call or a list of them; else none."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return []
-    calls = [_call(o, names) for o in (obj if isinstance(obj, list) else [obj])]
+    obj = _loads(text)
+    calls = [call_from(o, names) for o in (obj if isinstance(obj, list) else [obj])]
     return calls if calls and all(calls) else []
 
 
@@ -64,6 +42,10 @@ def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
     before it, which ends the text, goes with it.
     """
     names = {f.name for f in plan.offered}
+    own = SYNTAXES[plan.call_format].parse
+    found = own(text, names) if own is not None else None
+    if found is not None:
+        return found
     calls = _bare(text.strip(), names)
     if calls:
         return "", calls
@@ -74,7 +56,7 @@ def _split(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any]]]:
         cut = match.end() == len(text) and not text.endswith(TOOL_CALL_CLOSE)
         if cut:  # the cut may fall inside the closing tag, after a whole call
             inside = inside[:len(inside) - _tag_start_at_end(inside, TOOL_CALL_CLOSE)]
-        call = _call(_loads(inside), names)
+        call = call_from(_loads(inside), names)
         if call is None and not cut:
             continue  # not a call: stays text
         before = text[at:match.start()]
@@ -125,22 +107,34 @@ def _cut_call(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
     match = _CUT_CALL.match(text)
     if match is None or match.group(1) not in {f.name for f in plan.offered}:
         return []
-    return [_tool_call(match.group(1), text[match.end():])]
+    return [tool_call(match.group(1), text[match.end():])]
 
 
 def _loads(text: str) -> Any:
+    """The JSON value of ``text``, or None (also for nesting deeper than the parser goes)."""
     try:
         return json.loads(text.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
+
+
+def _held_from(text: str, sent: int, markers: tuple[str, ...]) -> int:
+    """Where ``text`` must be held from: its first marker after ``sent``, else a tail
+    that may begin one."""
+    found = [at for marker in markers if (at := text.find(marker, sent)) >= 0]
+    if found:
+        return min(found)
+    return len(text) - max(_tag_start_at_end(text[sent:], marker) for marker in markers)
 
 
 class ToolStream:
     """One streamed choice's text, held back where it may be a tool call.
 
     Text is passed on as content until it could be the start of a call: a
-    ``<tool_call>`` tag (or the start of one at the end of what came so far),
-    or an answer that opens with ``{`` or ``[``. From there it is held, and
+    marker of the plan's syntax (``<tool_call>``, Mistral's ``[TOOL_CALLS]``) or
+    the start of one at the end of what came so far, or an answer that opens
+    (or may yet open) with what opens calls there (``{``, ``[``, ``<|python_tag|>``
+    for Llama 3, ``<|python_start|>`` for pythonic). From there it is held, and
     :meth:`finish` says whether it was a call. A forced call is never content:
     :meth:`call_delta` streams it as OpenAI streams calls, its name (with the
     call's id) once the grammar's ``{"name": ..., "arguments": `` wrapper has
@@ -150,6 +144,7 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
+        self.syntax = SYNTAXES[plan.call_format]
         self.text = ""  # everything so far
         self.sent = 0  # characters of text already passed on as content
         self.call: dict[str, Any] | None = None  # a forced call whose name went out
@@ -159,16 +154,25 @@ class ToolStream:
     def feed(self, piece: str) -> str:
         """Add generated text; returns what can be sent as content now."""
         self.text += piece
-        if self.plan.forced_call or self.text.lstrip()[:1] in ("{", "["):
+        if self.plan.forced_call or self._opens_call():
             return ""
-        held = self.text.find(TOOL_CALL_OPEN, self.sent)
-        if held < 0:  # keep back a tail that may be the start of a tag
-            held = len(self.text) - _tag_start_at_end(self.text[self.sent:], TOOL_CALL_OPEN)
+        held = _held_from(self.text, self.sent, self.syntax.markers)
         # Whitespace waits for the text after it: before a call (or at the end of an
         # answer with calls) it is not content, as the non-streamed answer strips it.
         out = self.text[self.sent:held].rstrip()
         self.sent += len(out)
         return out
+
+    def _opens_call(self) -> bool:
+        """Whether the answer starts, or may yet start, with what opens calls there.
+
+        Once text went out, its start opened nothing, and a longer start opens nothing either.
+        """
+        if self.sent:
+            return False
+        start = self.text.lstrip()
+        return bool(start) and any(start.startswith(opener) or opener.startswith(start)
+                                   for opener in self.syntax.openers)
 
     def call_delta(self) -> dict[str, Any] | None:
         """A forced call's next streamed piece (``delta.tool_calls[0]``), if one is ready."""
@@ -181,7 +185,7 @@ class ToolStream:
             if (match is None or match.end() == len(self.text)
                     or match.group(1) not in {f.name for f in self.plan.offered}):
                 return None
-            self.call, self.args_at = _tool_call(match.group(1), ""), match.end()
+            self.call, self.args_at = tool_call(match.group(1), ""), match.end()
             # The name alone, arguments "" (as OpenAI's first piece); they follow.
             return {**piece, "id": self.call["id"], "type": "function",
                     "function": {"name": match.group(1), "arguments": ""}}

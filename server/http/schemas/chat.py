@@ -9,6 +9,7 @@ from pydantic import Field
 
 from server.http.errors import InvalidRequestError
 from server.http.schemas.common import STRICT_BODY, OpenAIModel, SamplingFields
+from server.http.schemas.template_kwargs import TemplateKwargs, checked_template_kwargs
 
 
 class ToolCallFunction(OpenAIModel):
@@ -89,13 +90,17 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Variables for the chat template (server.http.schemas.template_kwargs): vLLM's object,
+    # OpenAI's reasoning_effort and the top-level enable_thinking some front ends send.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    enable_thinking: bool | None = None
     # Refused unless left at their default (refusals.refuse_unsupported).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     moderation: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     web_search_options: dict[str, Any] | None = None
     # No effect by definition: OpenAI platform metadata, storage, caching and billing hints,
@@ -108,6 +113,16 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> TemplateKwargs:
+        """The chat template's extra variables (:mod:`server.http.schemas.template_kwargs`).
+
+        Raises:
+            InvalidRequestError: A ``chat_template_kwargs`` key the server sets itself.
+        """
+        return checked_template_kwargs(self.chat_template_kwargs,
+                                       reasoning_effort=self.reasoning_effort,
+                                       enable_thinking=self.enable_thinking)
 
     def check_logprobs(self) -> None:
         """``top_logprobs`` needs ``logprobs: true`` (a 400 naming it, as OpenAI answers).

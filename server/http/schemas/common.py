@@ -32,13 +32,13 @@ class OpenAIModel(BaseModel):
         return data
 
 
-# The endpoints' own bodies: a field none of them knows is a 400 naming it, as OpenAI
-# answers, not a typo (``temprature``) or another server's extension (vLLM's
-# ``guided_json``) dropped while the client believes it took effect. Every field of the
-# ``openai`` package's request types is declared (tests/server/test_openai_fields.py).
-# Nested objects (messages, tools) stay lenient: clients send back the SDK's own
-# message objects, whose extra keys differ between releases.
-STRICT_BODY = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# The endpoints' own bodies. Every field of the ``openai`` package's request types is
+# declared (tests/server/test_openai_fields.py); a field none of them knows is left out
+# here and handled by ``server.unknown_fields`` before validation (ignored and logged, or
+# a 400 naming it: server/http/unknown_fields.py). Nested objects (messages, tools) keep
+# extra keys too: clients send back the SDK's own message objects, whose keys differ
+# between releases.
+STRICT_BODY = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -85,6 +85,9 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = Field(
         default=None, description="Only with stream: true (400 otherwise, as OpenAI).")
     user: str | None = None
+    cache_salt: str | None = Field(
+        default=None, min_length=1, description="Prefix-cache namespace (vLLM's field): "
+        "cached prompt blocks are shared only by requests with the same salt.")
     # "text", "json_object" or "json_schema": enforced by constrained decoding
     # (server.http.routes.structured).
     response_format: dict[str, Any] | None = None

@@ -4,7 +4,7 @@ A field the server accepts must have its effect; one it cannot honour is
 refused with ``param`` set to it, so a client learns at once instead of
 getting output that quietly ignores what it asked for: OpenAI platform
 features that a text-only, self-hosted model has no way to honour (audio,
-moderation, reasoning effort, web search), the completions ``suffix``
+moderation, verbosity, web search), the completions ``suffix``
 (insertion), and the deprecated ``functions`` / ``function_call`` (their
 replacement, ``tools`` / ``tool_choice``, is served).
 
@@ -35,8 +35,6 @@ def refuse_unsupported(body: Any) -> None:
         raise _unsupported("modalities", "this server generates text only (use [\"text\"])")
     if getattr(body, "moderation", None) is not None:
         raise _unsupported("moderation", "this server runs no moderation model")
-    if getattr(body, "reasoning_effort", None) is not None:
-        raise _unsupported("reasoning_effort", "the served model has no reasoning mode")
     if getattr(body, "verbosity", None) is not None:
         raise _unsupported("verbosity", "the served model has no verbosity control")
     if getattr(body, "web_search_options", None) is not None:

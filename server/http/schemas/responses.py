@@ -65,6 +65,7 @@ class ResponsesRequest(OpenAIModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None

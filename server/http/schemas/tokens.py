@@ -35,6 +35,9 @@ class TokenizeRequest(OpenAIModel):
     tool_choice: str | dict[str, Any] | None = Field(
         default=None, description="With tools, as chat takes it: \"none\" offers none, a "
                                   "named function only that one.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="With messages (vLLM's option): extra variables for the "
+                                  "chat template, as chat takes them.")
 
     add_generation_prompt: bool = Field(
         default=True, description="With messages (vLLM's option): end with the opening of "
@@ -61,8 +64,10 @@ class TokenizeRequest(OpenAIModel):
                  if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of prompt (or llama.cpp's content) and messages")
-        if (self.tools is not None or self.tool_choice is not None) and self.messages is None:
-            raise ValueError("tools and tool_choice go with messages, not with prompt")
+        if (self.tools is not None or self.tool_choice is not None
+                or self.chat_template_kwargs is not None) and self.messages is None:
+            raise ValueError("tools, tool_choice and chat_template_kwargs go with messages, "
+                             "not with prompt")
         if not self.add_generation_prompt and self.messages is None:
             raise ValueError("add_generation_prompt goes with messages, not with a text prompt")
         if self.add_special_tokens is not None and self.add_special is not None:

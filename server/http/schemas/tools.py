@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from server.engine.protocol import ConstraintError
 from server.http.errors import InvalidRequestError
+from server.schema_depth import check_depth
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -52,6 +54,8 @@ class ToolPlan:
     forced: str | None  # the function's name in "named" mode
     parallel: bool
     allowed: tuple[str, ...] | None = None  # tool_choice allowed_tools: the only ones offered
+    # The syntax the model writes calls in (server.http.routes.tool_formats.SYNTAXES).
+    call_format: str = "hermes"
 
     @property
     def offered(self) -> tuple[Function, ...]:
@@ -155,13 +159,22 @@ def _function(i: int, tool: Any) -> Function:
     if not isinstance(parameters, dict):
         raise InvalidRequestError(f"{where}.function.parameters must be a JSON Schema object",
                                   param=f"{where}.function.parameters")
+    _check_depth(parameters, f"{where}.function.parameters")
     if parameters.get("type", "object") != "object":
         # A call's arguments are a JSON object (OpenAI's rule too); a forced call with other
-        # arguments was generated, then not recognised as a call.
+        # arguments would be generated, then not recognised as a call.
         raise InvalidRequestError(f"{where}.function.parameters must describe an object "
                                   f"(\"type\": \"object\"), not {parameters['type']!r}",
                                   param=f"{where}.function.parameters")
     return Function(name, description, parameters)
+
+
+def _check_depth(parameters: dict[str, Any], param: str) -> None:
+    """Refuse ``parameters`` nested too deep to walk (rendered, rewritten and compiled later)."""
+    try:
+        check_depth(parameters, param)
+    except ConstraintError as exc:
+        raise InvalidRequestError(exc.message, param=exc.param) from None
 
 
 def _allowed(spec: Any, names: set[str]) -> tuple[str, tuple[str, ...]]:
@@ -211,11 +224,15 @@ def _choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any,
-              parallel_tool_calls: bool | None) -> ToolPlan:
+              parallel_tool_calls: bool | None, call_format: str = "hermes") -> ToolPlan:
     """Check the request's tool fields and say what the route must do.
 
+    ``call_format`` is the syntax the served model writes calls in; the plan carries
+    it to the parsers.
+
     Raises:
-        InvalidRequestError: A malformed tool, a duplicate function name, or a
+        InvalidRequestError: A malformed tool (``parameters`` nested deeper than
+            ``MAX_SCHEMA_DEPTH`` among them), a duplicate function name, or a
             ``tool_choice`` that is unknown, names no offered function, or asks
             for calls with no tools.
     """
@@ -226,6 +243,6 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any,
     parallel = parallel_tool_calls is not False
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
         mode, allowed = _allowed(tool_choice.get("allowed_tools"), names)
-        return ToolPlan(functions, mode, None, parallel, allowed)
+        return ToolPlan(functions, mode, None, parallel, allowed, call_format)
     mode, forced = _choice(tool_choice, names)
-    return ToolPlan(functions, mode, forced, parallel)
+    return ToolPlan(functions, mode, forced, parallel, call_format=call_format)
