@@ -27,16 +27,8 @@ from server.http.schemas.tools import tool_plan
 from server.settings import ConfigError
 from tests.server.conftest import make_settings, run_server
 from tests.server.fakes import FakeEngine
+from tests.server.test_tool_calls import ADD, WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object",
-                                  "properties": {"a": {"type": "integer"},
-                                                 "b": {"type": "integer"}},
-                                  "required": ["a", "b"], "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
 FORMATS = ("hermes", "llama3_json", "mistral", "pythonic")
 BOTH = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
