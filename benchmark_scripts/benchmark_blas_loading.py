@@ -1,4 +1,4 @@
-"""SmolLM2 single-stream decode: the BLAS loaded in place vs another checkout's way, one run.
+"""SmolLM2 decode: the BLAS loaded in place vs another checkout's way, in one run.
 
 Starts ``python -m server`` (the default model, SmolLM2-135M-Instruct) from this checkout,
 which loads the optimized BLAS into its own process before MLX
@@ -11,10 +11,11 @@ with its ``veloxquant_mlx/*.so`` and ``veloxquant_mlx/memory/*.so`` built or cop
 its log file, when given, names its BLAS).
 
 Each round sends every side the same ``--requests`` greedy streaming completions of
-``--tokens`` new tokens, one at a time (a single stream), in an order that rotates from
-round to round; no prompt repeats within a side. A request's decode rate is its tokens after
-the first over the time after its first token. Each side's start-up line (which BLAS it runs
-on) is recorded from its log.
+``--tokens`` new tokens, one at a time (a single stream) or ``--concurrency`` in flight, in
+an order that rotates from round to round; no prompt repeats within a side. A request's
+decode rate is its tokens after the first over the time after its first token; with
+``--concurrency`` above 1 a round's throughput is all its tokens over its wall time. Each
+side's start-up line (which BLAS it runs on) is recorded from its log.
 
 Usage::
 
@@ -22,8 +23,8 @@ Usage::
         --old-root /tmp/vq-old [--rounds 4] [--requests 3] [--bundled] \\
         [--attach nonroot=http://127.0.0.1:8011,/tmp/vq-nonroot/serve.log]
 
-Writes ``figures/cpu/blas_wheel.json`` (ratios against the old side, same run) and prints
-them.
+Writes ``figures/cpu/blas_wheel.json`` (``blas_wheel_c<N>.json`` with ``--concurrency N``:
+ratios against the old side, same run) and prints them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_revisions import checkout_revision  # noqa: E402
 from benchmark_server import free_port, wait_up  # noqa: E402
-from server_load import RequestResult, stream_completion  # noqa: E402
+from server_load import RequestResult, run_requests, stream_completion  # noqa: E402
 
 from veloxquant_mlx.cpu_backend import OPT_OUT_ENV, child_env  # noqa: E402
 from veloxquant_mlx.offline_model import iter_corpus  # noqa: E402
@@ -63,6 +64,7 @@ class Side:
         self.proc: subprocess.Popen | None = None
         self.log_path = log_path
         self.results: list[RequestResult] = []
+        self.round_tok_s: list[float] = []  # throughput of each concurrent round
 
     def start(self) -> None:
         """Start ``python -m server`` from ``root`` (nothing to do when attached)."""
@@ -114,8 +116,11 @@ def decode_rate(result: RequestResult) -> float | None:
 def summary(side: Side) -> dict:
     rates = [r for r in map(decode_rate, side.results) if r is not None]
     ok = [r for r in side.results if r.ok]
+    throughput = ({"tok_s_per_round": side.round_tok_s,
+                   "tok_s_median": round(statistics.median(side.round_tok_s), 2)}
+                  if side.round_tok_s else {})
     return {"startup_line": side.startup_line(), "requests": len(side.results),
-            "errors": len(side.results) - len(ok),
+            "errors": len(side.results) - len(ok), **throughput,
             "decode_tok_s_median": round(statistics.median(rates), 2) if rates else None,
             "decode_tok_s_per_request": [round(r, 2) for r in rates],
             "ttft_s_median": round(statistics.median(r.ttft_s for r in ok), 3) if ok else None}
@@ -136,12 +141,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=3, help="per side and round")
     p.add_argument("--tokens", type=int, default=64, help="new tokens a request")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     p.add_argument("--bundled", action="store_true",
                    help="add this checkout on MLX's bundled reference BLAS")
     p.add_argument("--attach", type=attach_spec, action="append", default=[],
                    help="NAME=URL[,LOG] of a running server to measure too (repeatable)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    return p.parse_args()
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.out is None:
+        args.out = DEFAULT_OUT if args.concurrency == 1 else \
+            DEFAULT_OUT.with_name(f"blas_wheel_c{args.concurrency}.json")
+    return args
 
 
 def make_sides(args: argparse.Namespace) -> list[Side]:
@@ -162,11 +172,24 @@ def measure(sides: list[Side], args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         batch = texts[r * args.requests: (r + 1) * args.requests]
         for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+            if args.concurrency > 1:
+                concurrent_round(side, models[side.name], batch, args)
+                continue
             side.results += asyncio.run(one_stream(side.base, models[side.name], batch,
                                                    args.tokens))
             print(f"round {r + 1} {side.name}: "
                   f"{[round(x or 0, 1) for x in map(decode_rate, side.results[-len(batch):])]}"
                   " tok/s", flush=True)
+
+
+def concurrent_round(side: Side, model: str, batch: list[str], args: argparse.Namespace) -> None:
+    """``batch`` with ``--concurrency`` in flight: the round's tokens over its wall time."""
+    results, wall = asyncio.run(run_requests(side.base, model, batch, args.concurrency,
+                                             len(batch), args.tokens, time_limit_s=900))
+    side.results += results
+    tokens = sum(r.completion_tokens for r in results if r.ok)
+    side.round_tok_s.append(round(tokens / wall, 2) if wall else 0.0)
+    print(f"{side.name}: {side.round_tok_s[-1]} tok/s at c={args.concurrency}", flush=True)
 
 
 def main() -> int:
@@ -180,7 +203,8 @@ def main() -> int:
         for side in sides:
             side.stop()
     per_side = {side.name: summary(side) for side in sides}
-    old = per_side["old"]["decode_tok_s_median"]
+    key = "tok_s_median" if args.concurrency > 1 else "decode_tok_s_median"
+    old = per_side["old"][key]
     result = {
         "benchmark": "benchmark_scripts/benchmark_blas_loading.py",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -188,14 +212,13 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "settings": {"model": "smollm2 (default)", "rounds": args.rounds,
                      "requests_per_round": args.requests, "new_tokens": args.tokens,
-                     "prompt_words": PROMPT_WORDS, "concurrency": 1, "temperature": 0.0},
+                     "prompt_words": PROMPT_WORDS, "concurrency": args.concurrency,
+                     "temperature": 0.0},
         "sides": per_side,
-        "decode_ratio_vs_old": {name: round(s["decode_tok_s_median"] / old, 3)
-                                for name, s in per_side.items()
-                                if old and s["decode_tok_s_median"]},
+        ("throughput" if args.concurrency > 1 else "decode") + "_ratio_vs_old": {
+            name: round(s[key] / old, 3) for name, s in per_side.items() if old and s[key]},
     }
-    print(json.dumps({k: result[k] for k in ("decode_ratio_vs_old",)}),
-          {name: s["decode_tok_s_median"] for name, s in per_side.items()})
+    print({name: s[key] for name, s in per_side.items()})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -88,7 +88,7 @@ def unknown_fields_of(model: type[BaseModel],
     known = frozenset(model.model_fields)
 
     async def check_unknown_fields(request: Request) -> None:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, dict):
             names = [key for key, value in body.items()
                      if value is not None and key not in known]
@@ -97,7 +97,7 @@ def unknown_fields_of(model: type[BaseModel],
     return check_unknown_fields
 
 
-async def _json_body(request: Request) -> object:
+async def json_body(request: Request) -> object:
     """The body as parsed JSON (FastAPI parsed it already; Starlette keeps it), else None."""
     try:
         return await request.json()

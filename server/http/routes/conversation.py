@@ -20,6 +20,7 @@ from fastapi import Request
 
 from server.engine.protocol import ConversationBound, ConversationSize
 from server.http.errors import engine_error
+from server.http.unknown_fields import json_body
 
 # Content parts whose ``text`` the model reads (chat's, and the Responses input's).
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -32,7 +33,7 @@ async def messages_fit(request: Request) -> None:
     Raises:
         APIError: 400 ``context_length_exceeded`` naming ``messages``.
     """
-    body = await _json_body(request)
+    body = await json_body(request)
     messages = body.get("messages") if isinstance(body, dict) else None
     _refuse(request, _messages_size(messages), "messages")
 
@@ -45,18 +46,10 @@ async def input_fits(request: Request) -> None:
     Raises:
         APIError: 400 ``context_length_exceeded`` naming ``input``.
     """
-    body = await _json_body(request)
+    body = await json_body(request)
     if not isinstance(body, dict) or body.get("truncation") == "auto":
         return
     _refuse(request, _input_size(body.get("input"), body.get("instructions")), "input")
-
-
-async def _json_body(request: Request) -> Any:
-    """The body as parsed JSON (parsed once: FastAPI already did), None when it is not."""
-    try:
-        return await request.json()
-    except ValueError:  # not JSON: validation says so
-        return None
 
 
 def _refuse(request: Request, size: ConversationSize, field: str) -> None:
