@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.script_module import load_script
 
 pytest.importorskip("matplotlib")
 
@@ -16,18 +17,9 @@ PAGE = ROOT / "docs" / "performance.md"
 CHARTS_DIR = ROOT / "docs" / "charts"
 
 
-def load_script():
-    """scripts/render_charts.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("render_charts",
-                                                  ROOT / "scripts" / "render_charts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def charts():
-    return load_script()
+    return load_script("render_charts")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -10,23 +9,15 @@ import pytest
 
 from server.cli import build_parser, env_name
 from server.settings import SECRET_ENV, SECTIONS, Settings
+from tests.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"
 
 
-def load_script():
-    """scripts/gen_config_doc.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("gen_config_doc",
-                                                  ROOT / "scripts" / "gen_config_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def script():
-    return load_script()
+    return load_script("gen_config_doc")
 
 
 @pytest.fixture(scope="module")

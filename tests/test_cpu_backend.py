@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_quant_matmul import _has_avx2_fma
 from veloxquant_mlx import cpu_backend as cb
 from veloxquant_mlx.mlx_device import MlxBuild
 
@@ -33,14 +34,6 @@ requires_system = pytest.mark.skipif(
     SYSTEM is None or FORWARD is None,
     reason="needs a distribution OpenBLAS (scripts/install_blas.sh, as root) and the forward",
 )
-
-
-def _has_avx2_fma() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
 
 
 def _child(code: str, *, env: dict[str, str] | None = None,
