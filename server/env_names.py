@@ -24,12 +24,14 @@ NON_SETTING_ENV: dict[str, str] = {
     "VELOXQUANT_HOME": "models cache folder (veloxquant_mlx/paths.py)",
     "VELOXQUANT_NO_BLAS_PRELOAD": "load no optimized BLAS under MLX; it keeps its bundled one "
                                   "(veloxquant_mlx/cpu_backend.py)",
-    "VELOXQUANT_NO_SGEMV_FORWARD": "the BLAS forward only passes calls on: no one-row sgemv, "
-                                   "codes path or prompt kernels (veloxquant_mlx/cpu_backend.py)",
+    "VELOXQUANT_NO_SGEMV_FORWARD": "the BLAS forward only passes calls on: no one-row sgemv "
+                                   "or prompt kernels (veloxquant_mlx/cpu_backend.py)",
+    "VELOXQUANT_KERNEL_CACHE": "where the native MLX operations are built and cached "
+                               "(veloxquant_mlx/kernels/build.py)",
     "VELOXQUANT_PURE_PYTHON": "use the pure-Python allocator (setup.py, "
                               "veloxquant_mlx/memory/__init__.py)",
     "VELOXQUANT_QMM_THREADS": "threads for products from quantized codes "
-                              "(veloxquant_mlx/quant_matmul.c)",
+                              "(veloxquant_mlx/kernels/codes_kernel.c)",
 }
 
 

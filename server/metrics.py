@@ -302,6 +302,12 @@ class EngineCollector:
         for kind, value in sorted(self.metrics.kv_bytes().items()):
             kv.add_metric([kind], value)
         yield kv
+        loaded = getattr(self.engine, "loaded", None)  # test doubles may have none
+        if loaded is not None:
+            yield _model_gauge("veloxquant_model_weight_bytes",
+                               "Bytes the served model's parameters hold (quantized codes, "
+                               "scales and float parameters).", loaded.weight_bytes,
+                               loaded.name)
         clock = getattr(self.engine, "clock", None)  # test doubles may have none
         if clock is not None:
             yield from _step_families(clock)

@@ -61,7 +61,8 @@ class LoadedModel:
     dtype: str
     quantized: bool
     weights: str = ""  # how the weights are held, for the start-up line
-    quantized_copies: Any = None  # QuantizedCopies serving small products, if any
+    codes_layers: int = 0  # layers computing from their quantized codes (codes_matmul)
+    weight_bytes: int = 0  # bytes the parameters hold once loaded as planned
     # Positions a request may reach (prompt + generated tokens): the model's
     # max_position_embeddings, or limits.max_context_tokens; None: no bound stated.
     context_length: int | None = None
@@ -179,11 +180,14 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
-def load_model(section: ModelSection) -> LoadedModel:
+def load_model(section: ModelSection, codes: bool = True) -> LoadedModel:
     """Load the model with ``mlx_lm.load`` and hold its weights as planned.
 
     Args:
         section: The ``[model]`` settings.
+        codes: Let quantized layers compute from their codes on the CPU. False for a
+            model about to be split over ranks: mlx-lm's split takes only its own layer
+            classes, so those weights go float32 as before.
 
     Returns:
         The loaded model, ready to generate.
@@ -198,6 +202,7 @@ def load_model(section: ModelSection) -> LoadedModel:
         is_quantized,
         plan_weights,
         stored_float_dtype,
+        weight_bytes,
     )
     from veloxquant_mlx.quant_weights import load_group16_parts
 
@@ -214,18 +219,17 @@ def load_model(section: ModelSection) -> LoadedModel:
         hf.model_max_length = sys.maxsize
     quantized = is_quantized(model)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    codes = codes and quantized and not on_gpu and codes_available()
     plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
-                        dequantize_budget(section.max_dequantized_bytes),
-                        stored_dtype=stored_float_dtype(model))
-    wants_codes = section.quantized_matmul_rows > 0 and not on_gpu  # CPU decode kernel
-    copies = apply_plan(model, plan, section.quantized_matmul_rows,
-                        group16=load_group16_parts(path) if wants_codes else None)
+                        dequantize_budget(section.max_dequantized_bytes, codes),
+                        stored_dtype=stored_float_dtype(model), codes=codes)
+    layers = apply_plan(model, plan, group16=load_group16_parts(path) if plan.codes else None)
     if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)
-    note = plan.note
-    if copies is not None:
-        note += (f"; products of up to {section.quantized_matmul_rows} rows from the "
-                 f"quantized codes of {len(copies)} matrices, int8 activations")
+    held = weight_bytes(model)
+    note = f"{plan.note}; {held / 2**20:.0f} MiB of weights"
+    if layers:
+        note += f" ({layers} layers from codes)"
     names = served_names(section, path)
     return LoadedModel(
         model=model,
@@ -234,12 +238,25 @@ def load_model(section: ModelSection) -> LoadedModel:
         path=path,
         n_layers=len(model.layers),
         dtype=_weight_dtype(model),
-        quantized=is_quantized(model),
+        quantized=is_quantized(model) or layers > 0,
         weights=note,
-        quantized_copies=copies,
+        codes_layers=layers,
+        weight_bytes=held,
         context_length=stated_context_length(model),
         served_names=names,
     )
+
+
+def codes_available() -> bool:
+    """The ``codes_matmul`` operation can be built and loaded here (logged once if not)."""
+    from veloxquant_mlx.kernels.build import KernelBuildError, load
+
+    try:
+        load()
+    except KernelBuildError as exc:
+        log.warning("quantized layers cannot compute from their codes: %s", exc)
+        return False
+    return True
 
 
 def _tokenizer_config(section: ModelSection) -> dict[str, Any] | None:

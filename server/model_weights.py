@@ -1,10 +1,13 @@
 """Choose how the served model's weights are held in memory (engine thread only).
 
-On MLX's CPU backend only float32 matmuls have a fast (BLAS) path: its
-quantized matmul is many times slower than float32 on OpenBLAS for a small
-model. So ``dtype = "auto"`` on CPU dequantizes quantized weights to float32
-when the float32 copy fits the ``model.max_dequantized_bytes`` budget, and
-otherwise keeps them packed (scales and biases still go float32).
+On MLX's CPU backend its own quantized matmul is many times slower than float32
+on OpenBLAS. So ``dtype = "auto"`` on CPU computes a quantized model's products
+from its codes with the project's ``codes_matmul`` operation
+(veloxquant_mlx/codes_linear.py: int8 activations, integer dot products), which
+reads under a fifth of float32's bytes and makes no float32 copy. Exact float32
+is an opt-in: a ``model.max_dequantized_bytes`` budget the float32 copy fits in.
+Where the operation cannot be built (no cmake or C++ compiler), quantized weights
+are dequantized when the copy fits half the RAM, and otherwise kept packed.
 
 On a GPU (CUDA or Metal) it is the other way round: half-precision matmuls and
 the quantized kernels are the fast paths, and memory is the scarcer resource.
@@ -15,24 +18,18 @@ keeps float32's exponent range, so nothing that fit in float32 overflows).
     dtype = "auto"        CPU                               GPU
     float32 checkpoint    float32                           cast to bfloat16
     bf16/fp16 checkpoint  cast to float32                   as stored
-    quantized             dequantized to float32 (budget)   packed; float32 parts
-                          or packed, float32 parts           cast to bfloat16
+    quantized             codes (codes_matmul), float32     packed; float32 parts
+                          parts; or float32 (budget)        cast to bfloat16
 
-A dequantized 4/8-bit model keeps its codes beside the float32 copy: products of a few
-rows (decode) are computed from them with int8 activations by the preloaded BLAS
-forward, which reads under a fifth of the bytes (veloxquant_mlx/quant_weights.py). So
-do the float32 matrices a GGUF's Q6_K, Q3_K and Q2_K tensors became, from the codes
-the converter kept beside them (group size 16).
+The float32 matrices a GGUF's Q6_K, Q3_K and Q2_K tensors became are computed from
+the codes the converter kept beside them (group size 16), their float32 dropped.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from veloxquant_mlx.quant_weights import QuantizedCopies
+from typing import Any
 
 FLOAT32_BYTES = 4
 
@@ -46,12 +43,14 @@ class WeightPlan:
         dequantize: True to replace quantized layers with float layers first.
         note: How the weights are held, for the start-up log line.
         slow: ``auto`` had to keep quantized weights packed on CPU (worth a warning).
+        codes: Replace quantized layers with layers computing from their codes.
     """
 
     cast_to: str | None
     dequantize: bool
     note: str
     slow: bool = False
+    codes: bool = False
 
 
 def machine_memory_bytes() -> int:
@@ -62,9 +61,12 @@ def machine_memory_bytes() -> int:
         return 0
 
 
-def dequantize_budget(max_dequantized_bytes: int) -> int:
-    """The float32 budget in bytes: the setting, or half the RAM when it is 0."""
-    return max_dequantized_bytes or machine_memory_bytes() // 2
+def dequantize_budget(max_dequantized_bytes: int, codes: bool) -> int:
+    """The float32 budget in bytes: the setting; when it is 0, none where the codes
+    operation serves quantized layers, else half the RAM."""
+    if max_dequantized_bytes or codes:
+        return max_dequantized_bytes
+    return machine_memory_bytes() // 2
 
 
 def float32_bytes(model: Any) -> int:
@@ -85,7 +87,7 @@ def float32_bytes(model: Any) -> int:
 
 
 def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
-                 budget: int, stored_dtype: str) -> WeightPlan:
+                 budget: int, stored_dtype: str, codes: bool = False) -> WeightPlan:
     """Decide cast and dequantization from the ``model.dtype`` setting.
 
     Args:
@@ -96,6 +98,7 @@ def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
         budget: Largest float32 copy ``auto`` may make (bytes).
         stored_dtype: The checkpoint's floating dtype (:func:`stored_float_dtype`),
             e.g. ``"bfloat16"``; for a quantized model, that of its scales and norms.
+        codes: The ``codes_matmul`` operation is available (built, CPU).
     """
     if requested == "native":
         return WeightPlan(None, False, "weights as stored")
@@ -110,6 +113,9 @@ def plan_weights(requested: str, on_gpu: bool, quantized: bool, f32_bytes: int,
     if f32_bytes <= budget:
         return WeightPlan("float32", True,
                           f"quantized weights dequantized to float32 ({mb:.0f} MiB)")
+    if codes:
+        return WeightPlan("float32", False, "quantized weights computed from their codes "
+                          "(int8 activations)", codes=True)
     return WeightPlan("float32", False,
                       f"quantized weights kept packed: a float32 copy ({mb:.0f} MiB) exceeds "
                       f"model.max_dequantized_bytes ({budget_mb:.0f} MiB), and MLX's CPU "
@@ -146,44 +152,41 @@ def stored_float_dtype(model: Any) -> str:
     return max(counts, key=counts.__getitem__) if counts else "unknown"
 
 
-def apply_plan(model: Any, plan: WeightPlan, quantized_rows: int = 0,
-               group16: dict | None = None) -> QuantizedCopies | None:
-    """Dequantize and cast ``model`` in place as ``plan`` says, then materialize it.
+def apply_plan(model: Any, plan: WeightPlan, group16: dict | None = None) -> int:
+    """Dequantize, swap in codes layers and cast ``model`` in place as ``plan`` says, then
+    materialize it.
 
     Args:
         model: The loaded model.
         plan: :func:`plan_weights`'s decision.
-        quantized_rows: ``model.quantized_matmul_rows``: when dequantizing, register the
-            4/8-bit codes for products of up to this many rows (0: never).
-        group16: Codes of float32 matrices (``quant_weights.load_group16_parts``),
-            registered too where the matrix is still float32 after the plan.
+        group16: Codes of float32 matrices (``quant_weights.load_group16_parts``): with a
+            codes plan those layers compute from them too.
 
     Returns:
-        The registered codes (keep them with the model; ``close()`` when done), or None
-        when nothing was registered (not dequantized, 0 rows, or no forward to serve them).
+        How many layers compute from codes (0 unless ``plan.codes``).
     """
     import mlx.core as mx
 
-    from veloxquant_mlx.quant_weights import (
-        attach_quantized_copies,
-        capture_quantized_layers,
-        float32_matrices,
-        quant_library,
-    )
-
-    wanted = quantized_rows > 0 and (plan.dequantize or bool(group16))
-    library = quant_library() if wanted else None
-    parts = capture_quantized_layers(model) if library is not None and plan.dequantize else {}
+    layers = 0
     if plan.dequantize:
         from mlx_lm.utils import dequantize_model
 
         dequantize_model(model)
+    if plan.codes:
+        from veloxquant_mlx.codes_linear import use_codes
+
+        layers = use_codes(model, group16)
     if plan.cast_to is not None:
         model.set_dtype(getattr(mx, plan.cast_to))
     mx.eval(model.parameters())
-    if library is not None and group16:
-        parts.update(float32_matrices(model, group16))
-    return attach_quantized_copies(library, model, parts, quantized_rows)
+    return layers
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes the model's parameters hold (codes, scales and float parameters alike)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def is_quantized(model: Any) -> bool:

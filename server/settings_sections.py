@@ -92,11 +92,10 @@ class ModelSection(_Section):
     ``tiny`` and ``small``. ``dtype = "auto"`` computes in float32 on CPU; on a
     GPU it keeps bfloat16/float16 and quantized weights as stored and casts a
     float32 checkpoint to bfloat16 (server/model_weights.py). ``"native"`` keeps
-    every weight as stored. On CPU with ``auto``, quantized weights are
-    dequantized to float32 when that copy fits in ``max_dequantized_bytes``
-    (0 = half the machine's memory); products of at most ``quantized_matmul_rows``
-    rows (decode) then still use the checkpoint's 4/8-bit codes, with int8
-    activations (veloxquant_mlx/quant_weights.py); 0 keeps every product float32.
+    every weight as stored. On CPU with ``auto``, quantized layers compute
+    from their 4/8-bit codes with int8 activations (veloxquant_mlx/codes_linear.py);
+    ``max_dequantized_bytes`` > 0 opts in to exact float32 weights when the float32
+    copy fits in that many bytes.
     """
 
     path: str = ""
@@ -105,7 +104,6 @@ class ModelSection(_Section):
     served_name: list[str] = Field(default_factory=list)
     dtype: ModelDtype = "auto"
     max_dequantized_bytes: int = Field(default=0, ge=0)
-    quantized_matmul_rows: int = Field(default=16, ge=0, le=4096)
     preset: ModelPreset = "smollm2"
     # /v1/embeddings: the mean of every prompt position's final hidden state, or the
     # last position's (decoder embedding models such as e5-mistral read the last).

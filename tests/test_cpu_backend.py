@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_quant_matmul import _has_avx2_fma
+from tests.test_quant_weights import _has_avx2_fma
 from veloxquant_mlx import cpu_backend as cb
 from veloxquant_mlx.mlx_device import MlxBuild
 
@@ -153,8 +153,12 @@ def test_the_forward_computes_what_sgemm_computes(which: str) -> None:
     assert report["loaded"] == str(lib.path)
     assert report["ctypes"] < 1e-4 and report["mlx"] < 1e-3, report
     assert report["routes"] == ("pass-through" not in which)
-    # The opt-out takes the codes path too (which needs AVX2 and FMA anyway).
-    assert report["codes_path"] == (report["routes"] and _has_avx2_fma())
+    # The codes operation (veloxquant_mlx/kernels) does not ride on the forward: the
+    # opt-out leaves it, on its AVX2 path where the CPU has AVX2 and FMA; its float32 path
+    # (products of many rows) finds the cblas_sgemm MLX calls.
+    if report["codes_path"] is not None:  # None: the operation cannot be built here
+        assert report["codes_path"] == ("avx2" if _has_avx2_fma() else "portable"), report
+        assert report["codes_float32"], report
 
 
 FORWARD_CHECK = """
@@ -192,10 +196,15 @@ import mlx.core as mx
 x = rng.standard_normal((1, 576), np.float32)
 w = rng.standard_normal((1536, 576), np.float32)
 got = np.array(mx.array(x) @ mx.array(w).T)
-from veloxquant_mlx.quant_weights import quant_library
+from veloxquant_mlx.kernels.build import KernelBuildError, load
+try:
+    codes = load()
+    codes_path, codes_float32 = codes.kernel_path(), codes.float32_available()
+except KernelBuildError:  # no cmake or C++ compiler here: tests/test_codes_matmul.py skips
+    codes_path = codes_float32 = None
 print(json.dumps({"loaded": str(active.path), "routes": active.routes, "ctypes": worst,
                   "mlx": float(np.abs(got - x.astype(np.float64) @ w.T.astype(np.float64)).max()),
-                  "codes_path": quant_library() is not None}))
+                  "codes_path": codes_path, "codes_float32": codes_float32}))
 """
 
 # Loads from the libraries named on its command line (or a distribution OpenBLAS looked

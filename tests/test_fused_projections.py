@@ -4,13 +4,13 @@ Fusing must change neither what a layer computes nor how much memory the
 weights take: each member's output bit for bit what it was, its parameters
 the same values (now views of the stacked buffer), the active memory the
 same; layers that cannot stack are left alone; a fused, compiled model
-decodes the logits of the plain one (plain and quantized weights); and the
-server never fuses while quantized copies key on the separate buffers.
+decodes the logits of the plain one (plain and quantized weights); layers
+computing from their codes (CodesLinear, the CPU's quantized layers) fuse too;
+and the server fuses unless batch.fuse_projections is off.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import random
 
@@ -147,14 +147,87 @@ def _engine_fused(settings, loader) -> list[dict]:
         engine.stop()
 
 
-def test_the_server_fuses_unless_quantized_copies_key_on_the_weights(tiny_model_path):
+def _codes_model(tiny_model_path):
+    """The tiny model quantized (4 bits, groups of 32) and computing from its codes."""
+    import mlx_lm
+
+    from veloxquant_mlx.codes_linear import use_codes
+    from veloxquant_mlx.kernels.build import KernelBuildError, load
+
+    try:
+        load()
+    except KernelBuildError as exc:
+        pytest.skip(f"the codes_matmul extension cannot be built here: {exc}")
+    model = mlx_lm.load(str(tiny_model_path))[0]
+    nn.quantize(model, group_size=32, bits=4)
+    assert use_codes(model) == 7 * len(model.layers) + 1  # and the embedding
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # decode, a small batch, a prompt's chunk
+def test_codes_layers_fuse_and_compute_what_they_did(tiny_model_path, rows):
+    from veloxquant_mlx.codes_linear import CodesLinear
+
+    model = _codes_model(tiny_model_path)
+    block = model.layers[0]
+    members = {"self_attn": [block.self_attn.q_proj, block.self_attn.k_proj,
+                             block.self_attn.v_proj],
+               "mlp": [block.mlp.gate_proj, block.mlp.up_proj]}
+    assert all(type(m) is CodesLinear for group in members.values() for m in group)
+    x = mx.random.normal((2, rows, model.args.hidden_size), key=mx.random.key(rows))
+    want = {name: [layer(x) for layer in group] for name, group in members.items()}
+    mx.eval(want)
+    fused = fuse_block(block)
+    assert sorted(fused) == ["mlp", "self_attn"]
+    assert type(fused["mlp"].module) is CodesLinear
+    assert fused["self_attn"].module.weight.dtype == mx.uint8
+    for name, group in members.items():
+        got = fused[name](x)
+        for w, g, layer in zip(want[name], got, group, strict=True):
+            # A row's result does not depend on the weight rows stacked beside it.
+            assert mx.array_equal(w, g), name
+            assert mx.array_equal(w, layer(x)), name  # the members' own calls on the views
+
+
+def test_a_fused_compiled_codes_model_decodes_the_unfused_logits(tiny_model_path):
+    plain, fused = (_codes_model(tiny_model_path) for _ in range(2))
+    assert compile_decode_blocks(plain, fuse_projections=False) == len(plain.layers)
+    assert compile_decode_blocks(fused, fuse_projections=True) == len(fused.layers)
+    assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in fused.layers)
+    runs = [_joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(3), 16,
+                              join_p=0.4, leave_p=0.25, fast=False, write_back=4)
+            for model in (plain, fused)]
+    for want, got in zip(*runs, strict=True):
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert want[0] == got[0]
+            assert np.array_equal(want[1], got[1])
+
+
+def test_the_server_fuses_unless_the_setting_is_off(tiny_model_path):
     settings = make_settings(model={"path": str(tiny_model_path)}, pool={"n_blocks": 512})
     assert all(sorted(f) == ["mlp", "self_attn"] for f in _engine_fused(settings, load_model))
-
-    def with_copies(section):  # what apply_plan hands back when it registered codes
-        return dataclasses.replace(load_model(section), quantized_copies=object())
-
-    assert all(f == {} for f in _engine_fused(settings, with_copies))
     off = make_settings(model={"path": str(tiny_model_path)}, pool={"n_blocks": 512},
                         batch={"fuse_projections": False})
     assert all(f == {} for f in _engine_fused(off, load_model))
+
+
+def test_the_server_fuses_a_model_served_from_its_codes(tiny_model_path):
+    from veloxquant_mlx.codes_linear import CodesLinear
+
+    def with_codes(section, codes=True):  # as load_model serves a quantized checkpoint
+        loaded = load_model(section, codes=codes)
+        loaded.model = _codes_model(tiny_model_path)
+        loaded.codes_layers, loaded.quantized = 7 * len(loaded.model.layers) + 1, True
+        return loaded
+
+    settings = make_settings(model={"path": str(tiny_model_path)}, pool={"n_blocks": 512})
+    engine = Engine(settings, ServerMetrics(), loader=with_codes)
+    engine.start()
+    try:
+        assert engine.wait_ready(120), engine.load_error
+        blocks = engine.steps.runner.model.layers
+        assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in blocks)
+        assert type(blocks[0]._decode_fused["mlp"].module) is CodesLinear
+    finally:
+        engine.stop()

@@ -20,8 +20,8 @@ imports MLX::
 The forward (``setup.py`` builds it from ``sgemv_forward.c``) is what makes the wheel
 usable at all: the wheel exports its BLAS as ``scipy_cblas_sgemm``, a name MLX never asks
 for. In front of either BLAS it also serves the one-row products of single-stream decode
-with ``sgemv`` (which reads the weights about twice as fast as sgemm does for one row) and
-products against registered quantized weights (``quant_matmul.c``). Without the forward
+with ``sgemv`` (which reads the weights about twice as fast as sgemm does for one row).
+Without the forward
 (no compiler at install time) only a distribution's OpenBLAS, which exports the plain
 names, can serve MLX.
 

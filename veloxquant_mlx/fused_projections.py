@@ -26,11 +26,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from veloxquant_mlx.codes_linear import CodesLinear
+
 # Per block: the child module holding each group, and the group's members in output order.
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 MEMBERS = dict(GROUPS)
 # Layer classes whose call is a plain (quantized) matmul of their parameters.
-_PLAIN_LAYERS = (nn.Linear, nn.QuantizedLinear)
+_PLAIN_LAYERS = (nn.Linear, nn.QuantizedLinear, CodesLinear)
 _PLAIN = (bool, int, float, str, type(None))
 
 

@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_matmul.h"
+#include "forward.h"
 #include "vq_exp.h"
 
 /* The library's own entry point: products with M > 1 go on to OpenBLAS. */

@@ -1,59 +1,29 @@
-"""Quantized copies of dequantized weights, for small products on the CPU (Linux x86-64).
+"""Quantized weights in the layout of the codes kernel (``veloxquant_mlx/kernels``).
 
-On MLX's CPU backend a quantized model is dequantized to float32 so that its matmuls
-run on OpenBLAS (``server/model_weights.py``). Decode then streams 4 bytes a weight from
-memory where the checkpoint needed ~0.6 (4-bit) or ~1.1 (8-bit). This module hands each
-dequantized weight's codes to the loaded BLAS forward (``veloxquant_mlx/quant_matmul.c``),
-keyed by the float32 buffer's address; products of at most ``max_rows`` rows against
-that weight (decode steps) are then computed from the codes, with the rows quantized to
-int8 per group of 32 as llama.cpp does. Larger products (prefill) stay on OpenBLAS.
-The kernel reads 4- or 8-bit codes; 2, 3, 5 and 6-bit ones are widened to 8 bits
-(the same numbers, a byte each). A scale and bias cover 32 columns, or 16 for 8-bit
-codes: ggml's Q6_K, Q3_K and Q2_K, which MLX cannot hold, arrive that way from the GGUF
-converter's ``codes16.safetensors`` (:func:`load_group16_parts`).
-
-The copy holds the checkpoint's own codes, scales and biases, so the weights are
-exactly the ones the float32 copy was made from; only the activations are rounded
-(int8, one scale per 32 values: ~0.5% relative error on a random product).
-
-Needs the forward loaded (``veloxquant_mlx/cpu_backend.py``) and AVX2 + FMA;
-:func:`quant_library` says None otherwise and the float32 path serves everything. The
-products use one thread per online CPU (at most 8; ``VELOXQUANT_QMM_THREADS`` overrides).
+MLX packs a quantized layer's codes in uint32 words; the kernel reads them per group
+of 32 columns (``codes_kernel.c``'s header). This module repacks them, spreads their
+scales and biases per kernel group, and widens 2, 3, 5 and 6-bit codes to bytes (the
+same numbers), so the 8-bit kernel serves them. A scale and bias cover 32 columns, or
+16 for 8-bit codes: ggml's Q6_K, Q3_K and Q2_K, which MLX cannot hold, arrive that way
+from the GGUF converter's ``codes16.safetensors`` (:func:`load_group16_parts`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 GROUP = 32
 # The GGUF converter's codes of 16-value types, beside a model folder's weights (written by
 # veloxquant_mlx.gguf.weights.save_weights, read by load_group16_parts).
 GROUP16_FILE = "codes16.safetensors"
-# Return codes of vq_qmm_register / vq_qmm_unregister (quant_matmul.h).
-_ERRORS = {
-    -1: "the CPU lacks AVX2 and FMA",
-    -2: "the weight's columns are not a multiple of 32, its bits not 4 or 8, or its group "
-        "not 32 (or 16 for 8 bits)",
-    -3: "out of memory",
-    -4: "the registry is full",
-    -5: "the weight is not registered",
-}
-
-
-class QuantizedCopyError(RuntimeError):
-    """The forward refused a quantized copy (the message says why)."""
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedParts:
-    """A quantized layer's packed weight, as MLX stores it, before dequantization.
+    """A quantized layer's packed weight, as MLX stores it.
 
     Attributes:
         packed: uint32 words of ``32 // bits`` codes each, lowest bits first.
@@ -70,21 +40,8 @@ class QuantizedParts:
     bits: int
 
 
-def quant_library() -> Any | None:
-    """The loaded forward's entry points, or None when this process lacks them."""
-    handle = ctypes.CDLL(None)
-    if not hasattr(handle, "vq_qmm_register") or not handle.vq_qmm_supported():
-        return None
-    ptr, num = ctypes.c_void_p, ctypes.c_int
-    handle.vq_qmm_register.argtypes = [ptr, num, num, num, num, ptr, ptr, ptr]
-    handle.vq_qmm_unregister.argtypes = [ptr]
-    handle.vq_qmm_set_max_rows.argtypes = [ctypes.c_int]
-    handle.vq_qmm_served.restype = ctypes.c_long
-    return handle
-
-
 def kernel_codes(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Repack MLX's words into the kernel's layout (see ``quant_matmul.c``).
+    """Repack MLX's words into the kernel's layout (see ``kernels/codes_kernel.c``).
 
     MLX puts column j of a word at bits ``bits*j`` upwards. For 8 bits that is one byte a
     column in order; the kernel wants them signed (code - 128; :func:`kernel_groups`
@@ -142,85 +99,6 @@ def widen_to_8_bits(packed: np.ndarray, bits: int) -> np.ndarray:
     return codes.view(np.uint32)
 
 
-def capture_quantized_layers(model: Any) -> dict[str, QuantizedParts]:
-    """Every affine layer's packed parts, by path (call before dequantizing).
-
-    4- and 8-bit codes are kept as stored; other widths are widened to 8 bits
-    (:func:`widen_to_8_bits`), which the kernel serves too.
-    """
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    parts = {}
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            continue
-        if (module.bits not in (2, 3, 4, 5, 6, 8) or getattr(module, "mode", "affine") != "affine"
-                or module.group_size % GROUP or module.biases is None):
-            continue
-        scales, biases = (np.array(v.astype(mx.float32)) for v in (module.scales, module.biases))
-        packed, bits = np.array(module.weight), module.bits
-        if bits not in (4, 8):
-            packed, bits = widen_to_8_bits(packed, bits), 8
-        parts[path] = QuantizedParts(packed, scales, biases, module.group_size, bits)
-    return parts
-
-
-class QuantizedCopies:
-    """The quantized copies registered for one model; :meth:`close` takes them back.
-
-    Each registered float32 array is held here, so its buffer (the registry's key) can
-    never be freed and reused by another array while the copy is registered.
-    """
-
-    def __init__(self, library: Any, max_rows: int) -> None:
-        self._lib = library
-        self._held: dict[int, Any] = {}
-        library.vq_qmm_set_max_rows(max_rows)
-
-    def add(self, weight: Any, parts: QuantizedParts) -> None:
-        """Register ``parts`` as the quantized form of the float32 ``weight`` (rows x cols)."""
-        import mlx.core as mx
-
-        mx.eval(weight)
-        if weight.dtype != mx.float32 or weight.ndim != 2:
-            raise QuantizedCopyError(
-                f"expected a 2-D float32 weight, got {weight.dtype} {weight.shape}")
-        buffer = np.asarray(weight)  # shares the array's memory: its address is the key
-        rows, cols = weight.shape
-        group_ok = parts.group_size % GROUP == 0 or (parts.group_size == 16 and parts.bits == 8)
-        if cols % GROUP or not group_ok or parts.bits not in (4, 8):
-            raise QuantizedCopyError(_ERRORS[-2])
-        if parts.packed.shape != (rows, cols * parts.bits // 32):
-            raise QuantizedCopyError(f"packed weight {parts.packed.shape} does not match "
-                                     f"{weight.shape} at {parts.bits} bits")
-        codes = kernel_codes(parts.packed, parts.bits)
-        scales, biases = kernel_groups(parts)
-        code = self._lib.vq_qmm_register(buffer.ctypes.data, rows, cols, parts.bits,
-                                         kernel_group(parts), codes.ctypes.data,
-                                         scales.ctypes.data,
-                                         biases.ctypes.data)
-        if code != 0:
-            raise QuantizedCopyError(_ERRORS.get(code, f"error {code}"))
-        self._held[buffer.ctypes.data] = weight
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def served(self) -> int:
-        """Products served from quantized copies in this process so far (all models)."""
-        return int(self._lib.vq_qmm_served())
-
-    def close(self) -> None:
-        """Unregister every copy (products fall back to the float32 weights)."""
-        for address in list(self._held):
-            self._lib.vq_qmm_unregister(address)
-            del self._held[address]  # only now may the buffer be freed
-
-    def __del__(self) -> None:  # a dropped model must not leave its copies registered
-        self.close()
-
-
 def load_group16_parts(folder: Any) -> dict[str, QuantizedParts]:
     """The 16-column codes a GGUF conversion kept beside float32 weights, by module path.
 
@@ -241,43 +119,3 @@ def load_group16_parts(folder: Any) -> dict[str, QuantizedParts]:
                                    np.array(arrays[f"{module}.scales"]),
                                    np.array(arrays[f"{module}.biases"]), 16, 8)
             for module in sorted(modules)}
-
-
-def float32_matrices(model: Any, parts: dict[str, QuantizedParts]) -> dict[str, QuantizedParts]:
-    """The ``parts`` whose module holds a 2-D float32 ``weight`` now (others cannot be served)."""
-    import mlx.core as mx
-
-    modules = dict(model.named_modules())
-    return {path: p for path, p in parts.items()
-            if path in modules and getattr(modules[path], "weight", None) is not None
-            and modules[path].weight.dtype == mx.float32 and modules[path].weight.ndim == 2}
-
-
-def attach_quantized_copies(library: Any, model: Any, parts: dict[str, QuantizedParts],
-                            max_rows: int) -> QuantizedCopies | None:
-    """Register the captured parts against the dequantized ``model``'s float32 weights.
-
-    Args:
-        library: :func:`quant_library`'s handle (None: nothing is registered).
-        model: The model after dequantization (same module paths as when captured).
-        parts: :func:`capture_quantized_layers`'s result.
-        max_rows: Largest product (rows of activations) to serve from the copies.
-
-    Returns:
-        The registered copies; None when there is nothing to register, no library (this
-        process has no forward to serve them: not loaded, not x86-64, no AVX2), or the
-        forward refused one (logged: the float32 weights then serve every product).
-    """
-    if library is None or not parts or max_rows <= 0:
-        return None
-    modules = dict(model.named_modules())
-    copies = QuantizedCopies(library, max_rows)
-    try:
-        for path, quantized in parts.items():
-            copies.add(modules[path].weight, quantized)
-    except QuantizedCopyError as exc:
-        copies.close()
-        log.warning("quantized copies not used (%s: %s); every product runs in float32",
-                    path, exc)
-        return None
-    return copies

@@ -12,8 +12,7 @@
  * (veloxquant_mlx/cpu_backend.py), so MLX's calls land here. The BLAS behind it is
  * handed over by vq_blas_bind: its sgemm and sgemv by address, whatever their names
  * (scipy-openblas32 exports them as scipy_cblas_*, Debian's OpenBLAS as cblas_*).
- * Row-major calls with M == 1 go to that sgemv, products against registered quantized
- * weights to quant_matmul.c, every other call unchanged to that sgemm.
+ * Row-major calls with M == 1 go to that sgemv, every other call unchanged to that sgemm.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -21,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_matmul.h"
+#include "forward.h"
 
 enum { ROW_MAJOR = VQ_ROW_MAJOR, NO_TRANS = VQ_NO_TRANS, TRANS = VQ_TRANS };
 
@@ -68,10 +67,6 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                  int ldc) {
     __atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED);
     if (!blas_sgemm) bind_next();
-    /* A weight with a registered quantized copy, times a few rows (quant_matmul.c). */
-    if (routes &&
-        vq_qmm_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
-        return;
     if (!routes || order != ROW_MAJOR || m != 1 || n < 1 || k < 1) {
         blas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;

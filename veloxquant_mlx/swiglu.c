@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stddef.h>
 
-#include "quant_matmul.h"
+#include "forward.h"
 #include "vq_exp.h"
 
 int vq_swiglu_supported(void) {

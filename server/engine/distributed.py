@@ -168,14 +168,8 @@ def _check_heads(heads: int, kv_heads: int, ranks: int) -> None:
 
 
 def shard_loaded(loaded: Any, group: Any) -> None:
-    """Split a :class:`~server.model_loader.LoadedModel` over ``group`` (see shard_model).
-
-    Its quantized copies serve the unsplit weights, which the split replaces: they are
-    given back first, and this rank's products run in float32.
-    """
-    if loaded.quantized_copies is not None:
-        loaded.quantized_copies.close()
-        loaded.quantized_copies = None
+    """Split a :class:`~server.model_loader.LoadedModel` over ``group`` (see shard_model);
+    it must be loaded with ``codes=False`` (mlx-lm's split takes its own layers only)."""
     shard_model(loaded.model, group)
 
 
@@ -383,14 +377,14 @@ def serve_follower(settings: Any) -> int:
     """A follower process's whole life: join the ring, load and shard the model, then
     :func:`follow`."""
     from server.engine.kv_memory import kv_format_of
-    from server.engine.startup import apply_context_limit, fuse_projections, plan_kv
+    from server.engine.startup import apply_context_limit, plan_kv
     from server.model_loader import load_model
     from veloxquant_mlx.memory.kv_arena import probe_kv_layout
 
     before = open_sockets()
     group = join_group(settings.distributed.ranks)
     wait = LeaderWait(open_sockets() - before)
-    loaded = load_model(settings.model)
+    loaded = load_model(settings.model, codes=False)
     apply_context_limit(settings.limits, loaded)
     shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
@@ -398,7 +392,7 @@ def serve_follower(settings: Any) -> int:
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena,
                          kv_write_back=settings.batch.kv_write_back,
                          compile_decode=settings.batch.compile_decode,
-                         fuse_projections=fuse_projections(settings, loaded))
+                         fuse_projections=settings.batch.fuse_projections)
     log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
     follow(runner, RankLink(group), wait)
     wait.close()

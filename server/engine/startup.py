@@ -33,6 +33,7 @@ from server.engine.step_clock import StepClock
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.settings import LimitsSection, Settings
+from veloxquant_mlx.codes_linear import INT8_MAX_ROWS
 from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
@@ -149,17 +150,6 @@ def apply_context_limit(limits: LimitsSection, loaded: LoadedModel) -> None:
     loaded.context_length, loaded.context_configured = chosen, True
 
 
-def fuse_projections(settings: Settings, loaded: LoadedModel) -> bool:
-    """Whether compiled decode runs q/k/v and gate/up as one matmul each.
-
-    Never while the CPU serves a dequantized model from its quantized codes:
-    those are registered under each projection's own float32 buffer, which
-    fusing would replace by a view of one stacked buffer (the codes would
-    serve nothing and the old buffers would stay held).
-    """
-    return settings.batch.fuse_projections and loaded.quantized_copies is None
-
-
 def plan_kv(settings: Settings, layout: KVLayout, pool: BlockPoolAllocator | None = None,
             context: int | None = None) -> tuple[BlockPoolAllocator, KVMemory]:
     """The pool sized from ``pool.kv_memory`` (if set; else ``pool``, or a new one from
@@ -215,7 +205,8 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
         from server.engine.distributed import join_group
 
         group = join_group(settings.distributed.ranks)
-    loaded = loader(settings.model)
+    # A split model stays in mlx-lm's layer classes, which its split takes (load_model).
+    loaded = loader(settings.model) if group is None else loader(settings.model, codes=False)
     apply_context_limit(settings.limits, loaded)
     if group is not None:
         from server.engine.distributed import shard_loaded
@@ -225,8 +216,8 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     pool, kv = plan_kv(settings, layout, pool, loaded.context_length)
     prefixes = None
     if settings.cache.prefix_caching:
-        # A hit leaves the codes' row range behind it (PromptPrefixes' min_tail).
-        codes_rows = settings.model.quantized_matmul_rows if loaded.quantized_copies else 0
+        # A hit leaves the int8 row range behind it (PromptPrefixes' min_tail).
+        codes_rows = INT8_MAX_ROWS if loaded.codes_layers else 0
         prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),
                                   pool.config.block_size, min_tail=codes_rows + 1)
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
@@ -236,7 +227,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     batch = settings.batch
     runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,
                          prefixes, batch.kv_write_back, batch.compile_decode,
-                         fuse_projections=fuse_projections(settings, loaded))
+                         fuse_projections=batch.fuse_projections)
     compiled = runner.compiled_blocks
     if group is not None:  # the other ranks repeat this runner's calls
         from server.engine.distributed import LeaderRunner, RankLink

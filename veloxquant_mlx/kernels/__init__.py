@@ -1,0 +1,1 @@
+"""Native MLX operations the project owns (built against the installed MLX; see build.py)."""

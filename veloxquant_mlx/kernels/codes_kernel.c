@@ -1,0 +1,561 @@
+/*
+ * Activations times 4- or 8-bit weight codes, computed from the codes (MLX's CPU backend).
+ *
+ * A quantized model keeps its weights as codes: ~0.6 bytes a weight at 4 bits, ~1.1 at
+ * 8, where a float32 copy reads 4. Each row of x is quantized to int8 in groups of 32 (one
+ * float scale a group), as llama.cpp does, and every product is an integer dot product
+ * (AVX2 vpmaddubsw), scaled per group. This serves any number of rows: one-row decode
+ * steps, batched steps and whole prompts. x's int8 rounding is the only difference from
+ * the product of x and the dequantized weights (~0.5% relative error on a random product).
+ *
+ * Code layout, per weight row and per group of 32 columns, with w = scale * q + bias:
+ *   4-bit: 16 bytes, low nibbles columns 0..15, high nibbles 16..31, q in 0..15;
+ *   8-bit: 32 signed bytes in column order, q in -128..127.
+ * A matrix has one scale and bias per 32 columns, or (8-bit only) per 16: ggml's Q6_K,
+ * Q3_K and Q2_K scale every 16 values. The activations keep one int8 scale per 32 either
+ * way; a 16-column weight group only changes the scale of half of each integer sum.
+ *
+ * Where AVX2 and FMA are missing (or VQ_PATH_PORTABLE asks for it) a plain C loop computes
+ * the same integer sums on one thread. VQ_PATH_FLOAT32 instead multiplies float32 x by the
+ * dequantized weights (a few rows at a time, on the BLAS): exact, for prompts.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "codes_kernel.h"
+
+#define GROUP 32
+#define MAX_THREADS 8
+/* A helper spins this long for the next product, then sleeps. Short: the Python thread
+ * that builds the next step needs the core (served c=1 on 2 cores: 17-18 tok/s at 20 us
+ * against 13-16 at 200 us, the same requests). */
+#define SPIN_NS 20000
+#define MIN_PARALLEL_MACS 65536  /* below this a product runs on the calling thread alone */
+#define TILE_FLOATS (1 << 18)    /* float32 path: ~1 MiB of dequantized weight rows at a time */
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
+
+typedef struct {
+    int m, groups;
+    int8_t *xq;   /* m x cols, int8 */
+    float *xd;    /* m x groups: each group's scale */
+    float *xs;    /* m x groups: each group's sum as rounded, for the bias term */
+    float *xs16;  /* m x 2 groups: the sums of each half, for 16-column biases */
+} quantized_rows;
+
+const char *vq_codes_check(const vq_codes *w) {
+    if (!w || w->rows < 1 || w->cols < GROUP) return "a weight needs at least 1 row and 32 columns";
+    if (w->cols % GROUP) return "the weight's columns are not a multiple of 32";
+    if (w->bits != 4 && w->bits != 8) return "the codes are neither 4 nor 8 bits";
+    if (w->group != GROUP && !(w->group == GROUP / 2 && w->bits == 8))
+        return "a scale must cover 32 columns (or 16 with 8-bit codes)";
+    return 0;
+}
+
+static int rows_buffer(quantized_rows *x, int m, int cols) {
+    int groups = cols / GROUP;
+    void *buffer = malloc((size_t)m * cols + 4 * (size_t)m * groups * sizeof(float));
+    if (!buffer) return -1;
+    x->m = m;
+    x->groups = groups;
+    x->xd = buffer;
+    x->xs = x->xd + (size_t)m * groups;
+    x->xs16 = x->xs + (size_t)m * groups;
+    x->xq = (int8_t *)(x->xs16 + 2 * (size_t)m * groups);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ portable */
+
+static void quantize_rows_portable(const float *a, int m, int cols, quantized_rows *x) {
+    int groups = cols / GROUP;
+    for (int r = 0; r < m; r++)
+        for (int g = 0; g < groups; g++) {
+            const float *v = a + (size_t)r * cols + g * GROUP;
+            float amax = 0.0f;
+            for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(v[j]));
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = x->xq + (size_t)r * cols + g * GROUP;
+            int low = 0, high = 0;
+            for (int j = 0; j < GROUP; j++) {
+                q[j] = (int8_t)nearbyintf(v[j] * inv); /* round half to even, as cvtps */
+                if (j < GROUP / 2) low += q[j];
+                else high += q[j];
+            }
+            size_t at = (size_t)r * groups + g;
+            x->xd[at] = d;
+            x->xs[at] = d * (float)low + d * (float)high;
+            x->xs16[2 * at] = d * (float)low;
+            x->xs16[2 * at + 1] = d * (float)high;
+        }
+}
+
+/* Code j of a weight row's group g, as the signed or unsigned integer it stands for. */
+static inline int code_at(const uint8_t *row, int g, int j, int bits) {
+    if (bits == 8) return (int8_t)row[g * GROUP + j];
+    uint8_t byte = row[g * (GROUP / 2) + (j & 15)];
+    return j < 16 ? byte & 0x0F : byte >> 4;
+}
+
+static void matmul_portable(const vq_codes *w, const quantized_rows *x, float *c) {
+    int cols = w->cols, sub = w->group, wgroups = cols / sub;
+    for (int n = 0; n < w->rows; n++) {
+        const uint8_t *qn = w->codes + (size_t)n * cols * w->bits / 8;
+        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
+        for (int r = 0; r < x->m; r++) {
+            const int8_t *xr = x->xq + (size_t)r * cols;
+            float acc = 0.0f;
+            for (int g = 0; g < x->groups; g++) {
+                int halves[2] = {0, 0};
+                for (int j = 0; j < GROUP; j++)
+                    halves[j >= 16] += code_at(qn, g, j, w->bits) * xr[g * GROUP + j];
+                float d = x->xd[(size_t)r * x->groups + g];
+                if (sub == GROUP)
+                    acc += sn[g] * d * (float)(halves[0] + halves[1]) +
+                           bn[g] * x->xs[(size_t)r * x->groups + g];
+                else
+                    for (int h = 0; h < 2; h++)
+                        acc += sn[2 * g + h] * d * (float)halves[h] +
+                               bn[2 * g + h] * x->xs16[2 * ((size_t)r * x->groups + g) + h];
+            }
+            c[(size_t)r * w->rows + n] = acc;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 */
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+
+
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Each group of 32: scale = max|x| / 127, q = round(x / scale), and the sums of the
+ * rounded values (scale * sum q, of the group and of each half) for the bias term. With
+ * those, every product is the weights times the rounded x, whatever the codes' offset:
+ * with exact sums instead, x's rounding error would come back multiplied by the codes
+ * themselves, and codes far from 0 (a 5-bit code widened to a byte sits near -112 once
+ * signed) would make it ~10x larger (SmolLM2 Q4_K_M decoded from its codes: perplexity 59.8
+ * against 29.4 in float32). */
+__attribute__((target("avx2,fma")))
+static void quantize_rows(const float *a, int lda, int m, int cols, int8_t *xq, float *xd,
+                          float *xs, float *xs16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int groups = cols / GROUP;
+    for (int r = 0; r < m; r++) {
+        for (int g = 0; g < groups; g++) {
+            const float *x = a + (size_t)r * lda + g * GROUP;
+            __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+            __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0),
+                                                    _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2),
+                                                    _mm256_andnot_ps(sign, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float amax = _mm_cvtss_f32(m4);
+            float d = amax / 127.0f;
+            __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            /* The packs work per 128-bit lane; the permute puts the 32 values back in order. */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, order);
+            _mm256_storeu_si256((__m256i *)(xq + (size_t)r * cols + g * GROUP), p);
+            xd[(size_t)r * groups + g] = d;
+            float low = d * hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
+            float high = d * hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i2, i3)));
+            xs[(size_t)r * groups + g] = low + high;
+            xs16[2 * ((size_t)r * groups + g)] = low;
+            xs16[2 * ((size_t)r * groups + g) + 1] = high;
+        }
+    }
+}
+
+/* The 32 codes of group g of a weight row, ready for group_dot. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256i load_codes(const uint8_t *row, int g, int bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(row + g * GROUP));
+    __m128i raw = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* Integer dot product of one 32-column group, as 8 int32 partial sums in floats. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 group_dot(__m256i q, const int8_t *x, int bits) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i xv = _mm256_loadu_si256((const __m256i *)x), pairs;
+    if (bits == 4) /* q 0..15 unsigned, x -127..127: a pair sum fits int16 (2*15*127) */
+        pairs = _mm256_maddubs_epi16(q, xv);
+    else /* signed q: |q| (-128 reads as 128 unsigned) times x with q's sign; 2*128*127 fits */
+        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+}
+
+__attribute__((target("avx2,fma")))
+static float bias_term(const float *bias, const float *sums, int groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(sums + g), acc);
+    float s = hsum(acc);
+    for (; g < groups; g++) s += bias[g] * sums[g];
+    return s;
+}
+
+
+/* Group g's weight scale as a vector for group_dot's 8 sums: sums 0-3 cover columns 0-15
+ * and sums 4-7 columns 16-31, so a 16-column matrix puts each half's scale in its lane. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 weight_scale(const float *sn, int g, int sub) {
+    if (sub == GROUP) return _mm256_set1_ps(sn[g]);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sn[2 * g])),
+                                _mm_set1_ps(sn[2 * g + 1]), 1);
+}
+
+/* One group of one row of x: acc + (its integer dot product) * weight scale * x's scale. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 group_step(__m256i q, __m256 s, const int8_t *x, float d, __m256 acc,
+                                int bits) {
+    return _mm256_fmadd_ps(group_dot(q, x, bits), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
+}
+
+/* Weight rows [n0, n1) against every row of x: C[r][n] for all r. Inlined per bits and per
+ * columns a weight scale covers (sub). */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void block_rows(const vq_codes *w, int n0, int n1, const quantized_rows *x,
+                              float *c, int ldc, int bits, int sub) {
+    const int groups = x->groups, cols = w->cols, wgroups = cols / sub;
+    const float *sums = sub == GROUP ? x->xs : x->xs16;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *qn = w->codes + (size_t)n * cols * bits / 8;
+        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
+        int r = 0;
+        /* Every row of x is summed in the same order, two chains (even and odd groups) to
+         * hide FMA latency, whether it runs in a block of four or alone: a row's result
+         * does not depend on which other rows share the product. */
+        for (; r + 4 <= x->m; r += 4) { /* four rows of x share each loaded group */
+            __m256 even[4], odd[4];
+            for (int i = 0; i < 4; i++) even[i] = odd[i] = _mm256_setzero_ps();
+            int g = 0;
+            for (; g + 2 <= groups; g += 2) {
+                __m256i q0 = load_codes(qn, g, bits), q1 = load_codes(qn, g + 1, bits);
+                __m256 s0 = weight_scale(sn, g, sub), s1 = weight_scale(sn, g + 1, sub);
+                for (int i = 0; i < 4; i++) {
+                    const int8_t *xr = x->xq + (size_t)(r + i) * cols;
+                    const float *dr = x->xd + (size_t)(r + i) * groups;
+                    even[i] = group_step(q0, s0, xr + g * GROUP, dr[g], even[i], bits);
+                    odd[i] = group_step(q1, s1, xr + (g + 1) * GROUP, dr[g + 1], odd[i], bits);
+                }
+            }
+            if (g < groups) {
+                __m256i q0 = load_codes(qn, g, bits);
+                __m256 s0 = weight_scale(sn, g, sub);
+                for (int i = 0; i < 4; i++)
+                    even[i] = group_step(q0, s0, x->xq + (size_t)(r + i) * cols + g * GROUP,
+                                         x->xd[(size_t)(r + i) * groups + g], even[i], bits);
+            }
+            for (int i = 0; i < 4; i++)
+                c[(size_t)(r + i) * ldc + n] =
+                    hsum(_mm256_add_ps(even[i], odd[i])) +
+                    bias_term(bn, sums + (size_t)(r + i) * wgroups, wgroups);
+        }
+        for (; r < x->m; r++) { /* the rest one at a time, in the same order */
+            __m256 even = _mm256_setzero_ps(), odd = even;
+            const int8_t *xr = x->xq + (size_t)r * cols;
+            const float *dr = x->xd + (size_t)r * groups;
+            int g = 0;
+            for (; g + 2 <= groups; g += 2) {
+                even = group_step(load_codes(qn, g, bits), weight_scale(sn, g, sub),
+                                  xr + g * GROUP, dr[g], even, bits);
+                odd = group_step(load_codes(qn, g + 1, bits), weight_scale(sn, g + 1, sub),
+                                 xr + (g + 1) * GROUP, dr[g + 1], odd, bits);
+            }
+            if (g < groups)
+                even = group_step(load_codes(qn, g, bits), weight_scale(sn, g, sub),
+                                  xr + g * GROUP, dr[g], even, bits);
+            c[(size_t)r * ldc + n] = hsum(_mm256_add_ps(even, odd)) +
+                                     bias_term(bn, sums + (size_t)r * wgroups, wgroups);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void block_rows_4bit(const vq_codes *w, int n0, int n1, const quantized_rows *x,
+                            float *c, int ldc) {
+    block_rows(w, n0, n1, x, c, ldc, 4, GROUP);
+}
+
+__attribute__((target("avx2,fma")))
+static void block_rows_8bit(const vq_codes *w, int n0, int n1, const quantized_rows *x,
+                            float *c, int ldc) {
+    block_rows(w, n0, n1, x, c, ldc, 8, GROUP);
+}
+
+__attribute__((target("avx2,fma")))
+static void block_rows_8bit_16(const vq_codes *w, int n0, int n1, const quantized_rows *x,
+                               float *c, int ldc) {
+    block_rows(w, n0, n1, x, c, ldc, 8, GROUP / 2);
+}
+
+/* ------------------------------------------------------------------ threads */
+
+typedef struct {
+    const vq_codes *w;
+    const quantized_rows *x;
+    float *c;
+    int ldc, parts;
+} job_t;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
+static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static job_t job;
+static atomic_uint generation;
+static atomic_int pending;
+static int helpers = -1; /* threads started besides the caller; -1 until first use */
+static unsigned born_at;  /* the generation when the helpers started, before their first job */
+
+static void run_part(const job_t *j, int part) {
+    /* Split the weight rows in multiples of 8 so two parts never share a cache line of C. */
+    int rows = j->w->rows, per = ((rows + j->parts - 1) / j->parts + 7) & ~7;
+    int n0 = part * per, n1 = n0 + per < rows ? n0 + per : rows;
+    if (n0 >= n1) return;
+    if (j->w->bits == 4) block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
+    else if (j->w->group == GROUP)
+        block_rows_8bit(j->w, n0, n1, j->x, j->c, j->ldc);
+    else block_rows_8bit_16(j->w, n0, n1, j->x, j->c, j->ldc);
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void *helper_main(void *arg) {
+    int part = (int)(intptr_t)arg;
+    unsigned seen = born_at; /* not a fresh read: the first job may already be posted */
+    for (;;) {
+        /* Spin briefly: in decode the next product follows within microseconds. */
+        long start = now_ns();
+        while (atomic_load_explicit(&generation, memory_order_acquire) == seen &&
+               now_ns() - start < SPIN_NS)
+            for (int i = 0; i < 64; i++) _mm_pause();
+        pthread_mutex_lock(&wake_lock);
+        while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
+        pthread_mutex_unlock(&wake_lock);
+        seen = atomic_load(&generation);
+        run_part(&job, part);
+        atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static int thread_count(void) {
+    const char *env = getenv("VELOXQUANT_QMM_THREADS");
+    long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : (int)n;
+}
+
+static void start_helpers(void) {
+    int wanted = thread_count() - 1;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    helpers = 0;
+    born_at = atomic_load(&generation);
+    for (int i = 1; i <= wanted; i++) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, helper_main, (void *)(intptr_t)i) != 0) break;
+        helpers++;
+    }
+    pthread_attr_destroy(&attr);
+}
+
+static void run_job(const job_t *j, long macs) {
+    if (macs < MIN_PARALLEL_MACS || pthread_mutex_trylock(&pool_lock) != 0) {
+        job_t alone = *j; /* small, or another thread holds the helpers: do it here */
+        alone.parts = 1;
+        run_part(&alone, 0);
+        return;
+    }
+    if (helpers < 0) start_helpers();
+    job = *j;
+    job.parts = helpers + 1;
+    atomic_store(&pending, helpers);
+    pthread_mutex_lock(&wake_lock);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&wake_lock);
+    run_part(&job, 0);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* dequantize_group's AVX2 form: the 32 codes widened to int32 eight at a time. */
+__attribute__((target("avx2,fma")))
+static void dequantize_group_avx2(const uint8_t *qn, const float *sn, const float *bn, int g,
+                                  int bits, int group, float *dst) {
+    __m256i q = load_codes(qn, g, bits); /* 32 bytes in column order (4-bit: 0..15) */
+    __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int h = 0; h < 2; h++) {
+        int at = group == GROUP ? g : 2 * g + h;
+        __m256 scale = _mm256_set1_ps(sn[at]), bias = _mm256_set1_ps(bn[at]);
+        for (int e = 0; e < 2; e++) {
+            __m128i eight = e ? _mm_srli_si128(halves[h], 8) : halves[h];
+            __m256i wide = bits == 8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+            _mm256_storeu_ps(dst + 16 * h + 8 * e,
+                             _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide), bias));
+        }
+    }
+}
+
+#endif /* x86-64 */
+
+static int avx2_available(void) {
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+const char *vq_codes_path(void) { return avx2_available() ? "avx2" : "portable"; }
+
+/* The BLAS MLX was handed (the project's forward, loaded globally before MLX), if any:
+ * weak, so a process without one simply keeps every product on the codes. */
+extern void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                        const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                        int ldc) __attribute__((weak));
+
+int vq_codes_float32_available(void) { return cblas_sgemm != 0; }
+
+/* Group g of a weight row as 32 floats: scale * code + bias (one scale a half for 16). */
+static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *sn,
+                             const float *bn, int g, float *dst) {
+#ifdef HAVE_AVX2_PATH
+    if (avx2_available()) {
+        dequantize_group_avx2(qn, sn, bn, g, w->bits, w->group, dst);
+        return;
+    }
+#endif
+    for (int j = 0; j < GROUP; j++) {
+        int at = w->group == GROUP ? g : 2 * g + (j >= GROUP / 2);
+        dst[j] = sn[at] * (float)code_at(qn, g, j, w->bits) + bn[at];
+    }
+}
+
+/* Weight rows [n0, n1) as float32, (n1 - n0) x cols, from their codes. */
+static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst) {
+    int cols = w->cols, groups = cols / GROUP, wgroups = cols / w->group;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *qn = w->codes + (size_t)n * cols * w->bits / 8;
+        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
+        for (int g = 0; g < groups; g++)
+            dequantize_group(w, qn, sn, bn, g, dst + (size_t)(n - n0) * cols + g * GROUP);
+    }
+}
+
+/* x times the weights in float32: a few weight rows at a time are dequantized into a
+ * buffer that stays in cache and multiplied there by the BLAS. */
+static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) {
+    int tile = (TILE_FLOATS / w->cols) & ~7;
+    if (tile < 8) tile = 8;
+    float *buffer = malloc((size_t)tile * w->cols * sizeof(float));
+    if (!buffer) return -1;
+    for (int n0 = 0; n0 < w->rows; n0 += tile) {
+        int n1 = n0 + tile < w->rows ? n0 + tile : w->rows;
+        dequantize_rows(w, n0, n1, buffer);
+        cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, m, n1 - n0, w->cols, 1.0f, x,
+                    w->cols, buffer, w->cols, 0.0f, out + n0, w->rows);
+    }
+    free(buffer);
+    return 0;
+}
+
+/* Rows [r0, r0 + m) of q from x (m x cols), on the AVX2 or the portable path. */
+static void quantize_into(const float *x, int m, int cols, const quantized_rows *q, int r0,
+                          int avx2) {
+    quantized_rows at = *q;
+    at.xq += (size_t)r0 * cols;
+    at.xd += (size_t)r0 * q->groups;
+    at.xs += (size_t)r0 * q->groups;
+    at.xs16 += 2 * (size_t)r0 * q->groups;
+#ifdef HAVE_AVX2_PATH
+    if (avx2) {
+        quantize_rows(x, cols, m, cols, at.xq, at.xd, at.xs, at.xs16);
+        return;
+    }
+#endif
+    (void)avx2;
+    quantize_rows_portable(x, m, cols, &at);
+}
+
+/* x - its int8 rounding (rows [0, m) of q): what a second int8 pass quantizes. */
+static void residual(const float *x, int m, int cols, const quantized_rows *q, float *r) {
+    for (size_t i = 0; i < (size_t)m * cols; i++)
+        r[i] = x[i] - (float)q->xq[i] * q->xd[i / GROUP];
+}
+
+static void multiply(const vq_codes *w, const quantized_rows *q, float *out, int avx2) {
+#ifdef HAVE_AVX2_PATH
+    if (avx2) {
+        job_t j = {w, q, out, w->rows, 1};
+        run_job(&j, (long)q->m * w->rows * w->cols);
+        return;
+    }
+#endif
+    (void)avx2;
+    matmul_portable(w, q, out);
+}
+
+int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int path,
+                    int precise) {
+    if (m < 1) return 0;
+    if (path == VQ_PATH_FLOAT32 && cblas_sgemm) return matmul_float32(w, m, x, out);
+    int avx2 = path != VQ_PATH_PORTABLE && avx2_available(), passes = precise ? 2 : 1;
+    quantized_rows q;
+    if (rows_buffer(&q, passes * m, w->cols) != 0) return -1;
+    quantize_into(x, m, w->cols, &q, 0, avx2);
+    if (!precise) {
+        multiply(w, &q, out, avx2);
+        free(q.xd);
+        return 0;
+    }
+    /* Two int8 passes, x's rounding then what that rounding missed: ~16-bit activations,
+     * the codes read once (the rows of both passes share each loaded group). */
+    float *scratch = malloc((size_t)m * (w->cols > w->rows ? w->cols : w->rows) * 2 *
+                            sizeof(float));
+    if (!scratch) {
+        free(q.xd);
+        return -1;
+    }
+    residual(x, m, w->cols, &q, scratch);
+    quantize_into(scratch, m, w->cols, &q, m, avx2);
+    multiply(w, &q, scratch, avx2);
+    for (size_t i = 0; i < (size_t)m * w->rows; i++)
+        out[i] = scratch[i] + scratch[(size_t)m * w->rows + i];
+    free(scratch);
+    free(q.xd);
+    return 0;
+}

@@ -1,0 +1,44 @@
+/* Activations times 4- or 8-bit weight codes, int8 dot products (see codes_kernel.c). */
+#ifndef VELOXQUANT_CODES_KERNEL_H
+#define VELOXQUANT_CODES_KERNEL_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One weight matrix, rows x cols, in the kernel's layout (codes_kernel.c's header). */
+typedef struct {
+    int rows, cols, bits; /* bits: 4 or 8 */
+    int group;            /* columns per scale and bias: 32, or 16 with 8 bits */
+    const uint8_t *codes; /* rows * cols * bits / 8 */
+    const float *scales;  /* rows * cols / group */
+    const float *biases;
+} vq_codes;
+
+/* AUTO: int8 activations, AVX2 where the CPU has it; PORTABLE: int8 activations, plain C;
+ * FLOAT32: float32 activations times the dequantized weights, on the BLAS loaded before
+ * MLX (AUTO where there is none, see vq_codes_float32_available). */
+enum { VQ_PATH_AUTO = 0, VQ_PATH_PORTABLE = 1, VQ_PATH_FLOAT32 = 2 };
+
+/* 1 when a cblas_sgemm is loaded for VQ_PATH_FLOAT32. */
+int vq_codes_float32_available(void);
+
+/* Which path VQ_PATH_AUTO takes on this CPU: "avx2" or "portable". */
+const char *vq_codes_path(void);
+
+/* 0 when w's shape is one the kernel serves, else a message saying what is wrong. */
+const char *vq_codes_check(const vq_codes *w);
+
+/* out (m x w->rows) = x (m x w->cols, row-major) times w transposed. precise: int8 paths
+ * add a second pass over what x's int8 rounding missed (~16-bit activations, the codes
+ * read once, twice the arithmetic). 0, or -1 when out of memory (out is then untouched). */
+int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int path,
+                    int precise);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

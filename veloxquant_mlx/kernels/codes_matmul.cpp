@@ -1,0 +1,152 @@
+// codes_matmul: an MLX operation multiplying activations by 4- or 8-bit weight codes.
+//
+// The arithmetic is codes_kernel.c's; this file makes it a node of MLX's graph (a
+// Primitive evaluated on the CPU stream), so a quantized Linear calls it like any other
+// op: no float32 copy of the weights, nothing intercepted below MLX.
+#include <sstream>
+#include <stdexcept>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "mlx/version.h"
+
+#include "codes_kernel.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace {
+
+class CodesMatmul : public mx::Primitive {
+ public:
+  CodesMatmul(mx::Stream stream, int bits, int group, bool portable, int float32_above,
+              bool precise)
+      : mx::Primitive(stream),
+        bits_(bits),
+        group_(group),
+        portable_(portable),
+        float32_above_(float32_above),
+        precise_(precise) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override {
+    const mx::array& x = inputs[0];
+    const mx::array& codes = inputs[1];
+    const mx::array& scales = inputs[2];
+    const mx::array& biases = inputs[3];
+    mx::array& out = outputs[0];
+    for (const auto* a : {&x, &codes, &scales, &biases})
+      if (!a->flags().row_contiguous)
+        throw std::runtime_error("codes_matmul: inputs must be row-contiguous");
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    vq_codes w{codes.shape(0), x.shape(-1), bits_, group_, codes.data<uint8_t>(),
+               scales.data<float>(), biases.data<float>()};
+    int m = static_cast<int>(x.size() / x.shape(-1));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    int path = portable_ ? VQ_PATH_PORTABLE : VQ_PATH_AUTO;
+    if (float32_above_ > 0 && m > float32_above_ && vq_codes_float32_available())
+      path = VQ_PATH_FLOAT32;
+    encoder.dispatch([w, m, path, precise = precise_, x_ptr = x.data<float>(),
+                      out_ptr = out.data<float>()]() {
+      if (vq_codes_matmul(&w, m, x_ptr, out_ptr, path, precise) != 0)
+        throw std::runtime_error("codes_matmul: out of memory for the quantized rows");
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("codes_matmul runs on the CPU; on a GPU use MLX's quantized_matmul");
+  }
+
+  const char* name() const override { return "CodesMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const CodesMatmul&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && portable_ == o.portable_ &&
+           float32_above_ == o.float32_above_ && precise_ == o.precise_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int bits_, group_;
+  bool portable_;
+  int float32_above_;
+  bool precise_;
+};
+
+void check_inputs(const mx::array& x, const mx::array& codes, const mx::array& scales,
+                  const mx::array& biases, int bits, int group) {
+  std::ostringstream why;
+  if (codes.ndim() != 2 || codes.dtype() != mx::uint8)
+    why << "codes must be a 2-D uint8 array, got " << codes.ndim() << "-D " << codes.dtype();
+  else if (x.ndim() < 1)
+    why << "x must have at least one dimension";
+  else {
+    int cols = x.shape(-1);
+    vq_codes w{codes.shape(0), cols, bits, group, nullptr, nullptr, nullptr};
+    const char* shape_error = vq_codes_check(&w);
+    long wanted_groups = static_cast<long>(codes.shape(0)) * (cols / (group > 0 ? group : 1));
+    if (shape_error)
+      why << shape_error;
+    else if (static_cast<long>(codes.shape(1)) * 8 != static_cast<long>(cols) * bits)
+      why << "codes hold " << codes.shape(1) * 8 / bits << " columns a row, x has " << cols;
+    else if (scales.size() != static_cast<size_t>(wanted_groups) ||
+             biases.size() != static_cast<size_t>(wanted_groups))
+      why << "scales and biases need " << wanted_groups << " values each, got "
+          << scales.size() << " and " << biases.size();
+  }
+  if (!why.str().empty()) throw std::invalid_argument("codes_matmul: " + why.str());
+}
+
+mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::array& scales,
+                       const mx::array& biases, int bits, int group, bool portable,
+                       int float32_above, bool precise, mx::StreamOrDevice s) {
+  check_inputs(x, codes, scales, biases, bits, group);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("codes_matmul runs on the CPU stream only");
+  auto as_f32 = [&](const mx::array& a) {
+    return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream);
+  };
+  auto shape = x.shape();
+  shape.back() = codes.shape(0);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<CodesMatmul>(stream, bits, group, portable, float32_above,
+                                                 precise),
+                   {as_f32(x), mx::contiguous(codes, false, stream), as_f32(scales),
+                    as_f32(biases)});
+}
+
+}  // namespace
+
+NB_MODULE(_codes_matmul, m) {
+  m.doc() = "Activations times 4/8-bit weight codes as an MLX operation (CPU).";
+  m.def("codes_matmul", &codes_matmul, nb::arg("x"), nb::arg("codes"), nb::arg("scales"),
+        nb::arg("biases"), nb::kw_only(), nb::arg("bits"), nb::arg("group"),
+        nb::arg("portable") = false, nb::arg("float32_above") = 0, nb::arg("precise") = false,
+        nb::arg("stream") = nb::none(),
+        "x (..., cols) times the weight (rows x cols) the codes stand for, transposed: "
+        "(..., rows) float32, with int8 activations. portable=True forces the plain C path; "
+        "products of more than float32_above rows (0: none) multiply float32 x by the "
+        "dequantized weights instead, where a BLAS is loaded; precise=True adds a second "
+        "int8 pass over x's rounding error (~16-bit activations).");
+  m.def("float32_available", []() { return vq_codes_float32_available() != 0; },
+        "Whether a BLAS is loaded for float32_above.");
+  m.def("kernel_path", []() { return std::string(vq_codes_path()); },
+        "The path this CPU takes: 'avx2' or 'portable'.");
+  // The MLX headers this was compiled against: its Primitive must match the loaded libmlx.
+  m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+}
