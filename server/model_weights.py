@@ -172,13 +172,16 @@ def apply_plan(model: Any, plan: WeightPlan, group16: dict | None = None) -> int
         from mlx_lm.utils import dequantize_model
 
         dequantize_model(model)
-    if plan.codes:
+    if plan.cast_to is not None:
+        model.set_dtype(getattr(mx, plan.cast_to))
+    if plan.codes:  # after the cast, which would widen the codes layers' float16 scales
         from veloxquant_mlx.codes_linear import use_codes
 
         layers = use_codes(model, group16)
-    if plan.cast_to is not None:
-        model.set_dtype(getattr(mx, plan.cast_to))
     mx.eval(model.parameters())
+    # The arrays the plan replaced (packed weights, a float16 checkpoint) went to MLX's
+    # buffer cache, which keeps them resident: an 8B model's load left 2.8 GiB there.
+    mx.clear_cache()
     return layers
 
 

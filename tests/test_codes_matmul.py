@@ -67,12 +67,31 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def kernel_weight(parts: QuantizedParts) -> np.ndarray:
+    """The weight the kernel computes with (float64): its codes, scales and biases (given
+    to it as float32 here, so used as they are)."""
+    codes = kernel_codes(parts.packed, parts.bits)
+    scales, biases = kernel_groups(parts)
+    rows = codes.shape[0]
+    if parts.bits == 4:  # per 32 columns: low nibbles 0-15, high nibbles 16-31
+        halves = codes.reshape(rows, -1, 16)
+        q = np.concatenate([halves & 0x0F, halves >> 4], axis=-1).reshape(rows, -1)
+    else:  # signed bytes, code - 128
+        q = codes.view(np.int8).astype(np.int64) + 128
+    group = kernel_group(parts)
+
+    def spread(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values.astype(np.float64), group, axis=1)
+
+    return spread(scales) * q.astype(np.float64) + spread(biases)
+
+
 def quantized(rows: int, cols: int, group: int, bits: int, seed: int = 0):
-    """mx.quantize'd random weight: (parts, its float32 dequantization as numpy)."""
+    """mx.quantize'd random weight: (parts, the weight the kernel holds, as numpy)."""
     w = mx.array(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32))
     wq, s, b = mx.quantize(w, group_size=group, bits=bits)
-    deq = mx.dequantize(wq, s, b, group_size=group, bits=bits)
-    return QuantizedParts(np.array(wq), np.array(s), np.array(b), group, bits), np.array(deq)
+    parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), group, bits)
+    return parts, kernel_weight(parts)
 
 
 def operands(parts: QuantizedParts):
@@ -91,7 +110,7 @@ def matmul(x, parts: QuantizedParts, portable: bool = False) -> np.ndarray:
 
 def group16(rows: int, cols: int, seed: int = 0):
     """8-bit codes with a scale and bias per 16 columns, built by hand (mx.quantize cannot
-    make them): (parts, their float32 dequantization)."""
+    make them): (parts, the weight the kernel holds)."""
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
     codes[0, :4] = (0, 255, 128, 127)  # the ends of the range and both sides of 128
@@ -99,9 +118,8 @@ def group16(rows: int, cols: int, seed: int = 0):
     biases = (rng.uniform(-0.3, 0.3, (rows, cols // 16)) - 128 * scales).astype(np.float32)
     packed = np.ascontiguousarray(codes).view("<u4")  # 4 codes a word, lowest byte first
     assert packed.shape == (rows, cols // 4)
-    weight = (np.repeat(scales, 16, axis=1) * codes.astype(np.float32)
-              + np.repeat(biases, 16, axis=1))
-    return QuantizedParts(packed, scales, biases, 16, 8), weight
+    parts = QuantizedParts(packed, scales, biases, 16, 8)
+    return parts, kernel_weight(parts)
 
 
 def activations(m: int, cols: int, seed: int = 1) -> np.ndarray:
@@ -189,8 +207,8 @@ def test_widened_codes_served_as_8_bits(bits, group):
         x = activations(m, 320, seed=m)
         for portable in (False, True):
             got = matmul(x, parts, portable)
-            assert rel_err(got, emulate(x, weight)) < (1e-4 if bits <= 3 else 1e-5), \
-                (m, portable)
+            assert rel_err(got, emulate(x, kernel_weight(parts))) < \
+                (1e-4 if bits <= 3 else 1e-5), (m, portable)
         assert rel_err(got, np.array(layer(mx.array(x)))) < 0.02
 
 
@@ -410,9 +428,8 @@ def test_codes_linear_matches_quantized_linear(bits, bias):
     got, want = np.array(codes(x)), np.array(layer(x))
     assert got.shape == want.shape == (2, 5, 96)
     assert rel_err(got, want) < 0.02
-    weight = np.array(mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64,
-                                    bits=bits))
-    exact = emulate(np.array(x).reshape(10, 256), weight).reshape(2, 5, 96)
+    exact = emulate(np.array(x).reshape(10, 256),
+                    kernel_weight(layer_parts(layer))).reshape(2, 5, 96)
     if bias:
         exact = exact + np.array(layer.bias)
     assert rel_err(got, exact) < 1e-5
@@ -430,16 +447,20 @@ def quantized_table(bits: int, group: int):
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("bits", EMBEDDING_BITS)
 def test_codes_embedding_lookup_matches_quantized_embedding(bits, group):
-    """CodesEmbedding's lookup of (2, 5) ids decodes the same rows as QuantizedEmbedding:
-    pure dequantization, so equal to float rounding."""
+    """CodesEmbedding's lookup of (2, 5) ids decodes the rows the kernel holds (pure
+    dequantization: equal to float rounding), and QuantizedEmbedding's within the float16
+    rounding of the scales and biases."""
     table = quantized_table(bits, group)
-    codes = CodesEmbedding(layer_parts(table))
-    ids = mx.array(np.random.default_rng(2).integers(0, 200, (2, 5)))
-    got, want = np.array(codes(ids)), np.array(table(ids))
+    parts = layer_parts(table)
+    codes = CodesEmbedding(parts)
+    held = kernel_weight(parts)
+    ids = np.random.default_rng(2).integers(0, 200, (2, 5))
+    got, want = np.array(codes(mx.array(ids))), np.array(table(mx.array(ids)))
     assert got.shape == want.shape == (2, 5, 128)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, held[ids], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2e-3)
     one = np.array(codes(mx.array([7])))  # 1-D ids too
-    np.testing.assert_allclose(one, np.array(table(mx.array([7]))), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(one, held[[7]], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("group", [32, 64])
@@ -520,11 +541,11 @@ def test_products_over_float32_above_rows_are_float32_exact():
     parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 64, 4)
     codes = mx.array(kernel_codes(parts.packed, 4))
     ks, kb = (mx.array(a) for a in kernel_groups(parts))
-    ref_w = mx.dequantize(wq, s, b, group_size=64, bits=4)
+    ref_w = kernel_weight(parts)
     for m, exact in ((17, True), (16, False)):
         x = mx.random.normal((m, 256), key=mx.random.key(m))
         got = load().codes_matmul(x, codes, ks, kb, bits=4, group=32, float32_above=16)
-        err = rel_err(np.array(got), np.array(x @ ref_w.T))
+        err = rel_err(np.array(got), np.array(x) @ ref_w.T)
         assert (err < 1e-5) if exact else (1e-4 < err < 2e-2), (m, err)
 
 
@@ -539,7 +560,7 @@ def test_precise_adds_a_pass_over_the_rounding_error(portable):
     codes = mx.array(kernel_codes(parts.packed, 4))
     ks, kb = (mx.array(a) for a in kernel_groups(parts))
     x = mx.random.normal((6, 512), key=mx.random.key(4))
-    exact = np.array(x @ mx.dequantize(wq, s, b, group_size=32, bits=4).T)
+    exact = np.array(x) @ kernel_weight(parts).T
 
     def product(rows, precise):
         return np.array(load().codes_matmul(rows, codes, ks, kb, bits=4, group=32,
@@ -549,3 +570,20 @@ def test_precise_adds_a_pass_over_the_rounding_error(portable):
     precise = product(x, True)
     assert rel_err(precise, exact) < 1e-4
     assert np.array_equal(precise[2], product(x[2:3], True)[0])
+
+
+def test_float16_scales_are_read_as_float16_and_codes_linear_keeps_them_when_exact():
+    """Scales and biases given as float16 are used as float16 (half the bytes: GGUF's Q4_1
+    holds them so); CodesLinear stores float16 only where that is exact, and float32 for
+    scales float16 cannot hold (K-quants' products of two scales)."""
+    parts, _ = quantized(64, 256, 32, 4)
+    halves = QuantizedParts(parts.packed, parts.scales.astype(np.float16).astype(np.float32),
+                            parts.biases.astype(np.float16).astype(np.float32), 32, 4)
+    codes, scales, biases, group = operands(halves)
+    x = activations(3, 256, seed=5)
+    got = EXT.codes_matmul(mx.array(x), codes, scales.astype(mx.float16),
+                           biases.astype(mx.float16), bits=4, group=group)
+    assert rel_err(np.array(got), emulate(x, kernel_weight(halves))) < 1e-5
+    assert CodesLinear(halves).scales.dtype == mx.float16
+    assert CodesLinear(parts).scales.dtype == mx.float32  # float32 scales of mx.quantize
+    assert np.array_equal(np.array(CodesLinear(halves)(mx.array(x))), np.array(got))

@@ -69,8 +69,11 @@ def _kernel_codes_as_values(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _decode_kernel_layout(parts: QuantizedParts) -> np.ndarray:
-    """The weight the kernel's operands stand for: scale * code + bias per kernel group."""
+    """The weight the kernel's operands stand for: scale * code + bias per kernel group
+    (the unsigned code: 8-bit ones are held signed, code - 128)."""
     values = _kernel_codes_as_values(kernel_codes(parts.packed, parts.bits), parts.bits)
+    if parts.bits == 8:
+        values = values + 128
     scales, biases = kernel_groups(parts)
     group = kernel_group(parts)
     return (values * np.repeat(scales, group, axis=1).astype(np.float64)
@@ -109,16 +112,16 @@ def test_four_bit_codes_are_split_into_nibbles_per_32_columns():
             assert byte >> 4 == codes[0, 32 * g + 16 + i]
 
 
-def test_eight_bit_codes_are_signed_and_their_biases_shifted():
-    """s * q + b == s * (q - 128) + (b + 128 s): the codes become int8, the 128 moves
-    into the biases; 16-column groups (8 bits only) stay 16 columns."""
+def test_eight_bit_codes_are_signed_and_their_biases_kept():
+    """The codes become int8 (q - 128); the biases stay those of the unsigned codes (the
+    kernel adds 128 s in float32); 16-column groups (8 bits only) stay 16 columns."""
     parts, codes, weight = _group16()
     got = kernel_codes(parts.packed, 8)
     np.testing.assert_array_equal(got.view(np.int8).astype(np.int64), codes.astype(np.int64) - 128)
     assert kernel_group(parts) == 16
     scales, biases = kernel_groups(parts)
     np.testing.assert_array_equal(scales, parts.scales)
-    np.testing.assert_allclose(biases, parts.biases + 128 * parts.scales, rtol=1e-6)
+    np.testing.assert_array_equal(biases, parts.biases)
     np.testing.assert_allclose(_decode_kernel_layout(parts), weight, rtol=0,
                                atol=np.abs(weight).max() * 1e-6)
 

@@ -2,8 +2,8 @@
 
 A quantized model's ``nn.QuantizedLinear`` runs MLX's CPU quantized matmul, which is
 several times slower than float32 on an optimized BLAS; dequantizing to float32 is fast
-but holds 4 bytes a weight. :class:`CodesLinear` keeps the codes (0.75 bytes a weight at
-4 bits with their scales and biases, 1.25 at 8) and multiplies through the project's
+but holds 4 bytes a weight. :class:`CodesLinear` keeps the codes (0.625 bytes a weight
+at 4 bits with float16 scales and biases, 1.125 at 8) and multiplies through the project's
 ``codes_matmul`` operation (``veloxquant_mlx/kernels``): int8 activations and integer dot
 products for decode-sized products, float32 on the BLAS for prompts (see INT8_MAX_ROWS).
 :func:`use_codes` swaps a loaded model's quantized layers for these; the numbers are the
@@ -61,8 +61,14 @@ class CodesLinear(nn.Module):
         super().__init__()
         scales, biases = kernel_groups(parts)
         self.weight = mx.array(kernel_codes(parts.packed, parts.bits))
-        self.scales = mx.array(scales)
-        self.biases = mx.array(biases)
+        # float16 where that holds them exactly (GGUF's Q4_0, Q4_1, Q8_0, MLX's float16
+        # checkpoints): 0.625 bytes a weight at 4 bits in all; else float32 (K-quants'
+        # products of two scales).
+        exact = all(np.array_equal(v.astype(np.float16).astype(np.float32), v)
+                    for v in (scales, biases))
+        kind = np.float16 if exact else np.float32
+        self.scales = mx.array(scales.astype(kind))
+        self.biases = mx.array(biases.astype(kind))
         if bias is not None:
             self.bias = bias
         self.bits = parts.bits
@@ -88,8 +94,8 @@ class CodesEmbedding(CodesLinear):
         if self.bits == 4:  # per 32 columns: low nibbles are columns 0-15, high 16-31
             halves = rows.reshape(*rows.shape[:-1], -1, GROUP // 2)
             q = mx.concatenate([halves & 0x0F, halves >> 4], axis=-1).astype(mx.float32)
-        else:
-            q = mx.view(rows, mx.int8).astype(mx.float32)
+        else:  # signed codes, q - 128 (the biases are the unsigned codes')
+            q = mx.view(rows, mx.int8).astype(mx.float32) + 128
         q = q.reshape(*ids.shape, -1, self.group)
         values = q * self.scales[ids][..., None] + self.biases[ids][..., None]
         return values.reshape(*values.shape[:-2], -1)

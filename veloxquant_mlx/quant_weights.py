@@ -44,8 +44,8 @@ def kernel_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """Repack MLX's words into the kernel's layout (see ``kernels/codes_kernel.c``).
 
     MLX puts column j of a word at bits ``bits*j`` upwards. For 8 bits that is one byte a
-    column in order; the kernel wants them signed (code - 128; :func:`kernel_groups`
-    moves the 128 into the biases). For 4 bits byte i of a row holds columns 2i and
+    column in order; the kernel wants them signed (code - 128; it adds 128 * scale to
+    each bias). For 4 bits byte i of a row holds columns 2i and
     2i+1; the kernel wants, per group of 32 columns, 16 bytes whose low nibbles are
     columns 0..15 and high nibbles columns 16..31 (one unpack for all 32).
 
@@ -69,16 +69,16 @@ def kernel_group(parts: QuantizedParts) -> int:
 
 
 def kernel_groups(parts: QuantizedParts) -> tuple[np.ndarray, np.ndarray]:
-    """Scales and biases per :func:`kernel_group` columns (float32), the biases shifted for
-    signed 8-bit codes."""
+    """Scales and biases per :func:`kernel_group` columns (float32), of the unsigned codes:
+    w = scale * code + bias. (The kernel holds 8-bit codes signed and adds 128 * scale
+    to the bias itself, in float32: folded in beforehand, the sum would lose the bias's
+    precision once stored as float16.)"""
     def per_group(values: np.ndarray) -> np.ndarray:
         return np.repeat(values.astype(np.float32), parts.group_size // kernel_group(parts),
                          axis=1)
 
-    scales, biases = per_group(parts.scales), per_group(parts.biases)
-    if parts.bits == 8:  # s * q + b == s * (q - 128) + (b + 128 s)
-        biases = biases + 128.0 * scales
-    return np.ascontiguousarray(scales), np.ascontiguousarray(biases)
+    return (np.ascontiguousarray(per_group(parts.scales)),
+            np.ascontiguousarray(per_group(parts.biases)))
 
 
 def widen_to_8_bits(packed: np.ndarray, bits: int) -> np.ndarray:

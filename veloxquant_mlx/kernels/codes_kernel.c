@@ -10,7 +10,9 @@
  *
  * Code layout, per weight row and per group of 32 columns, with w = scale * q + bias:
  *   4-bit: 16 bytes, low nibbles columns 0..15, high nibbles 16..31, q in 0..15;
- *   8-bit: 32 signed bytes in column order, q in -128..127.
+ *   8-bit: 32 signed bytes in column order, each q - 128 for q in 0..255 (maddubs needs
+ *   one unsigned operand and the activations are signed); the 128 * scale this moves
+ *   into the bias is added when a row's float16 scales and biases are read.
  * A matrix has one scale and bias per 32 columns, or (8-bit only) per 16: ggml's Q6_K,
  * Q3_K and Q2_K scale every 16 values. The activations keep one int8 scale per 32 either
  * way; a 16-column weight group only changes the scale of half of each integer sum.
@@ -32,13 +34,15 @@
 #include "codes_kernel.h"
 
 #define GROUP 32
+#define MAX_COLS 65536           /* a row's scales fit a stack buffer (MAX_COLS / 16) */
 #define MAX_THREADS 8
 /* A helper spins this long for the next product, then sleeps. Short: the Python thread
  * that builds the next step needs the core (served c=1 on 2 cores: 17-18 tok/s at 20 us
  * against 13-16 at 200 us, the same requests). */
 #define SPIN_NS 20000
 #define MIN_PARALLEL_MACS 65536  /* below this a product runs on the calling thread alone */
-#define TILE_FLOATS (1 << 18)    /* float32 path: ~1 MiB of dequantized weight rows at a time */
+#define TILE_FLOATS (1 << 20)    /* float32 path: 4 MiB of dequantized weight rows at a time:
+                                    * few BLAS calls, each packing x once, inside L3 */
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
 
 typedef struct {
@@ -52,6 +56,7 @@ typedef struct {
 const char *vq_codes_check(const vq_codes *w) {
     if (!w || w->rows < 1 || w->cols < GROUP) return "a weight needs at least 1 row and 32 columns";
     if (w->cols % GROUP) return "the weight's columns are not a multiple of 32";
+    if (w->cols > MAX_COLS) return "a weight may have at most 65536 columns";
     if (w->bits != 4 && w->bits != 8) return "the codes are neither 4 nor 8 bits";
     if (w->group != GROUP && !(w->group == GROUP / 2 && w->bits == 8))
         return "a scale must cover 32 columns (or 16 with 8-bit codes)";
@@ -96,6 +101,37 @@ static void quantize_rows_portable(const float *a, int m, int cols, quantized_ro
         }
 }
 
+/* float16 -> float32 (scales and biases are stored as float16, as GGUF stores them). */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? sign | 0x7F800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Weight row n's scales and biases as floats, into s and b (MAX_COLS / 16 each). */
+static void row_params_portable(const vq_codes *w, int n, float *s, float *b) {
+    int wgroups = w->cols / w->group;
+    float shift = w->bits == 8 ? 128.0f : 0.0f; /* s q + b = s (q - 128) + (b + 128 s) */
+    size_t at = (size_t)n * wgroups;
+    for (int g = 0; g < wgroups; g++) {
+        if (w->half) {
+            s[g] = half_to_float(((const uint16_t *)w->scales)[at + g]);
+            b[g] = half_to_float(((const uint16_t *)w->biases)[at + g]);
+        } else {
+            s[g] = ((const float *)w->scales)[at + g];
+            b[g] = ((const float *)w->biases)[at + g];
+        }
+        b[g] += shift * s[g];
+    }
+}
+
 /* Code j of a weight row's group g, as the signed or unsigned integer it stands for. */
 static inline int code_at(const uint8_t *row, int g, int j, int bits) {
     if (bits == 8) return (int8_t)row[g * GROUP + j];
@@ -105,9 +141,11 @@ static inline int code_at(const uint8_t *row, int g, int j, int bits) {
 
 static void matmul_portable(const vq_codes *w, const quantized_rows *x, float *c) {
     int cols = w->cols, sub = w->group, wgroups = cols / sub;
+    float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
+    (void)wgroups;
     for (int n = 0; n < w->rows; n++) {
         const uint8_t *qn = w->codes + (size_t)n * cols * w->bits / 8;
-        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
+        row_params_portable(w, n, sn, bn);
         for (int r = 0; r < x->m; r++) {
             const int8_t *xr = x->xq + (size_t)r * cols;
             float acc = 0.0f;
@@ -238,6 +276,29 @@ static inline __m256 group_step(__m256i q, __m256 s, const int8_t *x, float d, _
     return _mm256_fmadd_ps(group_dot(q, x, bits), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
 }
 
+/* row_params_portable, eight at a time (float16 through F16C). */
+__attribute__((target("avx2,fma,f16c")))
+static void row_params_avx2(const vq_codes *w, int n, float *s, float *b) {
+    int wgroups = w->cols / w->group, g = 0;
+    size_t at = (size_t)n * wgroups;
+    const uint16_t *sh = (const uint16_t *)w->scales + at, *bh = (const uint16_t *)w->biases + at;
+    const float *sf = (const float *)w->scales + at, *bf = (const float *)w->biases + at;
+    float shift = w->bits == 8 ? 128.0f : 0.0f;
+    __m256 shifts = _mm256_set1_ps(shift);
+    for (; g + 8 <= wgroups; g += 8) {
+        __m256 scale = w->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g)))
+                               : _mm256_loadu_ps(sf + g);
+        __m256 bias = w->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bh + g)))
+                              : _mm256_loadu_ps(bf + g);
+        _mm256_storeu_ps(s + g, scale);
+        _mm256_storeu_ps(b + g, _mm256_fmadd_ps(shifts, scale, bias));
+    }
+    for (; g < wgroups; g++) {
+        s[g] = w->half ? _cvtsh_ss(sh[g]) : sf[g];
+        b[g] = (w->half ? _cvtsh_ss(bh[g]) : bf[g]) + shift * s[g];
+    }
+}
+
 /* Weight rows [n0, n1) against every row of x: C[r][n] for all r. Inlined per bits and per
  * columns a weight scale covers (sub). */
 __attribute__((target("avx2,fma"), always_inline))
@@ -245,9 +306,10 @@ static inline void block_rows(const vq_codes *w, int n0, int n1, const quantized
                               float *c, int ldc, int bits, int sub) {
     const int groups = x->groups, cols = w->cols, wgroups = cols / sub;
     const float *sums = sub == GROUP ? x->xs : x->xs16;
+    float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
     for (int n = n0; n < n1; n++) {
         const uint8_t *qn = w->codes + (size_t)n * cols * bits / 8;
-        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
+        row_params_avx2(w, n, sn, bn);
         int r = 0;
         /* Every row of x is summed in the same order, two chains (even and odd groups) to
          * hide FMA latency, whether it runs in a block of four or alone: a row's result
@@ -323,7 +385,11 @@ typedef struct {
     const quantized_rows *x;
     float *c;
     int ldc, parts;
+    int row0, row1;  /* the weight rows split among the parts */
+    float *dequant;  /* set: dequantize the rows into it, (row - row0) x cols, instead */
 } job_t;
+
+static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst);
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -336,10 +402,12 @@ static unsigned born_at;  /* the generation when the helpers started, before the
 
 static void run_part(const job_t *j, int part) {
     /* Split the weight rows in multiples of 8 so two parts never share a cache line of C. */
-    int rows = j->w->rows, per = ((rows + j->parts - 1) / j->parts + 7) & ~7;
-    int n0 = part * per, n1 = n0 + per < rows ? n0 + per : rows;
+    int rows = j->row1 - j->row0, per = ((rows + j->parts - 1) / j->parts + 7) & ~7;
+    int n0 = j->row0 + part * per, n1 = n0 + per < j->row1 ? n0 + per : j->row1;
     if (n0 >= n1) return;
-    if (j->w->bits == 4) block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
+    if (j->dequant)
+        dequantize_rows(j->w, n0, n1, j->dequant + (size_t)(n0 - j->row0) * j->w->cols);
+    else if (j->w->bits == 4) block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
     else if (j->w->group == GROUP)
         block_rows_8bit(j->w, n0, n1, j->x, j->c, j->ldc);
     else block_rows_8bit_16(j->w, n0, n1, j->x, j->c, j->ldc);
@@ -434,7 +502,8 @@ static void dequantize_group_avx2(const uint8_t *qn, const float *sn, const floa
 static int avx2_available(void) {
 #ifdef HAVE_AVX2_PATH
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
@@ -452,13 +521,14 @@ int vq_codes_float32_available(void) { return cblas_sgemm != 0; }
 
 /* Group g of a weight row as 32 floats: scale * code + bias (one scale a half for 16). */
 static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *sn,
-                             const float *bn, int g, float *dst) {
+                             const float *bn, int g, float *dst, int avx2) {
 #ifdef HAVE_AVX2_PATH
-    if (avx2_available()) {
+    if (avx2) {
         dequantize_group_avx2(qn, sn, bn, g, w->bits, w->group, dst);
         return;
     }
 #endif
+    (void)avx2;
     for (int j = 0; j < GROUP; j++) {
         int at = w->group == GROUP ? g : 2 * g + (j >= GROUP / 2);
         dst[j] = sn[at] * (float)code_at(qn, g, j, w->bits) + bn[at];
@@ -468,16 +538,34 @@ static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *
 /* Weight rows [n0, n1) as float32, (n1 - n0) x cols, from their codes. */
 static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst) {
     int cols = w->cols, groups = cols / GROUP, wgroups = cols / w->group;
+    int avx2 = avx2_available();
+    float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
+    (void)wgroups;
     for (int n = n0; n < n1; n++) {
         const uint8_t *qn = w->codes + (size_t)n * cols * w->bits / 8;
-        const float *sn = w->scales + (size_t)n * wgroups, *bn = w->biases + (size_t)n * wgroups;
+#ifdef HAVE_AVX2_PATH
+        if (avx2) row_params_avx2(w, n, sn, bn);
+        else
+#endif
+            row_params_portable(w, n, sn, bn);
         for (int g = 0; g < groups; g++)
-            dequantize_group(w, qn, sn, bn, g, dst + (size_t)(n - n0) * cols + g * GROUP);
+            dequantize_group(w, qn, sn, bn, g, dst + (size_t)(n - n0) * cols + g * GROUP, avx2);
     }
 }
 
-/* x times the weights in float32: a few weight rows at a time are dequantized into a
- * buffer that stays in cache and multiplied there by the BLAS. */
+/* x times the weights in float32: a few weight rows at a time are dequantized (by every
+ * thread) into a buffer that stays in cache and multiplied there by the BLAS. */
+static void dequantize_tile(const vq_codes *w, int n0, int n1, float *dst) {
+#ifdef HAVE_AVX2_PATH
+    if (avx2_available()) { /* the helpers exist only where the AVX2 path does */
+        job_t j = {w, NULL, NULL, 0, 1, n0, n1, dst};
+        run_job(&j, (long)(n1 - n0) * w->cols * 16); /* ~ a 16-row product's work */
+        return;
+    }
+#endif
+    dequantize_rows(w, n0, n1, dst);
+}
+
 static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) {
     int tile = (TILE_FLOATS / w->cols) & ~7;
     if (tile < 8) tile = 8;
@@ -485,7 +573,7 @@ static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) 
     if (!buffer) return -1;
     for (int n0 = 0; n0 < w->rows; n0 += tile) {
         int n1 = n0 + tile < w->rows ? n0 + tile : w->rows;
-        dequantize_rows(w, n0, n1, buffer);
+        dequantize_tile(w, n0, n1, buffer);
         cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, m, n1 - n0, w->cols, 1.0f, x,
                     w->cols, buffer, w->cols, 0.0f, out + n0, w->rows);
     }
@@ -520,7 +608,7 @@ static void residual(const float *x, int m, int cols, const quantized_rows *q, f
 static void multiply(const vq_codes *w, const quantized_rows *q, float *out, int avx2) {
 #ifdef HAVE_AVX2_PATH
     if (avx2) {
-        job_t j = {w, q, out, w->rows, 1};
+        job_t j = {w, q, out, w->rows, 1, 0, w->rows, NULL};
         run_job(&j, (long)q->m * w->rows * w->cols);
         return;
     }

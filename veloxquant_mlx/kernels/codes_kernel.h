@@ -12,9 +12,10 @@ extern "C" {
 typedef struct {
     int rows, cols, bits; /* bits: 4 or 8 */
     int group;            /* columns per scale and bias: 32, or 16 with 8 bits */
-    const uint8_t *codes; /* rows * cols * bits / 8 */
-    const float *scales;  /* rows * cols / group */
-    const float *biases;
+    const uint8_t *codes;    /* rows * cols * bits / 8 */
+    const void *scales;      /* rows * cols / group: float16 when half, else float32 */
+    const void *biases;      /* the same type; w = scale * unsigned code + bias */
+    int half;
 } vq_codes;
 
 /* AUTO: int8 activations, AVX2 where the CPU has it; PORTABLE: int8 activations, plain C;

@@ -45,8 +45,9 @@ class CodesMatmul : public mx::Primitive {
       if (!a->flags().row_contiguous)
         throw std::runtime_error("codes_matmul: inputs must be row-contiguous");
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    // float16 or float32 scales and biases (codes_matmul makes both one of the two).
     vq_codes w{codes.shape(0), x.shape(-1), bits_, group_, codes.data<uint8_t>(),
-               scales.data<float>(), biases.data<float>()};
+               scales.data<void>(), biases.data<void>(), scales.dtype() == mx::float16};
     int m = static_cast<int>(x.size() / x.shape(-1));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
@@ -117,16 +118,20 @@ mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::arr
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("codes_matmul runs on the CPU stream only");
-  auto as_f32 = [&](const mx::array& a) {
-    return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream);
+  auto as = [&](const mx::array& a, mx::Dtype dtype) {
+    return mx::contiguous(mx::astype(a, dtype, stream), false, stream);
   };
+  // Scales and biases stay float16 when both are (GGUF's Q4_0, Q4_1, Q8_0 hold them so);
+  // anything else is computed with in float32.
+  auto params = scales.dtype() == mx::float16 && biases.dtype() == mx::float16 ? mx::float16
+                                                                                : mx::float32;
   auto shape = x.shape();
   shape.back() = codes.shape(0);
   return mx::array(shape, mx::float32,
                    std::make_shared<CodesMatmul>(stream, bits, group, portable, float32_above,
                                                  precise),
-                   {as_f32(x), mx::contiguous(codes, false, stream), as_f32(scales),
-                    as_f32(biases)});
+                   {as(x, mx::float32), mx::contiguous(codes, false, stream),
+                    as(scales, params), as(biases, params)});
 }
 
 }  // namespace
@@ -138,7 +143,8 @@ NB_MODULE(_codes_matmul, m) {
         nb::arg("portable") = false, nb::arg("float32_above") = 0, nb::arg("precise") = false,
         nb::arg("stream") = nb::none(),
         "x (..., cols) times the weight (rows x cols) the codes stand for, transposed: "
-        "(..., rows) float32, with int8 activations. portable=True forces the plain C path; "
+        "(..., rows) float32, with int8 activations; scales and biases float16 when both "
+        "are, else float32. portable=True forces the plain C path; "
         "products of more than float32_above rows (0: none) multiply float32 x by the "
         "dequantized weights instead, where a BLAS is loaded; precise=True adds a second "
         "int8 pass over x's rounding error (~16-bit activations).");
