@@ -105,13 +105,8 @@ def _tiny_pair(tiny_model_path, quantize=False):
     return models
 
 
-@pytest.mark.parametrize("quantize", [False, True])
-def test_a_fused_compiled_model_decodes_the_plain_logits(tiny_model_path, quantize):
-    plain, fused = _tiny_pair(tiny_model_path, quantize)
-    names = [n for n, _ in tree_flatten(fused.parameters())]
-    assert compile_decode_blocks(fused, fuse_projections=True) == len(fused.layers)
-    assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in fused.layers)
-    assert [n for n, _ in tree_flatten(fused.parameters())] == names  # mlx-lm's tree
+def _assert_same_decode(plain, fused) -> None:
+    """Both models decode the same tokens and bit-identical logits through joins and leaves."""
     runs = [_joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(3), 16,
                               join_p=0.4, leave_p=0.25, fast=False, write_back=4)
             for model in (plain, fused)]
@@ -120,6 +115,16 @@ def test_a_fused_compiled_model_decodes_the_plain_logits(tiny_model_path, quanti
         if want is not None:
             assert want[0] == got[0]
             assert np.array_equal(want[1], got[1])
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_a_fused_compiled_model_decodes_the_plain_logits(tiny_model_path, quantize):
+    plain, fused = _tiny_pair(tiny_model_path, quantize)
+    names = [n for n, _ in tree_flatten(fused.parameters())]
+    assert compile_decode_blocks(fused, fuse_projections=True) == len(fused.layers)
+    assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in fused.layers)
+    assert [n for n, _ in tree_flatten(fused.parameters())] == names  # mlx-lm's tree
+    _assert_same_decode(plain, fused)
     # Prompts run mlx-lm's own blocks on the members' views: the same logits too.
     outs = []
     for model in (plain, fused):
@@ -194,14 +199,7 @@ def test_a_fused_compiled_codes_model_decodes_the_unfused_logits(tiny_model_path
     assert compile_decode_blocks(plain, fuse_projections=False) == len(plain.layers)
     assert compile_decode_blocks(fused, fuse_projections=True) == len(fused.layers)
     assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in fused.layers)
-    runs = [_joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(3), 16,
-                              join_p=0.4, leave_p=0.25, fast=False, write_back=4)
-            for model in (plain, fused)]
-    for want, got in zip(*runs, strict=True):
-        assert (want is None) == (got is None)
-        if want is not None:
-            assert want[0] == got[0]
-            assert np.array_equal(want[1], got[1])
+    _assert_same_decode(plain, fused)
 
 
 def test_the_server_fuses_unless_the_setting_is_off(tiny_model_path):
