@@ -12,7 +12,6 @@ checkpoint's own codes, scales and biases.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import mlx.core as mx
@@ -27,8 +26,6 @@ from veloxquant_mlx.quant_weights import (
     kernel_groups,
     widen_to_8_bits,
 )
-
-log = logging.getLogger(__name__)
 
 # Products of more rows than this (prompts, large batches) multiply float32 activations by
 # the dequantized weights, a few rows at a time on the BLAS; smaller ones (decode) use int8
@@ -52,7 +49,8 @@ class CodesLinear(nn.Module):
     """``x @ W.T (+ bias)`` with W held as codes in the kernel's layout.
 
     Parameters (arrays, so MLX's module tools see them): ``weight`` (uint8 codes, rows x
-    cols*bits/8), ``scales`` and ``biases`` (float32, rows x cols/group), and ``bias``
+    cols*bits/8), ``scales`` and ``biases`` (float16 where exact, else float32; rows x
+    cols/group, of the unsigned codes), and ``bias``
     when the layer had one. Rows come first in each, so sibling layers can be stacked.
     """
 
