@@ -95,7 +95,8 @@ def main() -> int:
     p.add_argument("--old-root", type=Path, required=True)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--model", default="small", help="offline preset (tiny, small)")
+    p.add_argument("--model", default="small",
+                   help="offline preset (tiny, small) or a model folder")
     p.add_argument("--concurrency", type=int, default=CONCURRENCY)
     p.add_argument("--requests", type=int, default=REQUESTS, help="per server and round")
     p.add_argument("--tokens", type=int, default=TOKENS, help="prompt and completion tokens")
@@ -105,7 +106,7 @@ def main() -> int:
     p.add_argument("--new-env", type=env_pair, action="append", default=[],
                    help="KEY=VALUE in the new side's environment only (repeatable)")
     args = p.parse_args()
-    model = ensure_model(args.model)
+    model = Path(args.model) if Path(args.model).is_dir() else ensure_model(args.model)
     n = args.requests
     prompts = make_prompts(model, n * args.rounds + 2, args.tokens)
     servers: dict[str, tuple[subprocess.Popen, str]] = {}

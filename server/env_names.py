@@ -24,6 +24,8 @@ NON_SETTING_ENV: dict[str, str] = {
     "VELOXQUANT_HOME": "models cache folder (veloxquant_mlx/paths.py)",
     "VELOXQUANT_NO_BLAS_PRELOAD": "load no optimized BLAS under MLX; it keeps its bundled one "
                                   "(veloxquant_mlx/cpu_backend.py)",
+    "VELOXQUANT_BLAS_LIBRARY": "the one OpenBLAS to load under MLX instead of looking "
+                               "(veloxquant_mlx/cpu_backend.py)",
     "VELOXQUANT_NO_SGEMV_FORWARD": "the BLAS forward only passes calls on: no one-row sgemv "
                                    "or prompt kernels (veloxquant_mlx/cpu_backend.py)",
     "VELOXQUANT_KERNEL_CACHE": "where the native MLX operations are built and cached "

@@ -204,6 +204,7 @@ def load_model(section: ModelSection, codes: bool = True) -> LoadedModel:
         stored_float_dtype,
         weight_bytes,
     )
+    from veloxquant_mlx.llama_model import own_model
     from veloxquant_mlx.quant_weights import load_group16_parts
 
     path = resolve_model_path(section)
@@ -224,6 +225,8 @@ def load_model(section: ModelSection, codes: bool = True) -> LoadedModel:
                         dequantize_budget(section.max_dequantized_bytes, codes),
                         stored_dtype=stored_float_dtype(model), codes=codes)
     layers = apply_plan(model, plan, group16=load_group16_parts(path) if plan.codes else None)
+    # Llama-shaped families run the project's own forward pass over these weights.
+    model = own_model(model)
     if plan.slow:
         log.warning("model %s: %s", path.name, plan.note)
     held = weight_bytes(model)

@@ -21,12 +21,13 @@ from server.engine.runner import ModelRunner
 from tests.memory.test_paged_batch import _arena, _joins_and_leaves, _paged, _prompt, _stock
 from veloxquant_mlx import compiled_decode
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
+from veloxquant_mlx.llama_model import own_model
 
 
 def _load(path):
     import mlx_lm
 
-    return mlx_lm.load(str(path))[0]
+    return own_model(mlx_lm.load(str(path))[0])
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +57,12 @@ def test_decode_logits_are_bit_identical_while_rows_join_and_leave(plain, compil
 
 
 def test_blocks_share_one_pair_and_keep_mlx_lm_parameters(plain, compiled):
-    assert {id(block._decode_halves) for block in compiled.layers} == {
-        id(compiled.layers[0]._decode_halves)}
+    assert {id(block.decode.halves) for block in compiled.layers} == {
+        id(compiled.layers[0].decode.halves)}
     assert [n for n, _ in tree_flatten(compiled.parameters())] == [
         n for n, _ in tree_flatten(plain.parameters())]
     # A decode call traces with the weights swapped in; the template gets its own back.
-    template = compiled.layers[0]._decode_halves.template
+    template = compiled.layers[0].decode.halves.template
     before = [id(w) for _, w in tree_flatten(template.parameters())]
     batch, _ = _paged(compiled, _arena(compiled), [_prompt(1, 20), _prompt(2, 9)], 3)
     batch.release()
@@ -111,6 +112,7 @@ def _random_pair(module_name: str, **extra):
     first, second = family.Model(args), family.Model(args)
     second.update(first.parameters())
     mx.eval(first.parameters())
+    first, second = own_model(first), own_model(second)
     return first, second, compile_decode_blocks(second)
 
 
@@ -134,7 +136,7 @@ def test_qwen_blocks_compile_with_the_same_logits(family, extra):
 def test_other_block_shapes_are_left_alone():
     _, model, count = _random_pair("gemma", head_dim=16)
     assert count == 0
-    assert type(model.layers[0]).__name__ == "TransformerBlock"
+    assert type(model.layers[0]).__module__ == "mlx_lm.models.gemma"  # mlx-lm's, untouched
 
 
 def _runner_tokens(model, compile_decode: bool) -> dict[int, list[int]]:

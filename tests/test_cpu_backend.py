@@ -349,6 +349,26 @@ def test_the_wheel_is_tried_first_and_only_with_the_forward() -> None:
         assert with_forward[-1] == without[0] == SYSTEM
 
 
+def test_a_chosen_blas_library_is_the_only_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    if sys.platform != "linux":
+        pytest.skip("the loader is Linux-only")
+    monkeypatch.setenv(cb.CHOICE_ENV, "/opt/blas/libopenblas.so.0")
+    assert cb.blas_candidates(with_forward=False) == [cb.BlasLibrary(
+        Path("/opt/blas/libopenblas.so.0"))]
+    monkeypatch.setenv(cb.CHOICE_ENV, "/opt/w/libscipy_openblas.so")
+    assert cb.blas_candidates(with_forward=True) == [cb.BlasLibrary(
+        Path("/opt/w/libscipy_openblas.so"), cb.WHEEL_PREFIX)]
+    assert cb.blas_candidates(with_forward=False) == []  # prefixed names need the forward
+
+
+@pytest.mark.skipif(SYSTEM is None, reason="no distribution OpenBLAS installed")
+def test_a_chosen_distribution_blas_serves_mlx() -> None:
+    env = dict(cb.child_env(preload=True), **{cb.CHOICE_ENV: str(SYSTEM.path)})
+    report = _report(_child(SERVES_MLX, env=env))
+    assert report["loaded"] == str(SYSTEM.path) and report["mapped"]
+    assert report["calls"] >= 2 and report["error"] < 1e-3
+
+
 def test_child_env_only_sets_or_clears_the_opt_out() -> None:
     base = {cb.OPT_OUT_ENV: "1", "KEEP": "k", "LD_PRELOAD": "/other.so"}
     on = cb.child_env(preload=True, base=base)

@@ -25,8 +25,9 @@ from server.metrics import ServerMetrics
 from server.model_loader import load_model
 from tests.memory.test_paged_batch import _arena, _joins_and_leaves, _paged, _prompt
 from tests.server.conftest import make_settings
-from veloxquant_mlx.compiled_decode import compile_decode_blocks
+from veloxquant_mlx.compiled_decode import compile_decode_blocks, fused_of
 from veloxquant_mlx.fused_projections import fusable, fuse_block, fuse_group
+from veloxquant_mlx.llama_model import own_model
 
 
 def _layers(sizes, bias=False, quantize=False, dims=64):
@@ -97,7 +98,7 @@ def test_layers_that_cannot_stack_are_left_alone():
 def _tiny_pair(tiny_model_path, quantize=False):
     import mlx_lm
 
-    models = [mlx_lm.load(str(tiny_model_path))[0] for _ in range(2)]
+    models = [own_model(mlx_lm.load(str(tiny_model_path))[0]) for _ in range(2)]
     if quantize:
         for model in models:
             nn.quantize(model, group_size=32, bits=4)
@@ -122,10 +123,10 @@ def test_a_fused_compiled_model_decodes_the_plain_logits(tiny_model_path, quanti
     plain, fused = _tiny_pair(tiny_model_path, quantize)
     names = [n for n, _ in tree_flatten(fused.parameters())]
     assert compile_decode_blocks(fused, fuse_projections=True) == len(fused.layers)
-    assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in fused.layers)
+    assert all(sorted(fused_of(b)) == ["mlp", "self_attn"] for b in fused.layers)
     assert [n for n, _ in tree_flatten(fused.parameters())] == names  # mlx-lm's tree
     _assert_same_decode(plain, fused)
-    # Prompts run mlx-lm's own blocks on the members' views: the same logits too.
+    # Prompts run the blocks' plain calls on the members' views: the same logits too.
     outs = []
     for model in (plain, fused):
         batch, out = _paged(model, _arena(model), [_prompt(9, 21)], 1)
@@ -138,7 +139,7 @@ def test_unfused_compiled_blocks_keep_separate_projections(tiny_model_path):
     _, model = _tiny_pair(tiny_model_path)
     weight = model.layers[0].self_attn.q_proj.weight
     assert compile_decode_blocks(model, fuse_projections=False) == len(model.layers)
-    assert all(b._decode_fused == {} for b in model.layers)
+    assert all(fused_of(b) == {} for b in model.layers)
     assert model.layers[0].self_attn.q_proj.weight is weight
 
 
@@ -147,7 +148,7 @@ def _engine_fused(settings, loader) -> list[dict]:
     engine.start()
     try:
         assert engine.wait_ready(120)
-        return [block._decode_fused for block in engine.steps.runner.model.layers]
+        return [fused_of(block) for block in engine.steps.runner.model.layers]
     finally:
         engine.stop()
 
@@ -166,7 +167,7 @@ def _codes_model(tiny_model_path):
     model = mlx_lm.load(str(tiny_model_path))[0]
     nn.quantize(model, group_size=32, bits=4)
     assert use_codes(model) == 7 * len(model.layers) + 1  # and the embedding
-    return model
+    return own_model(model)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])  # decode, a small batch, a prompt's chunk
@@ -198,7 +199,7 @@ def test_a_fused_compiled_codes_model_decodes_the_unfused_logits(tiny_model_path
     plain, fused = (_codes_model(tiny_model_path) for _ in range(2))
     assert compile_decode_blocks(plain, fuse_projections=False) == len(plain.layers)
     assert compile_decode_blocks(fused, fuse_projections=True) == len(fused.layers)
-    assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in fused.layers)
+    assert all(sorted(fused_of(b)) == ["mlp", "self_attn"] for b in fused.layers)
     _assert_same_decode(plain, fused)
 
 
@@ -225,7 +226,7 @@ def test_the_server_fuses_a_model_served_from_its_codes(tiny_model_path):
     try:
         assert engine.wait_ready(120), engine.load_error
         blocks = engine.steps.runner.model.layers
-        assert all(sorted(b._decode_fused) == ["mlp", "self_attn"] for b in blocks)
-        assert type(blocks[0]._decode_fused["mlp"].module) is CodesLinear
+        assert all(sorted(fused_of(b)) == ["mlp", "self_attn"] for b in blocks)
+        assert type(blocks[0].mlp.gate_up.module) is CodesLinear
     finally:
         engine.stop()

@@ -1,4 +1,4 @@
-"""Decode calls of mlx-lm's Llama-shaped blocks through two compiled halves.
+"""Decode calls of the Llama-shaped blocks through two compiled halves.
 
 Why: once the model is small next to the machine, a decode step is mostly
 the host building its graph, op by op, through Python modules (on an H200 a
@@ -8,9 +8,11 @@ cache comes in, and each side becomes one ``mx.compile`` call::
 
     pre   (x, position)   rms_norm, q/k/v projections, heads, RoPE,       compiled
                           keys and values stacked
-          cache.update_and_fetch_stacked(...), the module's attention     as before
+          cache.update_and_fetch_stacked(...), the attention              as before
     post  (x, attention)  o_proj, residual, rms_norm, MLP, residual       compiled
 
+The blocks are the project's own (:class:`veloxquant_mlx.llama_model.Block`), which
+call their halves themselves once :func:`compile_decode_blocks` has given them one.
 A compiled call replays its recorded graph in C++ instead of running ~25
 Python-level module calls, and fuses the elementwise ops (fewer kernels on a
 GPU). With ``fuse_projections`` the halves also run q/k/v as one matmul and
@@ -23,50 +25,38 @@ layer (:mod:`~veloxquant_mlx.shared_rope`).
 
 Only one-column calls on a :class:`~veloxquant_mlx.memory.paged_batch.PagedLayerCache`
 (the server's decode steps) take this path; prompts, other caches and
-un-batched generation run the block exactly as mlx-lm wrote it. The halves
+un-batched generation run the block's plain call, mlx-lm's ops in mlx-lm's order. The halves
 compute the same ops in the same order, so the logits are bit for bit those
 of the uncompiled block (tests/test_compiled_decode.py).
 """
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from veloxquant_mlx.fused_projections import (
-    MEMBERS,
-    FusedProjection,
-    fuse_block,
-    plain_settings,
-)
+from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block, plain_settings
+from veloxquant_mlx import llama_model
+from veloxquant_mlx.llama_model import Block
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 from veloxquant_mlx.shared_rope import shared_rope
 
-# mlx-lm model modules whose block and attention calls are the Llama ones
-# (``mistral`` checkpoints load as ``llama``), and whether their attention
-# normalises each head's queries and keys (``q_norm``/``k_norm``) before RoPE.
-LLAMA_SHAPED = {"mlx_lm.models.llama": False, "mlx_lm.models.qwen2": False,
-                "mlx_lm.models.qwen3": True}
 _FUSED = "_fused"  # the decode tree's key for the fused projections' parameters
 
 
-class _Given:
-    """Stands in for a projection whose output a fused matmul already computed."""
-
-    def __init__(self, out: mx.array) -> None:
-        self.out = out
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.out
+def fused_of(block: Block) -> dict[str, FusedProjection]:
+    """The block's fused projections by child name (``self_attn``: q/k/v, ``mlp``: gate/up)."""
+    found = {"self_attn": block.self_attn.qkv, "mlp": block.mlp.gate_up}
+    return {child: fused for child, fused in found.items() if fused is not None}
 
 
-def _decode_tree(block: Any) -> dict:
+def _decode_tree(block: Block) -> dict:
     """The parameters a decode call reads: the block's, fused members by their fused layer."""
     tree = block.parameters()
-    for child, fused in block._decode_fused.items():
+    for child, fused in fused_of(block).items():
         for name in MEMBERS[child]:
             del tree[child][name]  # views of the fused layer's parameters
         tree.setdefault(_FUSED, {})[child] = fused.module.parameters()
@@ -81,12 +71,10 @@ class _Halves:
     the block's ops with its weights as inputs.
     """
 
-    def __init__(self, template: Any) -> None:
+    def __init__(self, template: Block) -> None:
         self.template = template
         self.names = [name for name, _ in tree_flatten(_decode_tree(template))]
-        self.fused: dict[str, FusedProjection] = template._decode_fused
-        self.attention_module = sys.modules[type(template.self_attn).__module__]
-        self.head_norms = LLAMA_SHAPED[self.attention_module.__name__]
+        self.fused = fused_of(template)
         # RoPE's tables once per step where mx.fast.rope is plain ops (the CPU): see shared_rope.
         self.rope = shared_rope(template.self_attn.rope)
         self.pre = mx.compile(self._pre)
@@ -120,13 +108,8 @@ class _Halves:
             b, n, _ = x.shape
             # Rows flat (2-D): a 3-D matmul adds a flatten and an unflatten node each.
             h = block.input_layernorm(x.reshape(b * n, -1))
-            qkv = self.fused.get("self_attn")
-            q, k, v = qkv(h) if qkv else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
-            q, k = q.reshape(b, n, attn.n_heads, -1), k.reshape(b, n, attn.n_kv_heads, -1)
-            if self.head_norms:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-            v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            qkv = attn.qkv(h) if attn.qkv else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+            q, k, v = attn.heads(*qkv, b, n)
             # Keys and values stacked (keys' rows, then values'), as the paged cache keeps them.
             return (self._rotate(q, position),
                     mx.concatenate([self._rotate(k, position), v]))
@@ -140,67 +123,34 @@ class _Halves:
             b, _, n, _ = attended.shape
             flat = attended.transpose(0, 2, 1, 3).reshape(b * n, -1)
             h = x.reshape(b * n, -1) + block.self_attn.o_proj(flat)
-            return (h + self._mlp(block.post_attention_layernorm(h))).reshape(b, n, -1)
+            return (h + block.mlp.fused_call(block.post_attention_layernorm(h))).reshape(b, n, -1)
         finally:
             self._put_back(own)
 
-    def _mlp(self, x: mx.array) -> mx.array:
-        """The block's MLP on ``x``, its gate and up projections by one matmul if fused."""
-        mlp, fused = self.template.mlp, self.fused.get("mlp")
-        if fused is None:
-            return mlp(x)
-        # mlx-lm's own MLP code runs (its activation), handed the fused outputs: the
-        # stand-ins shadow its children for this trace only.
-        given = dict(zip(MEMBERS["mlp"], fused(x), strict=True))
-        for name, out in given.items():
-            object.__setattr__(mlp, name, _Given(out))
-        try:
-            return mlp(x)
-        finally:
-            for name in given:
-                del mlp.__dict__[name]
-
-    def __call__(self, block: Any, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
-        weights = block._decode_weights
+    def __call__(self, block: Block, weights: tuple[mx.array, ...], x: mx.array, mask: Any,
+                 cache: PagedLayerCache) -> mx.array:
         position = (cache.offset if self.rope is None
                     else self.rope.tables(cache.offset, x.shape[1]))
         q, new = self.pre(x, position, *weights)
         k, v = cache.update_and_fetch_stacked(new)
-        # Looked up at each call: paged_attention.install may route it later.
-        attend = self.attention_module.scaled_dot_product_attention
-        out = attend(q, k, v, cache=cache, scale=block.self_attn.scale, mask=mask)
+        # The model file's attention, looked up at each call like the plain block's.
+        out = llama_model.scaled_dot_product_attention(q, k, v, cache, block.self_attn.scale,
+                                                       mask)
         return self.post(x, out, *weights)
 
 
-_CLASSES: dict[type, type] = {}
+@dataclass(frozen=True, slots=True)
+class DecodeHalves:
+    """What a block's decode call runs: the shared halves and this block's weights."""
+
+    halves: _Halves
+    weights: tuple[mx.array, ...]
+
+    def __call__(self, block: Block, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
+        return self.halves(block, self.weights, x, mask, cache)
 
 
-def _compiled_class(base: type) -> type:
-    """``base`` with decode calls on a paged cache routed through the block's halves."""
-    if base not in _CLASSES:
-        def __call__(self, x, mask=None, cache=None):
-            if x.shape[1] != 1 or not isinstance(cache, PagedLayerCache):
-                return base.__call__(self, x, mask, cache)
-            return self._decode_halves(self, x, mask, cache)
-
-        _CLASSES[base] = type(f"CompiledDecode{base.__name__}", (base,),
-                              {"__call__": __call__, "__module__": base.__module__})
-    return _CLASSES[base]
-
-
-def _uncompiled_class(block: Any) -> type:
-    cls = type(block)
-    return cls.__mro__[1] if cls in _CLASSES.values() else cls
-
-
-def _llama_shaped(block: Any) -> bool:
-    base = _uncompiled_class(block)
-    module = sys.modules.get(base.__module__)
-    return (base.__module__ in LLAMA_SHAPED and base is getattr(module, "TransformerBlock", None)
-            and type(getattr(block, "self_attn", None)) is getattr(module, "Attention", None))
-
-
-def _signature(block: Any) -> tuple:
+def _signature(block: Block) -> tuple:
     """What a shared trace depends on: parameter shapes and every plain setting."""
     shapes = tuple((name, tuple(w.shape), w.dtype) for name, w in
                    tree_flatten(block.parameters()))
@@ -210,32 +160,29 @@ def _signature(block: Any) -> tuple:
 
 
 def compile_decode_blocks(model: Any, fuse_projections: bool = True) -> int:
-    """Route ``model``'s decode calls on paged caches through compiled halves.
+    """Give ``model``'s blocks compiled halves for their decode calls on paged caches.
 
-    Call it once the weights are final (after loading, dequantizing,
-    sharding): each block keeps the arrays it had then. Calling it again
-    takes the current weights.
+    Call it once the weights are final (after loading, sharding): each block
+    keeps the arrays it had then. Calling it again takes the current weights.
 
     Args:
-        model: An mlx-lm model.
+        model: A model of :mod:`veloxquant_mlx.llama_model` (any other has no
+            block this applies to).
         fuse_projections: Run q/k/v and gate/up as one matmul each
             (:mod:`~veloxquant_mlx.fused_projections`; the projections'
-            weights become views of one buffer per group). Off where something
-            keys on those weights' own buffers (the CPU's quantized copies).
+            weights become views of one buffer per group).
 
     Returns:
-        Blocks now compiled (0 for a model whose blocks are not Llama-shaped:
-        those keep running as mlx-lm wrote them).
+        Blocks now compiled (0 for a model without the project's blocks: those
+        keep running as mlx-lm wrote them).
     """
-    blocks = [b for b in getattr(model, "layers", []) if _llama_shaped(b)]
+    blocks = [b for b in getattr(model, "layers", []) if isinstance(b, Block)]
     shared: dict[tuple, _Halves] = {}
     for block in blocks:
-        # Plain attributes (not module children): the parameter tree stays mlx-lm's.
-        object.__setattr__(block, "_decode_fused", fuse_block(block) if fuse_projections else {})
-        key = (_signature(block), tuple(sorted(block._decode_fused)))
+        fused = fuse_block(block) if fuse_projections else {}
+        block.self_attn.qkv, block.mlp.gate_up = fused.get("self_attn"), fused.get("mlp")
+        key = (_signature(block), tuple(sorted(fused)))
         halves = shared.get(key) or shared.setdefault(key, _Halves(block))
-        object.__setattr__(block, "_decode_halves", halves)
-        object.__setattr__(block, "_decode_weights",
-                           tuple(w for _, w in tree_flatten(_decode_tree(block))))
-        block.__class__ = _compiled_class(_uncompiled_class(block))
+        block.decode = DecodeHalves(halves, tuple(w for _, w in
+                                                  tree_flatten(_decode_tree(block))))
     return len(blocks)

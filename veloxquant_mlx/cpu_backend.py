@@ -37,6 +37,9 @@ Process-level environment variables (the only environment this module reads; the
 the process, not server configuration):
 
 * ``VELOXQUANT_NO_BLAS_PRELOAD=1`` -- load no optimized BLAS (same as ``enabled=False``).
+* ``VELOXQUANT_BLAS_LIBRARY=PATH`` -- try this OpenBLAS only, instead of the wheel's and then
+  a distribution's (e.g. Debian's ``openblas-pthread/libblas.so.3``); a
+  ``libscipy_openblas*`` file is taken to have the wheel's prefixed names.
 * ``VELOXQUANT_NO_SGEMV_FORWARD=1`` -- the forward only passes calls on to the BLAS: no
   one-row sgemv, no products from quantized codes, no prompt kernels (for measuring what
   they buy).
@@ -64,6 +67,7 @@ from veloxquant_mlx.mlx_device import describe_device, gpu_expected, mlx_build
 log = logging.getLogger(__name__)
 
 OPT_OUT_ENV = "VELOXQUANT_NO_BLAS_PRELOAD"
+CHOICE_ENV = "VELOXQUANT_BLAS_LIBRARY"
 FORWARD_OPT_OUT_ENV = "VELOXQUANT_NO_SGEMV_FORWARD"
 FORWARD_STEM = "_sgemv_forward"
 # log2 of the cycles an idle OpenBLAS thread spins before sleeping (OpenBLAS's minimum).
@@ -216,6 +220,11 @@ def blas_candidates(with_forward: bool) -> list[BlasLibrary]:
     """
     if sys.platform != "linux":
         return []
+    chosen = os.environ.get(CHOICE_ENV, "")
+    if chosen:
+        path = Path(chosen)
+        prefix = WHEEL_PREFIX if path.name.startswith("lib" + WHEEL_PREFIX) else ""
+        return [BlasLibrary(path, prefix)] if with_forward or not prefix else []
     found = [wheel_blas() if with_forward else None, system_blas()]
     return [lib for lib in found if lib is not None]
 

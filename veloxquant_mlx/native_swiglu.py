@@ -2,12 +2,12 @@
 
 mlx-lm's Llama-family MLPs compute ``down(silu(gate(x)) * up(x))`` with
 ``mlx_lm.models.activations.swiglu``; MLX's CPU sigmoid costs ~29 ns an element (a
-scalar exp), a third of a SmolLM2 prefill chunk. :func:`install` routes a model
-module's ``swiglu`` through the C kernel for float32 calls of
-:data:`MIN_COLUMNS` sequence positions or more on the CPU, when the kernel is loaded
-(the library loaded in front of OpenBLAS, :mod:`veloxquant_mlx.cpu_backend`). Decode
-calls (one position) and every other call keep mlx-lm's function, so compiled decode
-and the library's stock paths are untouched.
+scalar exp), a third of a SmolLM2 prefill chunk. The project's Llama-shaped MLP
+(:mod:`veloxquant_mlx.llama_model`) calls :func:`swiglu`, which runs the C kernel for
+float32 calls of :data:`MIN_COLUMNS` sequence positions or more on the CPU, when the
+kernel is loaded (the library loaded in front of OpenBLAS,
+:mod:`veloxquant_mlx.cpu_backend`). Decode calls (one position) and every other call
+run mlx-lm's function, so compiled decode and the library's stock paths are untouched.
 
 A routed call evaluates ``gate`` and ``up`` first (the kernel reads their buffers),
 as :mod:`~veloxquant_mlx.memory.native_attention` does for attention. Results match
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.activations import swiglu as stock_swiglu
 
 # Sequence positions from which a call goes to the kernel (prompt chunks, not decode).
 MIN_COLUMNS = 16
@@ -40,7 +39,7 @@ def kernel() -> Any | None:
     return fn
 
 
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+def kernel_swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` of two float32 arrays of one shape, through the kernel.
 
     Raises:
@@ -58,30 +57,17 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return mx.array(out)
 
 
-def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def routed_swiglu(gate, x):
-        if (gate.ndim == 3 and gate.shape[1] >= MIN_COLUMNS and gate.shape == x.shape
-                and gate.dtype == mx.float32 and x.dtype == mx.float32
-                and mx.default_device().type == mx.DeviceType.cpu
-                and kernel() is not None):
-            return swiglu(gate, x)
-        return original(gate, x)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """A Llama-shaped MLP's ``silu(gate) * up``: the kernel for prompt chunks, else mlx-lm's.
 
-    routed_swiglu.routed_from = original  # type: ignore[attr-defined]
-    return routed_swiglu
-
-
-def install(model: Any) -> bool:
-    """Route ``model``'s module-level ``swiglu`` through the kernel (idempotent).
-
-    Returns:
-        True if the module's SwiGLU is routed (now or already); False for a
-        model whose module has no ``swiglu`` or when this process lacks the kernel.
+    The kernel takes float32 ``(rows, positions, features)`` calls of
+    :data:`MIN_COLUMNS` positions or more on the CPU where it is loaded; decode
+    calls (inside compiled functions too) and everything else run mlx-lm's
+    ``swiglu``, so their results are its own.
     """
-    module = sys.modules.get(type(model).__module__)
-    current = getattr(module, "swiglu", None)
-    if current is None or kernel() is None:
-        return False
-    if not hasattr(current, "routed_from"):
-        module.swiglu = _routed(current)
-    return True
+    if (gate.ndim == 3 and gate.shape[1] >= MIN_COLUMNS and gate.shape == up.shape
+            and gate.dtype == mx.float32 and up.dtype == mx.float32
+            and mx.default_device().type == mx.DeviceType.cpu
+            and kernel() is not None):
+        return kernel_swiglu(gate, up)
+    return stock_swiglu(gate, up)

@@ -35,11 +35,13 @@ from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
 if TYPE_CHECKING:
     from server.engine.constraints import Matcher
 
-# mlx-lm model modules whose ``Model.__call__`` is the backbone (``model.model``)
-# then the vocabulary projection (the tied embedding or ``lm_head``), nothing else.
+# Model modules (mlx-lm's and the project's) whose ``Model.__call__`` is the backbone
+# (``model.model``) then the vocabulary projection (the tied embedding or ``lm_head``),
+# nothing else.
 # A prompt's last call of such a model projects its last column only
 # (:func:`last_column_logits`).
-BACKBONE_THEN_HEAD = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+BACKBONE_THEN_HEAD = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3",
+                      "veloxquant_mlx.llama_model")
 
 # For other models: a group whose last chunk spans at least this many prompt
 # positions (rows x columns) feeds its last column in a call of its own: only

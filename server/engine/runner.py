@@ -57,7 +57,6 @@ from server.engine.protocol import SamplingParams
 from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled, TaskDone
 from server.engine.sampling import batchable, build_logits_processors, build_sampler, mask_logits
 from server.engine.step_clock import StepClock
-from veloxquant_mlx import native_swiglu
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
@@ -81,11 +80,11 @@ class ModelRunner:
         kv_write_back: Decode columns the batch holds out of the arena before
             one write of them all (:mod:`veloxquant_mlx.memory.write_back`); 1
             writes every step.
-        compile_decode: Run the model's Llama-shaped blocks' decode calls as
-            compiled halves (:mod:`veloxquant_mlx.compiled_decode`).
+        compile_decode: Run the decode calls of the model's own Llama-shaped
+            blocks (:mod:`veloxquant_mlx.llama_model`) as compiled halves
+            (:mod:`veloxquant_mlx.compiled_decode`).
         fuse_projections: With ``compile_decode``, run each block's q/k/v and
-            gate/up projections as one matmul each (off while the CPU's
-            quantized copies key on the separate weights' buffers).
+            gate/up projections as one matmul each.
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
@@ -93,8 +92,6 @@ class ModelRunner:
                  prefixes: PromptPrefixes | None = None, kv_write_back: int = 1,
                  compile_decode: bool = False, fuse_projections: bool = True) -> None:
         self.model = model
-        # Prompt chunks' SwiGLU in C on the CPU, where the kernel is preloaded.
-        self.native_swiglu = native_swiglu.install(model)
         # Blocks whose decode calls run compiled (0: off, or no Llama-shaped block).
         self.compiled_blocks = (compile_decode_blocks(model, fuse_projections)
                                 if compile_decode else 0)

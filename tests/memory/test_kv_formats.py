@@ -30,6 +30,12 @@ from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 from veloxquant_mlx.memory.kv_format import KVFormat
 
 
+@pytest.fixture
+def model(served_model):
+    """The paged batch serves the project's model (its attention reads the parts)."""
+    return served_model
+
+
 def _arena(model, fmt: KVFormat, n_blocks=2048, **config) -> KVArena:
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks, **config))
     return KVArena(pool, probe_kv_layout(model, fmt))

@@ -21,6 +21,12 @@ from veloxquant_mlx.memory.paged_batch import make_paged_batch
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 
 
+@pytest.fixture
+def model(served_model):
+    """The paged batch serves the project's model (its attention reads the parts)."""
+    return served_model
+
+
 def _same_logits(want: mx.array, have: mx.array) -> bool:
     """Bit for bit on the CPU; within float32-product noise on a GPU.
 
@@ -34,14 +40,15 @@ def _same_logits(want: mx.array, have: mx.array) -> bool:
 
 
 def _record_attention(model, monkeypatch) -> list[tuple[object, int]]:
-    """(mask, key columns) of every attention call of ``model``'s module."""
+    """(mask, key columns) of every attention call of ``model``'s module (the project's
+    Llama-shaped model, whose blocks and compiled halves call it by its module name)."""
     module = sys.modules[type(model).__module__]
     real = module.scaled_dot_product_attention
     calls = []
 
-    def recorded(queries, keys, values, cache, scale, mask, sinks=None):
+    def recorded(queries, keys, values, cache, scale, mask):
         calls.append((mask, keys.shape[2]))
-        return real(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return real(queries, keys, values, cache, scale, mask)
 
     monkeypatch.setattr(module, "scaled_dot_product_attention", recorded)
     return calls

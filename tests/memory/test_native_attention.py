@@ -103,7 +103,8 @@ PREFILL_CHECK = textwrap.dedent(
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
     from veloxquant_mlx.memory.paged_batch import make_paged_batch
 
-    model, _ = mlx_lm.load(sys.argv[1])
+    from veloxquant_mlx.llama_model import own_model
+    model = own_model(mlx_lm.load(sys.argv[1])[0])
     calls = []
     wrapped = native_attention.causal_attention
     def counting(*args, **kwargs):

@@ -1,20 +1,25 @@
-"""The paged batch's CPU attention: its exp, its attention, and what it is routed for."""
+"""The paged batch's CPU attention: its exp, its attention, and which calls it serves."""
 
 from __future__ import annotations
-
-import sys
 
 import mlx.core as mx
 import pytest
 
+from veloxquant_mlx.llama_model import own_model
 from veloxquant_mlx.memory import paged_attention
 from veloxquant_mlx.memory.paged_attention import (
     attention,
     attention_parts,
     fast_exp,
-    install,
+    scaled_dot_product_attention,
     softmax,
 )
+
+
+@pytest.fixture
+def model(served_model):
+    """The paged batch serves the project's model (its attention reads the parts)."""
+    return served_model
 
 
 def test_fast_exp_matches_exp_over_a_softmax_range():
@@ -88,28 +93,18 @@ def test_causal_last_needs_a_square_last_part():
         attention_parts(q, [k], [k], 1.0, [None], causal_last=True)
 
 
-def test_install_routes_only_paged_float32_cpu_calls(monkeypatch):
-    class Cache:  # not a paged cache: goes to the original
-        pass
-
-    module = type(sys)("fake_model_module")
+def test_calls_on_other_caches_go_to_mlx_lms_attention(monkeypatch):
     calls = []
 
-    def original(queries, keys, values, cache, scale, mask, sinks=None):
+    def stock(queries, keys, values, cache, scale, mask):
         calls.append(cache)
         return queries
 
-    module.scaled_dot_product_attention = original
-    monkeypatch.setitem(sys.modules, "fake_model_module", module)
-    model = type("Model", (), {"__module__": "fake_model_module"})()
-    assert install(model) and install(model)  # idempotent
-    routed = module.scaled_dot_product_attention
-    assert routed.routed_from is original
+    monkeypatch.setattr(paged_attention, "stock_attention", stock)
     q = mx.zeros((1, 2, 1, 4))
-    routed(q, q, q, cache=Cache(), scale=1.0, mask=None)
-    assert len(calls) == 1
-    bare = type("Model", (), {"__module__": "sys"})()  # a module without the function
-    assert not install(bare)
+    cache = object()  # not a paged cache
+    assert scaled_dot_product_attention(q, q, q, cache, 1.0, None) is q
+    assert calls == [cache]
 
 
 def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
@@ -125,11 +120,11 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
     from tests.memory.test_paged_batch import _arena, _prompt
     from veloxquant_mlx.memory.paged_batch import make_paged_batch
 
-    model = mlx_lm.load(str(tiny_model_path))[0]
+    model = own_model(mlx_lm.load(str(tiny_model_path))[0])
     model.set_dtype(mx.bfloat16)
     arena = _arena(model)
     batch = make_paged_batch(model, arena, [1, 2], [3, 0])
-    assert batch.fast_attention  # the parts are kept for the router
+    assert batch.fast_attention  # the parts are kept for the owned attention
     prompts = [[0] * 3 + _prompt(1, 9), _prompt(2, 12)]
     logits = model(mx.array(prompts), cache=batch.caches)[:, -1]
     assert all(cache.parts is None for cache in batch.caches)
@@ -139,13 +134,12 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
     assert arena.pool.stats.blocks_in_use() == 0
 
 
-def test_a_batch_of_a_module_the_router_cannot_reach_keeps_no_parts(model):
-    """No router in the module (``install`` is False): nothing would drop the parts."""
+def test_a_batch_of_a_model_that_does_not_read_parts_keeps_none(model, tiny_model):
+    """mlx-lm's own model never takes the parts: nothing would drop them."""
     from tests.memory.test_paged_batch import _arena
     from veloxquant_mlx.memory.paged_batch import make_paged_batch
 
     arena = _arena(model)
-    bare = type("Model", (), {"__module__": "sys", "layers": model.layers})()
-    batch = make_paged_batch(bare, arena, [1])
+    batch = make_paged_batch(tiny_model[0], arena, [1])
     assert not batch.fast_attention
     assert make_paged_batch(model, arena, [2]).fast_attention

@@ -31,6 +31,12 @@ from veloxquant_mlx.memory.paged_batch import make_paged_batch
 BS = 16
 
 
+@pytest.fixture
+def model(served_model):
+    """The paged batch serves the project's model (its attention reads the parts)."""
+    return served_model
+
+
 def _arena(model, n_blocks=2048, **config):
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks, **config))
     return KVArena(pool, probe_kv_layout(model))

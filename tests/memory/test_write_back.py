@@ -28,6 +28,12 @@ from veloxquant_mlx.memory.kv_format import KVFormat
 from veloxquant_mlx.memory.write_back import HeldColumns, held_bytes
 
 
+@pytest.fixture
+def model(served_model):
+    """The paged batch serves the project's model (its attention reads the parts)."""
+    return served_model
+
+
 def _decode(model, batch, logits, steps):
     out = []
     for _ in range(steps):

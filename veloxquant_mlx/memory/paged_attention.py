@@ -21,13 +21,13 @@ prompt's time to first token. This module computes the same attention with:
   and values are never copied again into one concatenated buffer, and the
   stored tokens' mask is one row per batch row, not one per query.
 
-:func:`install` routes the attention of one mlx-lm model module through
-:func:`attention` for float32 calls on a :class:`PagedLayerCache` on the
-CPU whose batch has ``fast_attention`` (the default); every other call
-(other caches, other dtypes, the GPU) goes to mlx-lm's own function
-unchanged, so the library's single-request path keeps its bit-identity
-contract, and ``fast_attention=False`` gives a paged batch the stock
-cache's very logits. The logits differ from mlx-lm's by ~1e-6 (the sums
+:func:`scaled_dot_product_attention` is what the project's Llama-shaped
+model (:mod:`veloxquant_mlx.llama_model`) calls: this path for float32 calls
+on a :class:`PagedLayerCache` on the CPU whose batch has ``fast_attention``
+(the default); every other call (other caches, other dtypes, the GPU) goes to
+mlx-lm's own function unchanged, so the library's single-request path keeps
+its bit-identity contract, and ``fast_attention=False`` gives a paged batch
+the stock cache's very logits. The logits differ from mlx-lm's by ~1e-6 (the sums
 run in another order); measured on SmolLM2 with OpenBLAS: prefill 25%
 faster (a 65-token prompt over a 1,072-token cached prefix: 554 -> 412 ms;
 512 tokens cold: 3.29 -> 2.45 s), decode 3-6% faster.
@@ -48,11 +48,11 @@ tokens ~25 ms faster.
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention as stock_attention
 
 from veloxquant_mlx.memory import native_attention
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
@@ -190,53 +190,34 @@ def _attend(queries: mx.array, keys: Sequence[mx.array], values: Sequence[mx.arr
     return out.reshape(b, hq, n, d)
 
 
-def _routed(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask,
-                                     sinks=None):
-        if (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
-                and sinks is None
-                and queries.dtype == mx.float32 and keys.dtype == mx.float32
-                and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
-                and mx.default_device().type == mx.DeviceType.cpu):
-            parts = cache.attention_parts(mask)  # taken either way: held no longer than the call
-            if math.prod(queries.shape[:3]) * keys.shape[2] < FAST_MIN_SCORES:
-                return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-            if parts is not None:  # the batch's own mask: attend over its parts
-                # The batch's mask of its new columns is causal (see PagedKVBatch.mask);
-                # a decode call that holds its column has one query over the held ones.
-                causal = parts[0][-1].shape[2] == queries.shape[2]
-                if causal and queries.shape[2] >= native_attention.MIN_QUERIES:
-                    out = native_attention.try_causal_attention(queries, *parts, scale)
-                    if out is not None:
-                        return out
-                return attention_parts(queries, *parts[:2], scale, parts[2], causal_last=causal)
-            return attention(queries, keys, values, scale, mask)
-        if isinstance(cache, PagedLayerCache):
-            # Dropped unused too (a GPU call, another dtype): parts kept past their call
-            # can pin the arena version they were read from, which on a GPU is a whole
-            # copy after each write (an unclosed batch holds one until a gc).
-            cache.parts = None
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                        sinks=sinks)
+def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                                 cache: Any, scale: float, mask: Any) -> mx.array:
+    """A Llama-shaped attention's call: this module's path where it applies, else mlx-lm's.
 
-    scaled_dot_product_attention.routed_from = original  # type: ignore[attr-defined]
-    return scaled_dot_product_attention
-
-
-def install(model: Any) -> bool:
-    """Route ``model``'s attention through :func:`attention` on paged CPU calls.
-
-    mlx-lm's model modules import ``scaled_dot_product_attention`` by name from
-    ``mlx_lm.models.base``; this replaces that name in ``model``'s module with
-    a router (idempotent). Models whose module does not use it are left alone.
-
-    Returns:
-        True if the module's attention is routed (now or already).
+    It applies to float32 calls on a :class:`PagedLayerCache` on the CPU whose batch has
+    ``fast_attention`` and that are big enough (:data:`FAST_MIN_SCORES`); every other
+    call (other caches, other dtypes, the GPU) goes to mlx-lm's own function unchanged.
+    :mod:`veloxquant_mlx.llama_model` calls it explicitly.
     """
-    module = sys.modules.get(type(model).__module__)
-    current = getattr(module, "scaled_dot_product_attention", None)
-    if current is None:
-        return False
-    if not hasattr(current, "routed_from"):
-        module.scaled_dot_product_attention = _routed(current)
-    return True
+    if (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
+            and queries.dtype == mx.float32 and keys.dtype == mx.float32
+            and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
+            and mx.default_device().type == mx.DeviceType.cpu):
+        parts = cache.attention_parts(mask)  # taken either way: held no longer than the call
+        if math.prod(queries.shape[:3]) * keys.shape[2] >= FAST_MIN_SCORES:
+            if parts is None:
+                return attention(queries, keys, values, scale, mask)
+            # The batch's mask of its new columns is causal (see PagedKVBatch.mask);
+            # a decode call that holds its column has one query over the held ones.
+            causal = parts[0][-1].shape[2] == queries.shape[2]
+            if causal and queries.shape[2] >= native_attention.MIN_QUERIES:
+                out = native_attention.try_causal_attention(queries, *parts, scale)
+                if out is not None:
+                    return out
+            return attention_parts(queries, *parts[:2], scale, parts[2], causal_last=causal)
+    elif isinstance(cache, PagedLayerCache):
+        # Dropped unused too (a GPU call, another dtype): parts kept past their call
+        # can pin the arena version they were read from, which on a GPU is a whole
+        # copy after each write (an unclosed batch holds one until a gc).
+        cache.parts = None
+    return stock_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)

@@ -391,9 +391,10 @@ def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
                      fast_attention: bool = True) -> PagedKVBatch:
     """A :class:`PagedKVBatch` for ``model``; pass ``batch.caches`` as its cache.
 
-    With ``fast_attention`` (see :class:`PagedKVBatch`) the model's attention is
-    routed through :mod:`~veloxquant_mlx.memory.paged_attention` for these
-    caches (a faster softmax on the CPU; other caches and devices untouched).
+    With ``fast_attention`` (see :class:`PagedKVBatch`), a model of
+    :mod:`veloxquant_mlx.llama_model` attends through
+    :mod:`~veloxquant_mlx.memory.paged_attention` on these caches (a faster
+    softmax on the CPU); other models run mlx-lm's attention.
 
     Raises:
         ValueError: The model's layer count is not the arena's.
@@ -401,11 +402,8 @@ def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
     if len(model.layers) != arena.layout.n_layers:
         raise ValueError(f"model has {len(model.layers)} layers, the arena was laid out "
                          f"for {arena.layout.n_layers}")
-    # Imported here: paged_attention checks its caches against PagedLayerCache.
-    from veloxquant_mlx.memory.paged_attention import install
-
-    # The batch's attention on the CPU (see paged_attention). A module it cannot route
-    # never takes a call's parts, so the batch keeps none (they would pin the arena).
-    routed = install(model)
+    # Only a model whose attention reads the batch's parts (the project's Llama-shaped
+    # one) gets them: kept unread they would pin the arena version they came from.
+    routed = bool(getattr(model, "reads_paged_parts", False))
     rows = [owners] if isinstance(owners, int) else list(owners)
     return PagedKVBatch(arena, rows, left_padding, fast_attention and routed)
