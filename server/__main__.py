@@ -104,7 +104,7 @@ def _serve_distributed(settings: Settings) -> int:
     """Rank 0 serves (and starts ranks 1.. here unless ``mlx.launch`` did); the others follow."""
     import subprocess
 
-    from server.engine import distributed
+    from server.engine import distributed, startup
     from server.file_limit import import_mlx_lm
 
     import_mlx_lm()
@@ -120,7 +120,7 @@ def _serve_distributed(settings: Settings) -> int:
     rank = int(os.environ.get(distributed.RANK_ENV, "0"))
     try:
         if rank != 0:
-            return distributed.serve_follower(settings)
+            return startup.serve_follower(settings)
         return _serve(settings)
     except distributed.DistributedError as exc:
         print(f"veloxquant-serve: rank {rank}: {exc}", file=sys.stderr)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.model_support import ModelSourceError, check_served
 from server.settings import ModelSection
 from server.settings_sections import read_chat_template
 
@@ -35,10 +36,6 @@ log = logging.getLogger("veloxquant.server")
 
 # A Hugging Face repo id, e.g. mlx-community/Llama-3.2-1B-Instruct-4bit.
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-class ModelSourceError(RuntimeError):
-    """``--model`` cannot be served: the message names the source and the fix."""
 
 
 class ModelNotFoundError(ModelSourceError):
@@ -209,8 +206,6 @@ def load_model(section: ModelSection, codes: bool = True) -> LoadedModel:
 
     path = resolve_model_path(section)
     model, tokenizer = mlx_lm.load(str(path), tokenizer_config=_tokenizer_config(section))
-    from server.model_support import check_served
-
     # Before anything is built around it: a model the KV pool would serve wrong stops here.
     check_served(model, path, stated_context_length(model))
     # The server bounds prompts itself (limits, the context, with a 400); the Hugging Face

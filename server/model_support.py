@@ -28,9 +28,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from server.model_loader import ModelSourceError
-
 log = logging.getLogger("veloxquant.server")
+
+
+class ModelSourceError(RuntimeError):
+    """``--model`` cannot be served: the message names the source and the fix."""
 
 
 # mlx-lm modules whose attention misreads a batch's per-row mask, and how. gemma2's

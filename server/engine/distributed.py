@@ -371,31 +371,3 @@ def follow(runner: ModelRunner, link: RankLink, wait: Any = None) -> None:
                 return
             else:
                 raise DistributedError(f"unknown op from rank 0: {kind!r}")
-
-
-def serve_follower(settings: Any) -> int:
-    """A follower process's whole life: join the ring, load and shard the model, then
-    :func:`follow`."""
-    from server.engine.kv_memory import kv_format_of
-    from server.engine.startup import apply_context_limit, plan_kv
-    from server.model_loader import load_model
-    from veloxquant_mlx.memory.kv_arena import probe_kv_layout
-
-    before = open_sockets()
-    group = join_group(settings.distributed.ranks)
-    wait = LeaderWait(open_sockets() - before)
-    loaded = load_model(settings.model, codes=False)
-    apply_context_limit(settings.limits, loaded)
-    shard_loaded(loaded, group)
-    layout = probe_kv_layout(loaded.model, kv_format_of(settings))
-    pool, kv = plan_kv(settings, layout, context=loaded.context_length)
-    runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena,
-                         kv_write_back=settings.batch.kv_write_back,
-                         compile_decode=settings.batch.compile_decode,
-                         fuse_projections=settings.batch.fuse_projections)
-    log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
-    follow(runner, RankLink(group), wait)
-    wait.close()
-    log.info("rank %d: rank 0 stopped; exiting", group.rank())
-    sys.stdout.flush()
-    return 0

@@ -30,7 +30,6 @@ from dataclasses import replace
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.choices import ChoiceHolds, times
 from server.engine.intake import RequestRejected, no_room_in_pool
-from server.engine.output import StopMatcher
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.preparer import Prepared
 from server.engine.protocol import (
@@ -39,7 +38,7 @@ from server.engine.protocol import (
     Rejected,
     ShrinkRefused,
 )
-from server.engine.request_state import PendingRequest, RequestState
+from server.engine.request_state import PendingRequest, RequestState, StopMatcher
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.settings import Settings

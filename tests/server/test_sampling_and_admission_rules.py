@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from server.engine.capacity import CapacityPlanner
-from server.engine.output import StopMatcher
+from server.engine.request_state import StopMatcher
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 

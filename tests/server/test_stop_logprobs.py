@@ -14,8 +14,8 @@ import json
 import httpx
 import pytest
 
-from server.engine.output import StopMatcher
 from server.engine.protocol import TokenLogprob
+from server.engine.request_state import StopMatcher
 from tests.server.conftest import LiveServer
 
 
