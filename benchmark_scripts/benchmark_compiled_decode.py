@@ -83,12 +83,14 @@ def main() -> int:
     load_optimized_blas(True)  # as the server does (MLX not imported before)
     from mlx_lm import load
 
+    from veloxquant_mlx.llama_model import own_model
+
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             folder = model_folder(name, Path(tmp))
             # Two instances: compiling changes a model's blocks for good.
-            pair = {False: load(str(folder))[0], True: load(str(folder))[0]}
+            pair = {c: own_model(load(str(folder))[0]) for c in (False, True)}  # as served
             for rows in args.rows:
                 runs: dict[bool, list[dict]] = {False: [], True: []}
                 for _ in range(args.rounds):

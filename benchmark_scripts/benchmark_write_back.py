@@ -232,9 +232,10 @@ def main() -> int:
     load_optimized_blas(True)  # as the server does (MLX not imported before)
     from mlx_lm import load
 
+    from veloxquant_mlx.llama_model import own_model
     from veloxquant_mlx.offline_model import ensure_model
 
-    model, _ = load(str(ensure_model(args.preset)))
+    model = own_model(load(str(ensure_model(args.preset)))[0])  # the model as served
     probe = copy_probe()
     print(f"a write into a {probe['arena_mib']} MiB array: {probe['scatter_with_a_read_ms']} ms "
           f"with a read in the same graph, {probe['scatter_alone_ms']} ms without")

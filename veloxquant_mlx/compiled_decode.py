@@ -38,8 +38,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block, plain_settings
 from veloxquant_mlx import llama_model
+from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block, plain_settings
 from veloxquant_mlx.llama_model import Block
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 from veloxquant_mlx.shared_rope import shared_rope

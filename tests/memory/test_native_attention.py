@@ -113,13 +113,13 @@ PREFILL_CHECK = textwrap.dedent(
     native_attention.causal_attention = counting
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=4096))
     arena = KVArena(pool, probe_kv_layout(model))
-    prompts = [[5 + (7 * j) % 900 for j in range(90)], [11 + (3 * j) % 700 for j in range(61)]]
+    prompts = [[5 + (7 * j) % 900 for j in range(430)], [11 + (3 * j) % 700 for j in range(401)]]
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
     batch = make_paged_batch(model, arena, [1, 2], pads)
     padded = [[0] * p + ids for p, ids in zip(pads, prompts)]
-    first = model(mx.array([r[:50] for r in padded]), cache=batch.caches)  # a first chunk
-    last = model(mx.array([r[50:] for r in padded]), cache=batch.caches)  # over stored tokens
+    first = model(mx.array([r[:230] for r in padded]), cache=batch.caches)  # a first chunk
+    last = model(mx.array([r[230:] for r in padded]), cache=batch.caches)  # over stored tokens
     errors = []
     for i, ids in enumerate(prompts):
         cache = make_prompt_cache(model)
@@ -159,9 +159,9 @@ def test_kernel_is_float64_attention_within_float32_rounding() -> None:
 def test_a_paged_prefill_goes_through_the_kernel_with_stock_logits(tiny_model_path) -> None:
     report = _run_child(PREFILL_CHECK, str(tiny_model_path))
     assert report["kernel"] and report["described"]  # the start-up line says so
-    # Every layer of both chunks (50 and 40 columns) used the kernel.
+    # Every layer of both chunks (230 and 200 columns) used the kernel.
     layers = len(report["calls"]) // 2
-    assert layers >= 1 and report["calls"] == [50] * layers + [40] * layers
+    assert layers >= 1 and report["calls"] == [230] * layers + [200] * layers
     assert max(report["errors"]) < 1e-4, report["errors"]
     assert report["free"]
 
