@@ -9,7 +9,7 @@ kernel is loaded (the library loaded in front of OpenBLAS,
 :mod:`veloxquant_mlx.cpu_backend`). Decode calls (one position) and every other call
 run mlx-lm's function, so compiled decode and the library's stock paths are untouched.
 
-A routed call evaluates ``gate`` and ``up`` first (the kernel reads their buffers),
+A kernel call evaluates ``gate`` and ``up`` first (the kernel reads their buffers),
 as :mod:`~veloxquant_mlx.memory.native_attention` does for attention. Results match
 MLX's within float32 rounding (the exp differs in its last bits).
 """

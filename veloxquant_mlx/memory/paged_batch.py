@@ -404,6 +404,6 @@ def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
                          f"for {arena.layout.n_layers}")
     # Only a model whose attention reads the batch's parts (the project's Llama-shaped
     # one) gets them: kept unread they would pin the arena version they came from.
-    routed = bool(getattr(model, "reads_paged_parts", False))
+    reads_parts = bool(getattr(model, "reads_paged_parts", False))
     rows = [owners] if isinstance(owners, int) else list(owners)
-    return PagedKVBatch(arena, rows, left_padding, fast_attention and routed)
+    return PagedKVBatch(arena, rows, left_padding, fast_attention and reads_parts)
