@@ -167,7 +167,7 @@ def idle_pool(s: Running) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(s.base + "/metrics", timeout=10).text
-    want = ("veloxquant_block_pool_blocks_in_use", "veloxquant_orphaned_blocks",
+    want = ("veloxquant_block_pool_request_blocks_in_use", "veloxquant_orphaned_blocks",
             "veloxquant_block_pool_cached_blocks", "veloxquant_block_pool_evictable_blocks",
             "veloxquant_block_pool_evictions_total", "veloxquant_prefix_cache_hit_tokens_total",
             "veloxquant_prefix_cache_query_tokens_total")
@@ -284,7 +284,8 @@ def build_result(args: argparse.Namespace, gguf: Path, folder: Path,
             r is not None and r <= TARGETS["ours_over_best_peer_p50_max"] for r in peer_ok),
         "cached_tokens_gt_0_every_later_turn": bool(cached_later) and all(
             (c or 0) > 0 for c in cached_later),
-        "no_unaccounted_blocks_after_run": pool.get("veloxquant_block_pool_blocks_in_use") == 0
+        "no_unaccounted_blocks_after_run":
+            pool.get("veloxquant_block_pool_request_blocks_in_use") == 0
         and pool.get("veloxquant_orphaned_blocks") == 0
         and pool.get("veloxquant_block_pool_cached_blocks")
         == pool.get("veloxquant_block_pool_evictable_blocks"),

@@ -243,8 +243,9 @@ def wait_idle(base_url: str, timeout_s: float = 30.0) -> tuple[dict[str, float],
     t0 = time.monotonic()
     while True:
         m = scrape(base_url)
-        if (m["veloxquant_block_pool_blocks_in_use"] == 0 and m["veloxquant_requests_running"]
-                == 0 and m["veloxquant_requests_waiting"] == 0) or \
+        if (m["veloxquant_block_pool_request_blocks_in_use"] == 0
+                and m["veloxquant_requests_running"] == 0
+                and m["veloxquant_requests_waiting"] == 0) or \
                 time.monotonic() - t0 > timeout_s:
             return m, time.monotonic() - t0
         time.sleep(0.1)
@@ -313,7 +314,7 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
         "zero_5xx": main.client_5xx == 0 and main.stream_errors == 0
         and server_5xx(after) == 0,
         "no_client_errors": not main.unexpected,
-        "blocks_in_use_zero": after["veloxquant_block_pool_blocks_in_use"] == 0,
+        "blocks_in_use_zero": after["veloxquant_block_pool_request_blocks_in_use"] == 0,
         "no_orphaned_blocks": after["veloxquant_orphaned_blocks"] == 0,
         "no_leaked_blocks": leaked == 0,
         "rss_within_bound": rss_after - rss_warm <= bound,
@@ -340,7 +341,7 @@ def soak(n_requests: int, concurrency: int, seed: int, time_budget_s: float,
             "blocks_reused": delta("veloxquant_block_pool_reused_total"),
             "exhausted": after["veloxquant_block_pool_exhausted_total"],
             "peak_blocks_in_use": after["veloxquant_block_pool_peak_blocks_in_use"],
-            "blocks_in_use_after": after["veloxquant_block_pool_blocks_in_use"],
+            "blocks_in_use_after": after["veloxquant_block_pool_request_blocks_in_use"],
             "orphaned_blocks_after": after["veloxquant_orphaned_blocks"],
             "leaked_blocks": leaked,
             "idle_after_s": round(idle_wait, 2),

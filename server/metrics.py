@@ -27,6 +27,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
@@ -370,7 +371,8 @@ def _cache_families(cache: Any):
     """
     counters = cache.counters if cache is not None else None
     yield _gauge("veloxquant_block_pool_cached_blocks",
-                 "Blocks the prefix cache holds (not counted in blocks_in_use).",
+                 "Blocks the prefix cache holds (in blocks_in_use, not in "
+                 "request_blocks_in_use).",
                  cache.cached_blocks if cache is not None else 0)
     yield _gauge("veloxquant_block_pool_evictable_blocks",
                  "Cached blocks no request references: free for admission, evicted LRU.",
@@ -426,30 +428,19 @@ def orphaned_blocks(pool: Any, live_requests: Callable[[], dict[int, str]]) -> i
     return sum(pool.n_blocks_held(o) for o in owners if o not in live and o != CACHE_OWNER)
 
 
-def request_blocks_in_use(pool: Any, stats: dict[str, Any]) -> int:
-    """Blocks requests hold: the pool's blocks in use less the prefix cache's."""
-    return stats["blocks_in_use"] - pool.n_blocks_held(CACHE_OWNER)
-
-
-# The families AllocationStats.to_prometheus() writes, in its order:
-# (name after the prefix, kind, help, AllocationStats.as_dict() key).
-POOL_FAMILIES = (
-    ("blocks_in_use", "gauge", "Blocks currently checked out", "blocks_in_use"),
-    ("blocks_total", "gauge", "Blocks the pool manages", "n_blocks"),
-    ("fragmentation", "gauge", "Share of blocks allocated but not full", "fragmentation"),
-    ("peak_blocks_in_use", "gauge",
-     "High-water mark of blocks checked out, the prefix cache's included", "peak_blocks_in_use"),
-    ("allocations_total", "counter", "Blocks handed out", "n_allocations"),
-    ("frees_total", "counter", "Blocks returned", "n_frees"),
-    ("reused_total", "counter", "Blocks handed out again after a free", "n_reused"),
-    ("exhausted_total", "counter", "Failed allocate() calls (pool exhausted)", "n_exhausted"),
-    ("grown_total", "counter", "Blocks added by growth", "n_grown"),
-    ("retired_total", "counter", "Blocks removed by shrink", "n_retired"),
-)
+def request_blocks_in_use(pool: Any, blocks_in_use: int) -> int:
+    """Blocks requests hold: the pool's ``blocks_in_use`` less the prefix cache's blocks."""
+    return blocks_in_use - pool.n_blocks_held(CACHE_OWNER)
 
 
 class PoolCollector:
     """The pool's counters, read from one consistent stats snapshot per scrape.
+
+    The pool's families are what ``AllocationStats.to_prometheus()`` writes for that
+    snapshot, parsed and passed on unchanged: ``blocks_in_use`` is ``allocations -
+    frees``, the prefix cache's blocks included (they are allocated). Requests' own
+    share follows as ``<prefix>_request_blocks_in_use`` (0 on an idle server even while
+    it keeps a warm cache; ``veloxquant_block_pool_cached_blocks`` is the rest).
 
     Args:
         pool: The shared pool (anything with ``stats.snapshot()``), or a
@@ -463,13 +454,11 @@ class PoolCollector:
 
     def collect(self):
         pool = self.pool() if callable(self.pool) else self.pool
-        stats = pool.stats.snapshot().as_dict()
-        # Cached prefix blocks are shown apart (veloxquant_block_pool_cached_blocks):
-        # an idle server reads 0 in use even while it keeps a warm cache.
-        stats["blocks_in_use"] = request_blocks_in_use(pool, stats)
-        for name, kind, doc, key in POOL_FAMILIES:
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield family(f"{self.prefix}_{name}", doc, value=stats[key])
+        snapshot = pool.stats.snapshot()
+        yield from text_string_to_metric_families(snapshot.to_prometheus(self.prefix))
+        yield _gauge(f"{self.prefix}_request_blocks_in_use",
+                     "Blocks requests hold: blocks_in_use less the prefix cache's",
+                     request_blocks_in_use(pool, snapshot.blocks_in_use()))
 
 
 # Our families that vLLM's dashboards, autoscaling rules and gateways read, and vLLM's

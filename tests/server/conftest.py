@@ -67,7 +67,7 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["veloxquant_block_pool_blocks_in_use"] == 0
+            idle = (m["veloxquant_block_pool_request_blocks_in_use"] == 0
                     and m["veloxquant_requests_running"] == 0
                     and m["veloxquant_requests_waiting"] == 0)
             if idle or time.monotonic() > deadline:

@@ -66,7 +66,7 @@ def test_requests_in_a_batch_of_eight_get_what_they_get_alone(batch_server: Live
     steps = after["veloxquant_batch_size_count"] - before.get("veloxquant_batch_size_count", 0)
     rows = after["veloxquant_batch_size_sum"] - before.get("veloxquant_batch_size_sum", 0)
     assert rows / steps > 4  # they really decoded together (one call for many rows)
-    assert after["veloxquant_block_pool_blocks_in_use"] == 0
+    assert after["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 async def _first_token_while_eight_decode(base_url: str) -> dict:
@@ -102,7 +102,7 @@ def test_a_late_request_gets_its_first_token_while_eight_decode(batch_server: Li
     first_end = min(times[f"long{i}:end"] for i in range(8))
     assert times["late:first"] < first_end
     assert times["late:end"] < first_end  # it even finished its 5 tokens first
-    assert batch_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert batch_server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 async def _random_request(c: httpx.AsyncClient, rng: random.Random) -> str:
@@ -149,7 +149,7 @@ def test_fifty_random_requests_with_cancellations_free_every_block(batch_server:
     assert all(r.endswith((":200", ":gone")) for r in results), results
     assert {r.split(":")[0] for r in results} >= {"plain", "stream", "cut", "abandon"}
     m = batch_server.wait_idle(timeout=20)
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     assert m["veloxquant_requests_running"] == m["veloxquant_requests_waiting"] == 0
     assert time.monotonic() - t0 < 60
@@ -158,7 +158,7 @@ def test_fifty_random_requests_with_cancellations_free_every_block(batch_server:
 def _sample_gauges(server: LiveServer, stop: threading.Event, seen: list) -> None:
     while not stop.is_set():
         m = server.metrics()
-        seen.append((m["veloxquant_block_pool_blocks_in_use"],
+        seen.append((m["veloxquant_block_pool_request_blocks_in_use"],
                      m["veloxquant_requests_running"]))
         time.sleep(0.02)
 
@@ -190,7 +190,7 @@ def test_admission_keeps_blocks_within_the_pool_and_rows_within_the_batch(tiny_m
     assert max(r for _, r in seen) >= 2  # several ran at once
     assert m["veloxquant_block_pool_exhausted_total"] == 0  # nobody ran out mid-generation
     assert m["veloxquant_block_pool_peak_blocks_in_use"] <= 512
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def test_batch_settings_are_validated():
@@ -232,7 +232,7 @@ def test_requests_leaving_mid_prefill_free_their_blocks_and_spare_the_group(tiny
     for a, r in zip(alone, results[::2], strict=True):
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == a.json()["choices"][0]["text"]
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     # Mostly mid-prefill; on a loaded machine one may still be waiting when its client goes.
     assert (m["veloxquant_request_finished_total{reason=cancelled}"]
@@ -253,7 +253,7 @@ def test_rows_ending_on_their_first_token_leave_their_group(batch_server: LiveSe
         assert _uncached(t.json()["usage"]) == _uncached(a.json()["usage"])
     assert [t.json()["usage"]["completion_tokens"] for t in together] == [15, 1] * 3
     assert all(t.json()["usage"]["kv_blocks"] > 0 for t in together)
-    assert batch_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert batch_server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def _uncached(usage: dict) -> dict:

@@ -107,4 +107,4 @@ def test_health_says_503_while_every_call_fails_and_ok_once_one_runs(switchable_
     # Requests are still admitted: the first call that runs shows the device works again.
     assert _complete(server.base_url, "after").status_code == 200
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
-    assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0

@@ -245,7 +245,7 @@ def test_a_schema_with_no_finite_value_is_a_client_error(live_server):
     ok = httpx.post(url, json={**body, "response_format": {"type": "json_object"}}, timeout=60)
     assert ok.status_code == 200
     metrics = live_server.wait_idle()
-    assert metrics["veloxquant_block_pool_blocks_in_use"] == 0
+    assert metrics["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def _essence(answer: dict) -> list:
@@ -278,7 +278,7 @@ def test_stop_strings_apply_to_constrained_output(live_server, path, fields):
     assert choice["finish_reason"] == "stop"
     text = choice.get("text", (choice.get("message") or {}).get("content")) or ""
     assert "{" not in text and not (choice.get("message") or {}).get("tool_calls")
-    assert live_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert live_server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 # -- a JSON format beside tools the model may call --------------------------------------

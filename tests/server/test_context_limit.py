@@ -48,7 +48,7 @@ def test_max_tokens_past_the_context_is_refused_naming_the_room_left(live_server
     # The same request within the context runs.
     ok = _complete(live_server.base_url, prompt=[5] * 3000, max_tokens=1096, logit_bias=NO_EOS)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1096
-    assert live_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert live_server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def test_an_omitted_max_tokens_takes_the_room_the_context_leaves(live_server: LiveServer):
@@ -125,7 +125,7 @@ def test_an_omitted_max_tokens_takes_the_room_the_pool_leaves(small_pool: LiveSe
     error = _error(_complete(base, prompt=[7] * 1100, max_tokens=1000))
     assert error["param"] == "prompt" and "max_tokens" not in error["message"]
     assert "at most 1024 tokens a request" in error["message"]
-    assert small_pool.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert small_pool.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def test_chat_names_max_completion_tokens_when_the_pool_refuses(small_pool: LiveServer):

@@ -198,7 +198,7 @@ def test_a_compressed_body_is_415_saying_so(live_server):
 
 def test_server_is_idle_afterwards(live_server):
     m = live_server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
 
 

@@ -284,7 +284,7 @@ def test_leaving_a_fanned_out_request_cancels_every_choice(live_server):
         post(live_server, CHAT, {"messages": MESSAGES, "n": 4, "max_tokens": 1000,
                                  "logit_bias": NO_EOS}, timeout=0.5)
     m = live_server.wait_idle(timeout=20)
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     assert m["veloxquant_requests_running"] == 0
     assert cancelled() - before == 6 + 4  # every fanned-out request, none ran to its end

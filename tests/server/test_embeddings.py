@@ -85,7 +85,7 @@ def test_base64_decodes_to_the_float_vector(client, live_server):
 def test_the_pool_is_idle_after_a_batch(client, live_server):
     client.embeddings.create(model="tiny", input=[f"sentence number {i}" for i in range(40)])
     idle = live_server.wait_idle()
-    assert idle["veloxquant_block_pool_blocks_in_use"] == 0
+    assert idle["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 @pytest.mark.parametrize("body,param", [

@@ -65,4 +65,4 @@ def test_a_step_past_the_stall_timeout_turns_health_and_new_requests_503(holding
     assert httpx.get(base + "/health", timeout=10).status_code == 200
     ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
-    assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0

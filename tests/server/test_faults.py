@@ -94,7 +94,7 @@ def test_exception_in_model_forward_fails_that_request_only(faulty_server: LiveS
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
     assert [r.status_code for r in good] == [200, 200, 200]
     m = faulty_server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     assert m["veloxquant_block_pool_exhausted_total"] == 0
     assert m["veloxquant_block_pool_blocks_total"] == before["veloxquant_block_pool_blocks_total"]
@@ -142,7 +142,7 @@ def test_stalled_client_is_cut_off_and_its_blocks_freed(faulty_server: LiveServe
         else:
             pytest.fail("the stalled stream was never cancelled")
         m = faulty_server.wait_idle()
-        assert m["veloxquant_block_pool_blocks_in_use"] == 0
+        assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
         assert m["veloxquant_orphaned_blocks"] == 0
         generated = m["veloxquant_generation_tokens_total"] - before.get(
             "veloxquant_generation_tokens_total", 0)

@@ -215,7 +215,7 @@ def test_fuzz_findings_answer_400(fuzz_server: LiveServer, extra, param):
 
 def test_fuzzing_left_the_pool_idle(fuzz_server: LiveServer):
     m = fuzz_server.wait_idle(timeout=20)
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     if SEEN["2xx"] + SEEN["4xx"] > 300:  # the whole module ran, not a -k selection
         # Both sides were exercised: generations that ran, and refusals.

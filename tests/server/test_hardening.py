@@ -178,6 +178,6 @@ def test_shrink_safety_and_waiting_requests_rechecked(shrink_server: LiveServer)
     assert 0 < forced["kept_free"]["k"] <= 128
     assert out["rest"][-1] == "data: [DONE]"  # the running request was never touched
     m = shrink_server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m.get("veloxquant_request_rejected_total{reason=queue_timeout}", 0) == 0
     assert m["veloxquant_request_rejected_total{reason=context_length_exceeded}"] == 1

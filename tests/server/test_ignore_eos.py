@@ -93,7 +93,7 @@ def test_ignore_eos_runs_to_max_tokens(live_server: LiveServer):
         "logit_bias": FORCE_EOS, "ignore_eos": True}).json()
     assert chat["choices"][0]["finish_reason"] == "length"
     assert chat["usage"]["completion_tokens"] == 16
-    assert live_server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert live_server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 @pytest.mark.parametrize("extra", [

@@ -114,7 +114,7 @@ def test_memory_within_pool_bytes_plus_workspace_and_one_format(quantized_server
     for s in samples:
         over_idle = s["mlx_memory_bytes:active"] - idle["mlx_memory_bytes:active"]
         assert over_idle <= s["kv_bytes:in_use"] + workspace, s
-    assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 @pytest.fixture(scope="module")

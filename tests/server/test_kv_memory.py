@@ -110,7 +110,7 @@ def _check_memory(kv_server) -> None:
         over_idle = s["mlx_memory_bytes:active"] - idle["mlx_memory_bytes:active"]
         assert over_idle <= s["kv_bytes:in_use"] + workspace, s
     end = kv_server.wait_idle()
-    assert end["veloxquant_block_pool_blocks_in_use"] == 0
+    assert end["veloxquant_block_pool_request_blocks_in_use"] == 0
     # An idle engine pass (every 50 ms) samples the memory gauge: poll for it, up to 5 s.
     for _ in range(50):
         after = _scrape(httpx.get(kv_server.base_url + "/metrics").text)
@@ -125,7 +125,7 @@ def test_kv_memory_sizes_the_pool_and_admin_reports_bytes(kv_server):
                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
     assert view["config"]["n_blocks"] == 16 * 2**20 // BYTES_PER_BLOCK
     assert view["kv_bytes_per_block"] == BYTES_PER_BLOCK
-    assert view["kv_bytes_in_use"] == view["stats"]["blocks_in_use"] * BYTES_PER_BLOCK
+    assert view["kv_bytes_in_use"] == view["stats"]["request_blocks_in_use"] * BYTES_PER_BLOCK
     assert view["kv_workspace_bytes"] > 0 and view["kv_bytes_reserved"] >= 0
     metrics = _scrape(httpx.get(kv_server.base_url + "/metrics").text)
     assert metrics["kv_bytes:capacity"] == 16 * 2**20

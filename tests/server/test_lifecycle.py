@@ -97,7 +97,7 @@ def test_twenty_mixed_requests_leave_no_block_behind(live_server: LiveServer):
     assert results.count("abandoned") == 3
     assert results.count("task-cancelled") == 2
     m = live_server.wait_idle(timeout=20)
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     assert m["veloxquant_block_pool_reused_total"] > 0
     # Every cut stream and abandoned request was stopped (running or still waiting).
@@ -193,7 +193,7 @@ def test_admission_by_capacity(small_pool_server: LiveServer, caplog):
     assert timeout_line["status"] == 429 and timeout_line["prompt_tokens"] > 0
     assert 0.9 <= timeout_line["latency_s"] < 4
     m = small_pool_server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_block_pool_exhausted_total"] == 0  # never ran out mid-generation
     assert m["veloxquant_orphaned_blocks"] == 0
 
@@ -218,7 +218,7 @@ def test_model_fault_fails_one_request_only(small_pool_server: LiveServer):
     assert stream.status_code == 200
     assert '"generation_failed"' in stream.text and stream.text.endswith("data: [DONE]\n\n")
     m = small_pool_server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     assert m["veloxquant_request_finished_total{reason=error}"] == 2
     # The engine goes on serving.
@@ -254,7 +254,7 @@ def test_shrink_with_growth_and_no_prefix_cache_while_a_request_runs(tiny_model_
         out = asyncio.run(_shrink_while_generating(server.base_url))
         assert out["shrink"]["retired"] >= 0 and out["rest"][-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in "".join(out["rest"])
-        assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+        assert server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def test_shrink_with_a_request_in_flight(small_pool_server: LiveServer):
@@ -269,4 +269,4 @@ def test_shrink_with_a_request_in_flight(small_pool_server: LiveServer):
     assert '"finish_reason":"length"' in "".join(out["rest"])  # ran to the end, no error
     m = small_pool_server.wait_idle()
     assert m["veloxquant_block_pool_exhausted_total"] == 0
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0

@@ -171,7 +171,7 @@ def test_a_burst_of_long_conversations_is_refused_without_stalling_a_stream(
         message = _refusal(answer, param)
         assert f"{N_MESSAGES} messages" in message
         assert f"limits.max_prompt_tokens={LIMITS.max_prompt_tokens}" in message
-    assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+    assert server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 def test_messages_up_to_the_count_bound_are_rendered_and_one_more_is_refused_at_once(

@@ -51,7 +51,7 @@ def test_a_request_cancelled_in_its_first_chunk_runs_no_other_chunk(cutting_serv
     assert response.status_code in (200, 499), response.text
     assert list(calls.values()) == [1], calls  # one chunk ran, not eight
     m = server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     cancelled = "veloxquant_request_finished_total{reason=cancelled}"
     assert m[cancelled] - before.get(cancelled, 0) == 1
     # Others are served as before.

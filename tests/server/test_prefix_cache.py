@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.engine.engine import Engine
 from server.metrics import ServerMetrics
@@ -71,7 +72,7 @@ def assert_same_output(a, b) -> None:
 def assert_accounted(live: LiveServer) -> None:
     """Idle: every block is free or cached; nothing references a cached block."""
     m = live.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     pool, cache = live.engine.pool, live.engine.prefix_cache
     assert set(pool.blocks_held_by_owner()) <= {CACHE_OWNER}
@@ -145,6 +146,30 @@ def test_chat_usage_reports_cached_tokens_streamed_and_not(server):
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
+def test_the_pool_families_are_the_pools_own_stats_with_a_warm_cache(server):
+    """``blocks_in_use == allocations - frees`` on /metrics and /admin/pool with cached
+    blocks held, and the pool families are ``AllocationStats.to_prometheus()``'s lines."""
+    prompt = [31 + i % 50 for i in range(40)]
+    complete(server, prompt)
+    complete(server, prompt)
+    m = server.wait_idle()
+    cached = m["veloxquant_block_pool_cached_blocks"]
+    assert cached > 0 and m["veloxquant_block_pool_request_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_blocks_in_use"] == cached == (
+        m["veloxquant_block_pool_allocations_total"] - m["veloxquant_block_pool_frees_total"])
+    stats = httpx.get(server.base_url + "/admin/pool", headers=ADMIN).json()["stats"]
+    assert stats["blocks_in_use"] == stats["n_allocations"] - stats["n_frees"] == cached
+    assert stats["request_blocks_in_use"] == 0
+    # Idle, so nothing moves between the two reads.
+    page = httpx.get(server.base_url + "/metrics").text
+    own = server.engine.pool.stats.snapshot().to_prometheus()
+    want = [(s.name, s.value) for f in text_string_to_metric_families(own) for s in f.samples]
+    names = {name for name, _ in want}
+    got = [(s.name, s.value) for f in text_string_to_metric_families(page) for s in f.samples
+           if s.name in names]
+    assert len(want) == 10 and got == want
+
+
 def test_metrics_admin_pool_and_reset(server):
     reset(server)
     before = server.metrics()
@@ -154,7 +179,7 @@ def test_metrics_admin_pool_and_reset(server):
     m = server.wait_idle()
     assert m["veloxquant_block_pool_cached_blocks"] > 0
     assert m["veloxquant_block_pool_evictable_blocks"] == m["veloxquant_block_pool_cached_blocks"]
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     hit = m["veloxquant_prefix_cache_hit_tokens_total"] - before[
         "veloxquant_prefix_cache_hit_tokens_total"]
     query = m["veloxquant_prefix_cache_query_tokens_total"] - before[
@@ -163,7 +188,7 @@ def test_metrics_admin_pool_and_reset(server):
     view = httpx.get(server.base_url + "/admin/pool", headers=ADMIN).json()
     assert view["prefix_cache"]["enabled"] is True
     assert view["prefix_cache"]["cached_blocks"] == m["veloxquant_block_pool_cached_blocks"]
-    assert view["stats"]["blocks_in_use"] == 0 and view["kv_bytes_in_use"] == 0
+    assert view["stats"]["request_blocks_in_use"] == 0 and view["kv_bytes_in_use"] == 0
     assert all(o["owner"] != CACHE_OWNER for o in view["owners"])
     cached = int(m["veloxquant_block_pool_cached_blocks"])
     assert reset(server) == cached

@@ -96,7 +96,7 @@ def test_huge_prompts_do_not_stall_running_streams(tiny_model_path, max_prompt_t
 
 def _idle(server: LiveServer) -> None:
     m = server.wait_idle()
-    assert m["veloxquant_block_pool_blocks_in_use"] == 0
+    assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
 
 
 @pytest.fixture(scope="module")

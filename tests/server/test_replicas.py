@@ -122,7 +122,7 @@ def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(url)
-        busy = (m["veloxquant_block_pool_blocks_in_use"] + m["veloxquant_requests_running"]
+        busy = (m["veloxquant_block_pool_request_blocks_in_use"] + m["veloxquant_requests_running"]
                 + m["veloxquant_requests_waiting"])
         if busy == 0 or time.monotonic() > deadline:
             return m
@@ -273,7 +273,7 @@ def test_sigterm_on_one_replica_mid_load_costs_no_client_a_5xx(tiny_model_path, 
         assert "drained; exiting" in first.log.read_text()
 
         idle = wait_idle(second.url)
-        assert idle["veloxquant_block_pool_blocks_in_use"] == 0
+        assert idle["veloxquant_block_pool_request_blocks_in_use"] == 0
         assert idle["veloxquant_orphaned_blocks"] == 0
         assert idle["veloxquant_requests_running"] == idle["veloxquant_requests_waiting"] == 0
         by_first, by_second = served(first.log), served(second.log)

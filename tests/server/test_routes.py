@@ -330,7 +330,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 def test_metrics_page_parses_and_detects_orphans(client, engine):
     client.post(COMPLETIONS, json={"prompt": "hi"})
     samples = parse_metrics(client.get("/metrics").text)
-    assert samples["veloxquant_block_pool_blocks_in_use"] == 0
+    assert samples["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert samples["veloxquant_orphaned_blocks"] == 0
     assert samples["veloxquant_requests_total,endpoint=/v1/completions,status=200"] == 1
     for name in ("veloxquant_requests_running", "veloxquant_requests_waiting",

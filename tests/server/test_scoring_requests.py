@@ -74,7 +74,7 @@ def test_scoring_requests_hold_pool_blocks_under_their_own_owner(tiny_model_path
         assert len(seen) >= 300 // 64  # chunk after chunk, each a call of its own
         assert seen[-1][1] > seen[0][1]  # its KV grew in the pool, block by block
         idle = server.wait_idle()
-        assert idle["veloxquant_block_pool_blocks_in_use"] == 0
+        assert idle["veloxquant_block_pool_request_blocks_in_use"] == 0
         assert engine.pool.n_blocks_held(next(iter(owners))) == 0
 
 
@@ -117,7 +117,7 @@ def test_a_stream_keeps_flowing_while_20_long_prompts_are_scored(live_server):
     # top. Scored outside the scheduler, the stream stopped for the whole window.
     assert max(during) <= 2.0, f"largest gap between a stream's tokens {max(during):.2f} s"
     idle = live_server.wait_idle(timeout=30)  # scoring all of them would take minutes
-    assert idle["veloxquant_block_pool_blocks_in_use"] == 0
+    assert idle["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert idle["veloxquant_requests_running"] == 0
 
 
@@ -133,4 +133,4 @@ def test_a_flood_of_scoring_requests_meets_the_queue_bound(tiny_model_path):
         assert set(codes) <= {200, 429} and codes.count(200) >= 2
         refused = next(f.result() for f in futures if f.result().status_code == 429)
         assert refused.json()["error"]["code"] == "queue_full"
-        assert server.wait_idle()["veloxquant_block_pool_blocks_in_use"] == 0
+        assert server.wait_idle()["veloxquant_block_pool_request_blocks_in_use"] == 0

@@ -126,7 +126,7 @@ def test_concurrent_generations_per_client_are_capped(guarded_server: LiveServer
     for _ in range(100):  # /metrics needs the key on this server, so no wait_idle()
         text = httpx.get(guarded_server.base_url + "/metrics",
                          headers={"Authorization": f"Bearer {KEY}"}).text
-        if re.search(r"^veloxquant_block_pool_blocks_in_use 0(\.0)?$", text, re.M):
+        if re.search(r"^veloxquant_block_pool_request_blocks_in_use 0(\.0)?$", text, re.M):
             break
         time.sleep(0.1)
     else:

@@ -71,8 +71,8 @@ def kv_view(engine: Any, metrics: Any) -> dict[str, int | str | None]:
     sample = metrics.kv_bytes() if metrics is not None else {}
     return {"kv_format": kv.kv_format, "kv_format_tag": kv.format_tag,
             "kv_bytes_per_block": kv.bytes_per_block,
-            "kv_bytes_in_use": request_blocks_in_use(
-                engine.pool, {"blocks_in_use": engine.pool.stats.blocks_in_use()})
+            "kv_bytes_in_use": request_blocks_in_use(engine.pool,
+                                                     engine.pool.stats.blocks_in_use())
             * kv.bytes_per_block,
             "kv_bytes_reserved": sample.get("reserved", 0),
             "kv_workspace_bytes": kv.workspace_bytes}
@@ -127,9 +127,10 @@ async def admin_cache_reset(request: Request) -> dict[str, Any]:
 
 
 def _stats(pool: Any) -> dict[str, Any]:
-    """The pool's stats, ``blocks_in_use`` counting requests' blocks only (as /metrics)."""
+    """The pool's stats (``blocks_in_use == n_allocations - n_frees``, cached prefix blocks
+    included) and ``request_blocks_in_use``, the requests' share (as /metrics)."""
     stats = pool.stats.snapshot().as_dict()
-    stats["blocks_in_use"] = request_blocks_in_use(pool, stats)
+    stats["request_blocks_in_use"] = request_blocks_in_use(pool, stats["blocks_in_use"])
     return stats
 
 
