@@ -185,9 +185,9 @@ class Model(nn.Module):
 
 def owns(stock: Any) -> bool:
     """Whether :func:`own_model` runs ``stock``: mlx-lm's own classes of an owned family."""
-    module = sys.modules.get(type(stock).__module__)
-    if module is None or type(stock).__module__ not in OWNED_MODULES:
+    if type(stock).__module__ not in OWNED_MODULES:
         return False
+    module = sys.modules[type(stock).__module__]  # imported: it defines stock's class
     blocks = getattr(getattr(stock, "model", None), "layers", None)
     return (type(stock) is getattr(module, "Model", None) and bool(blocks)
             and all(type(b) is getattr(module, "TransformerBlock", None)

@@ -140,9 +140,8 @@ static inline int code_at(const uint8_t *row, int g, int j, int bits) {
 }
 
 static void matmul_portable(const vq_codes *w, const quantized_rows *x, float *c) {
-    int cols = w->cols, sub = w->group, wgroups = cols / sub;
+    int cols = w->cols, sub = w->group;
     float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
-    (void)wgroups;
     for (int n = 0; n < w->rows; n++) {
         const uint8_t *qn = w->codes + (size_t)n * cols * w->bits / 8;
         row_params_portable(w, n, sn, bn);
@@ -537,10 +536,9 @@ static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *
 
 /* Weight rows [n0, n1) as float32, (n1 - n0) x cols, from their codes. */
 static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst) {
-    int cols = w->cols, groups = cols / GROUP, wgroups = cols / w->group;
+    int cols = w->cols, groups = cols / GROUP;
     int avx2 = avx2_available();
     float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
-    (void)wgroups;
     for (int n = n0; n < n1; n++) {
         const uint8_t *qn = w->codes + (size_t)n * cols * w->bits / 8;
 #ifdef HAVE_AVX2_PATH
