@@ -9,7 +9,10 @@ rotating order:
 * ``pooled_b``      -- right after A on the same pool, new owner (warm: reuses A's blocks);
 * ``pooled_buf16``  -- pooled with the buffer also grown per 16 tokens
   (``buffer_step=16``), the design this cache avoids: it copies the whole
-  cache every block.
+  cache every block;
+* ``pooled_storage`` -- ``build_pooled_caches(..., storage=arena)``: the form the
+  server builds, keys and values in the pool's blocks (gathered each step)
+  instead of the contiguous buffer.
 
 Greedy decoding, ~64 prompt tokens, 150 generated. Reported: medians over the
 rounds of prompt and generation tok/s, the median of per-round paired ratios
@@ -47,7 +50,7 @@ PROMPT_TEXT = (
     "A custom key function can be supplied to customize the sort order, and the "
     "reverse flag can be set to request the result in descending order. "
 ) * 4
-UNITS = ("stock", "pooled", "pooled_buf16")  # "pooled" runs A then B on one pool
+UNITS = ("stock", "pooled", "pooled_buf16", "pooled_storage")  # "pooled" runs A then B on one pool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +86,7 @@ def run_once(model, tokenizer, prompt, max_tokens, cache) -> dict:
         "generation_tps_cpu": (len(tokens) - 1) / cpu_seconds,
         "peak_memory_bytes": mx.get_peak_memory(),
         "kv_buffer_bytes": sum(c.nbytes for c in cache),
-        "cache_tokens": cache[0].offset,
+        "cache_tokens": cache[0].size(),
         "tokens": tokens,
     }
 
@@ -94,22 +97,31 @@ def kv_bytes_per_block(model, pool) -> int:
     return pool.config.block_size * attn.n_kv_heads * attn.head_dim * 4  # float32
 
 
-def run_pooled(model, tokenizer, prompt, args, owner, buffer_step=None) -> dict:
-    """Request(s) on a fresh pool: A, and B after it unless ``buffer_step`` is set."""
+def run_pooled(model, tokenizer, prompt, args, owner, buffer_step=None,
+               storage: bool = False) -> dict:
+    """Request(s) on a fresh pool: A, and B after it unless ``buffer_step`` is set.
+
+    ``storage``: the caches keep their KV in the pool's block storage (an arena).
+    """
     from veloxquant_mlx.memory import (
         BlockPoolAllocator,
         PoolBackedKVCache,
         PoolConfig,
         build_pooled_caches,
     )
+    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
-    pool = BlockPoolAllocator(PoolConfig(block_size=args.block_size, n_blocks=8192))
+    # The storage is preallocated for every block: size the pool to one request.
+    tokens = len(prompt) + args.max_tokens + args.block_size
+    n_blocks = 2 * len(model.layers) * -(-tokens // args.block_size) if storage else 8192
+    pool = BlockPoolAllocator(PoolConfig(block_size=args.block_size, n_blocks=n_blocks))
+    arena = KVArena(pool, probe_kv_layout(model)) if storage else None
     per_block = kv_bytes_per_block(model, pool)
     out = {}
     for name in ("a", "b") if buffer_step is None else ("a",):
         before = pool.stats.snapshot()
         if buffer_step is None:
-            cache = build_pooled_caches(model, pool, owner=owner)
+            cache = build_pooled_caches(model, pool, owner=owner, storage=arena)
         else:
             cache = [
                 PoolBackedKVCache(pool, owner, buffer_step=buffer_step)
@@ -224,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
 
     run_once(model, tokenizer, prompt, args.max_tokens, make_prompt_cache(model))  # warm-up
     rounds: dict[str, list[dict]] = {"stock": [], "pooled_a": [], "pooled_b": [],
-                                     "pooled_buf16": []}
+                                     "pooled_buf16": [], "pooled_storage": []}
     owner = 1
     for r in range(args.rounds):
-        order = UNITS[r % 3:] + UNITS[: r % 3]  # rotate so no variant always runs first
+        k = r % len(UNITS)
+        order = UNITS[k:] + UNITS[:k]  # rotate so no variant always runs first
         for unit in order:
             if unit == "stock":
                 rounds["stock"].append(
@@ -237,9 +250,12 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_pooled(model, tokenizer, prompt, args, owner)
                 rounds["pooled_a"].append(res["a"])
                 rounds["pooled_b"].append(res["b"])
-            else:
+            elif unit == "pooled_buf16":
                 res = run_pooled(model, tokenizer, prompt, args, owner, buffer_step=16)
                 rounds["pooled_buf16"].append(res["a"])
+            else:
+                res = run_pooled(model, tokenizer, prompt, args, owner, storage=True)
+                rounds["pooled_storage"].append(res["a"])
             owner += 2
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 

@@ -38,7 +38,7 @@ from tests.server.test_real_model import ENGLISH_TEXT  # noqa: E402
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig  # noqa: E402
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout  # noqa: E402
 from veloxquant_mlx.memory.kv_format import KVFormat  # noqa: E402
-from veloxquant_mlx.memory.paged_batch import make_paged_batch  # noqa: E402
+from veloxquant_mlx.memory.paged_batch import make_batch_caches  # noqa: E402
 
 N_BLOCKS = 30 * 2 * 20 * 16  # 20 rows of up to 256 tokens, 30 layers, k and v
 
@@ -50,7 +50,7 @@ def arena_for(model, fmt: KVFormat) -> KVArena:
 
 def perplexity(model, ids: list[int], fmt: KVFormat) -> float:
     """exp(mean NLL) of ``ids[1:]``, each predicted in its own one-token model call."""
-    batch = make_paged_batch(model, arena_for(model, fmt), 1)
+    batch = make_batch_caches(model, arena_for(model, fmt), 1)
     nll = []
     for pos in range(len(ids) - 1):
         logits = model(mx.array([[ids[pos]]]), cache=batch.caches)[0, -1].astype(mx.float32)
@@ -66,7 +66,7 @@ def greedy(model, prompts: list[list[int]], n_new: int, fmt: KVFormat) -> tuple[
     """Greedy tokens of every prompt (one batch, left-padded) and each decode step's ms."""
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
-    batch = make_paged_batch(model, arena_for(model, fmt), list(range(1, len(prompts) + 1)),
+    batch = make_batch_caches(model, arena_for(model, fmt), list(range(1, len(prompts) + 1)),
                              pads)
     logits = model(mx.array([[0] * q + p for q, p in zip(pads, prompts, strict=True)]),
                    cache=batch.caches)[:, -1]

@@ -30,7 +30,8 @@ from server.engine.sampling import Sampler
 from server.engine.scoring import PromptScores
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
-from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_paged_batch
+from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_batch_caches
+from veloxquant_mlx.memory.pool_backed import PoolBackedKVCache
 
 if TYPE_CHECKING:
     from server.engine.constraints import Matcher
@@ -99,6 +100,8 @@ class Row:
         task: A whole-prompt task (scoring, :mod:`server.engine.scoring`; an embedding,
             :mod:`server.engine.embedding`): the row prefills alone, its task reads
             every position, and it generates nothing. None for a generation.
+        kv: Its KV: one :class:`PoolBackedKVCache` per layer over the pool's storage,
+            owned by ``owner``; the batches it runs in read and grow their block table.
     """
 
     owner: int
@@ -118,6 +121,7 @@ class Row:
     cached_blocks: list[list[Block]] = field(default_factory=list)
     fed: list[int] | None = None
     task: PromptScores | PromptEmbedding | None = None
+    kv: list[PoolBackedKVCache] = field(default_factory=list)
 
     def fed_ids(self, block_size: int) -> list[int]:
         """The prompt tokens prefill computes: those after the shared blocks."""
@@ -169,7 +173,7 @@ class PrefillGroup:
         del waiting[:take]
         fed = [r.fed_ids(bs) for r in rows]
         pads = [width - len(ids) for ids in fed]
-        batch = make_paged_batch(model, arena, [r.owner for r in rows], pads)
+        batch = make_batch_caches(model, arena, [r.kv for r in rows], pads)
         for i, row in enumerate(rows):
             if row.cached_blocks:  # its table starts on the cached blocks; only the rest is fed
                 batch.share_prefix(i, row.cached_blocks)

@@ -61,6 +61,7 @@ from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
+from veloxquant_mlx.memory.pooled_caches import build_pooled_caches
 
 log = logging.getLogger("veloxquant.server")
 # The smallest chunk a time-sliced prefill cuts, also its first (measuring) chunk: below
@@ -150,6 +151,8 @@ class ModelRunner:
         if params.constraint is not None:
             row.matcher = params.constraint.matcher()
         row.task = task
+        # Its KV: the request's block table in the pool's storage, under its owner.
+        row.kv = build_pooled_caches(self.model, self.pool, owner, storage=self.arena)
         self.prefilling.append(row)
 
     def remove(self, owners: Iterable[int]) -> dict[int, int]:
@@ -162,6 +165,7 @@ class ModelRunner:
         """
         gone = set(owners)
         held = {owner: self.pool.n_blocks_held(owner) for owner in gone}
+        leaving = [r for r in self.held_rows() if r.owner in gone]
         self._solo -= gone
         self.prefilling = [r for r in self.prefilling if r.owner not in gone]
         for group in ([self.group] if self.group else []) + self.joining:
@@ -176,7 +180,14 @@ class ModelRunner:
         keep = [i for i, r in enumerate(self.rows) if r.owner not in gone]
         if len(keep) < len(self.rows):
             self._filter(keep)
+        for row in leaving:  # out of every batch: closing its caches retires the owner
+            row.kv[0].release()
         return held
+
+    def held_rows(self) -> list[Row]:
+        """Every row the runner holds: prefilling, in prefill groups, decoding."""
+        groups = ([self.group] if self.group else []) + self.joining
+        return self.prefilling + [r for g in groups for r in g.rows] + self.rows
 
     def _filter(self, keep: list[int]) -> None:
         """Keep decode rows ``keep``; the others' blocks go back to the pool."""
@@ -261,6 +272,7 @@ class ModelRunner:
         owner = group.rows[0].owner
         held = self.pool.n_blocks_held(owner)
         group.batch.close()
+        group.rows[0].kv[0].release()
         self.group = None
         self._solo.discard(owner)
         out.tasks_done.append(TaskDone(owner, group.rows[0].task, held))

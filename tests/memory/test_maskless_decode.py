@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from tests.memory.test_paged_batch import BS, _arena, _prompt, _stock
-from veloxquant_mlx.memory.paged_batch import make_paged_batch
+from veloxquant_mlx.memory.paged_batch import make_batch_caches
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 
@@ -73,7 +73,7 @@ def test_one_row_decodes_without_a_mask_over_exactly_its_tokens(model, monkeypat
                                                                 write_back):
     arena = _arena(model)
     prompt = _prompt(3, 21)  # not a whole number of blocks: the last one is part empty
-    batch = make_paged_batch(model, arena, [1], fast_attention=False)
+    batch = make_batch_caches(model, arena, [1], fast_attention=False)
     batch.write_back = write_back
     calls = _record_attention(model, monkeypatch)
     got = _decode(model, batch, [prompt], 12)
@@ -94,7 +94,7 @@ def test_one_row_decodes_without_a_mask_over_exactly_its_tokens(model, monkeypat
 def test_rows_of_equal_length_share_a_maskless_call(model, monkeypatch):
     arena = _arena(model)
     prompts = [_prompt(1, 20), _prompt(2, 20)]
-    batch = make_paged_batch(model, arena, [1, 2], fast_attention=False)
+    batch = make_batch_caches(model, arena, [1, 2], fast_attention=False)
     calls = _record_attention(model, monkeypatch)
     got = _decode(model, batch, prompts, 5)
     decodes = calls[len(model.layers):]
@@ -108,7 +108,7 @@ def test_rows_of_equal_length_share_a_maskless_call(model, monkeypatch):
 def test_rows_of_unequal_length_keep_their_mask(model, monkeypatch):
     arena = _arena(model)
     short, long = _prompt(4, 7), _prompt(5, 33)
-    batch = make_paged_batch(model, arena, [1, 2], [26, 0], fast_attention=False)
+    batch = make_batch_caches(model, arena, [1, 2], [26, 0], fast_attention=False)
     calls = _record_attention(model, monkeypatch)
     _decode(model, batch, [[0] * 26 + short, long], 4)
     for mask, columns in calls[len(model.layers):]:
@@ -120,10 +120,10 @@ def test_rows_of_unequal_length_keep_their_mask(model, monkeypatch):
 def test_a_row_joining_mid_hold_brings_the_mask_back(model, monkeypatch):
     """A joined row does not see the columns held before it came: masked."""
     arena = _arena(model)
-    batch = make_paged_batch(model, arena, [1], fast_attention=False)
+    batch = make_batch_caches(model, arena, [1], fast_attention=False)
     batch.write_back = 8
     logits = _decode(model, batch, [_prompt(6, 20)], 3)[-1]
-    joiner = make_paged_batch(model, arena, [2], fast_attention=False)
+    joiner = make_batch_caches(model, arena, [2], fast_attention=False)
     first = model(mx.array([_prompt(6, 20)]), cache=joiner.caches)[:, -1]
     calls = _record_attention(model, monkeypatch)
     batch.extend(joiner)
@@ -151,7 +151,7 @@ def test_fast_attention_takes_a_maskless_call_in_parts(model, monkeypatch):
     monkeypatch.setattr(paged_attention, "attention_parts", recorded)
     arena = _arena(model)
     prompt = _prompt(7, 21)
-    batch = make_paged_batch(model, arena, [1], fast_attention=True)
+    batch = make_batch_caches(model, arena, [1], fast_attention=True)
     got = _decode(model, batch, [prompt], 6)
     decodes = seen[len(model.layers):]
     assert len(decodes) == 6 * len(model.layers)

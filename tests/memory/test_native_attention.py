@@ -101,7 +101,7 @@ PREFILL_CHECK = textwrap.dedent(
     from mlx_lm.models.cache import make_prompt_cache
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, native_attention
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
-    from veloxquant_mlx.memory.paged_batch import make_paged_batch
+    from veloxquant_mlx.memory.paged_batch import make_batch_caches
 
     from veloxquant_mlx.llama_model import own_model
     model = own_model(mlx_lm.load(sys.argv[1])[0])
@@ -116,7 +116,7 @@ PREFILL_CHECK = textwrap.dedent(
     prompts = [[5 + (7 * j) % 900 for j in range(430)], [11 + (3 * j) % 700 for j in range(401)]]
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
-    batch = make_paged_batch(model, arena, [1, 2], pads)
+    batch = make_batch_caches(model, arena, [1, 2], pads)
     padded = [[0] * p + ids for p, ids in zip(pads, prompts)]
     first = model(mx.array([r[:230] for r in padded]), cache=batch.caches)  # a first chunk
     last = model(mx.array([r[230:] for r in padded]), cache=batch.caches)  # over stored tokens

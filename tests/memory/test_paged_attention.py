@@ -118,12 +118,12 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
     import mlx_lm
 
     from tests.memory.test_paged_batch import _arena, _prompt
-    from veloxquant_mlx.memory.paged_batch import make_paged_batch
+    from veloxquant_mlx.memory.paged_batch import make_batch_caches
 
     model = own_model(mlx_lm.load(str(tiny_model_path))[0])
     model.set_dtype(mx.bfloat16)
     arena = _arena(model)
-    batch = make_paged_batch(model, arena, [1, 2], [3, 0])
+    batch = make_batch_caches(model, arena, [1, 2], [3, 0])
     assert batch.fast_attention  # the parts are kept for the owned attention
     prompts = [[0] * 3 + _prompt(1, 9), _prompt(2, 12)]
     logits = model(mx.array(prompts), cache=batch.caches)[:, -1]
@@ -137,9 +137,9 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
 def test_a_batch_of_a_model_that_does_not_read_parts_keeps_none(model, tiny_model):
     """mlx-lm's own model never takes the parts: nothing would drop them."""
     from tests.memory.test_paged_batch import _arena
-    from veloxquant_mlx.memory.paged_batch import make_paged_batch
+    from veloxquant_mlx.memory.paged_batch import make_batch_caches
 
     arena = _arena(model)
-    batch = make_paged_batch(tiny_model[0], arena, [1])
+    batch = make_batch_caches(tiny_model[0], arena, [1])
     assert not batch.fast_attention
-    assert make_paged_batch(model, arena, [2]).fast_attention
+    assert make_batch_caches(model, arena, [2]).fast_attention

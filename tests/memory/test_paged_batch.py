@@ -26,7 +26,7 @@ from veloxquant_mlx.memory import (
     paged_attention,
 )
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout, workspace_bytes
-from veloxquant_mlx.memory.paged_batch import make_paged_batch
+from veloxquant_mlx.memory.paged_batch import make_batch_caches
 
 BS = 16
 
@@ -59,7 +59,7 @@ def _stock(model, prompt, steps):
 def _paged(model, arena, prompts, steps, owner0=1, fast=False):
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
-    batch = make_paged_batch(model, arena, list(range(owner0, owner0 + len(prompts))), pads,
+    batch = make_batch_caches(model, arena, list(range(owner0, owner0 + len(prompts))), pads,
                              fast_attention=fast)
     logits = model(mx.array([[0] * q + p for q, p in zip(pads, prompts, strict=True)]),
                    cache=batch.caches)[:, -1]

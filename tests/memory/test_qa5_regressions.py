@@ -20,7 +20,6 @@ from veloxquant_mlx.memory import (
     PoolConfig,
     PooledKVCache,
 )
-from veloxquant_mlx.memory.pool_backed_batch import PoolBackedBatchKVCache
 
 
 def pool_of(block_size: int = 4, n_blocks: int = 64) -> BlockPoolAllocator:
@@ -200,51 +199,6 @@ def test_meta_state_cannot_take_the_step_of_an_attached_cache():
     cache.update_and_fetch(ones(5), ones(5))
 
 
-# -- PoolBackedBatchKVCache filter / extend -------------------------------------------
-
-
-def _batch(pool: BlockPoolAllocator) -> PoolBackedBatchKVCache:
-    cache = PoolBackedBatchKVCache(pool, owners=[1, 2])
-    cache.update_and_fetch(ones(6, batch=2), ones(6, batch=2))
-    return cache
-
-
-@pytest.mark.parametrize("indices", [[5], [0, 0], [-1]])
-def test_bad_filter_indices_free_nothing(indices):
-    pool = pool_of()
-    cache = _batch(pool)
-    with pytest.raises(PoolArgumentError):
-        cache.filter(indices)
-    assert cache.owners == [1, 2] and held(pool) == {1: 4, 2: 4}
-    assert cache.n_blocks_held() == 8
-
-
-def test_batch_cannot_extend_itself():
-    pool = pool_of()
-    cache = _batch(pool)
-    with pytest.raises(VeloxQuantError, match="itself"):
-        cache.extend(cache)
-    assert cache.owners == [1, 2] and cache.n_blocks_held() == 8
-    cache.release()
-    assert held(pool) == {}
-
-
-def test_batch_update_with_the_wrong_row_count_allocates_nothing():
-    pool = pool_of()
-    cache = PoolBackedBatchKVCache(pool, owners=[1, 2])
-    with pytest.raises(PoolArgumentError):
-        cache.update_and_fetch(ones(3, batch=3), ones(3, batch=3))
-    assert cache.size() == 0 and held(pool) == {}
-
-
-def test_batch_bad_trim_is_refused():
-    pool = pool_of()
-    cache = _batch(pool)
-    with pytest.raises(PoolArgumentError):
-        cache.trim(-3)
-    assert cache.size() == 6 and held(pool) == {1: 4, 2: 4}
-
-
 # -- compression configs refuse non-int counts up front ------------------------------
 
 
@@ -289,18 +243,3 @@ def test_pool_backed_cache_refuses_bad_constructor_arguments(pool, owner):
     with pytest.raises(PoolArgumentTypeError):
         PoolBackedKVCache(real if pool == "ok" else pool, owner)
     assert held(real) == {}
-
-
-def test_batch_cache_after_free_all_raises_and_leaves_the_new_owner_alone():
-    pool = pool_of(n_blocks=64)
-    batch = PoolBackedBatchKVCache(pool, owners=[1, 2])
-    batch.update_and_fetch(ones(6, batch=2), ones(6, batch=2))
-    pool.free_all(1)
-    other = PoolBackedKVCache(pool, owner=3)
-    other.update_and_fetch(ones(6), ones(6))  # takes row 1's recycled blocks
-    before = [blk.n_used for blk in pool.blocks_for(3)]
-    with pytest.raises(VeloxQuantError, match="no longer belongs to owner 1"):
-        batch.update_and_fetch(ones(1, batch=2), ones(1, batch=2))
-    assert [blk.n_used for blk in pool.blocks_for(3)] == before
-    batch.release()  # frees row 2's blocks, never owner 3's
-    assert held(pool) == {3: 4}

@@ -4,7 +4,8 @@
 (``veloxquant_mlx.cache``) and only accounts its appends in the pool, while
 ``PoolBackedKVCache`` is a drop-in for mlx-lm's plain ``KVCache`` (pass it to
 ``mlx_lm.generate``) that keeps uncompressed keys and values and draws its
-growth from the pool (``PoolBackedBatchKVCache`` is its batched form).
+growth from the pool; given the pool's block storage it keeps them in the
+pool's blocks, and ``make_batch_caches`` batches such requests.
 
 The bookkeeping half (``PoolConfig``, ``Block``, ``AllocationStats``,
 ``BlockPoolAllocator``) is plain Python and imports without MLX. The
@@ -87,10 +88,9 @@ NATIVE_ALLOCATOR = not sys.modules[f"{__name__}.block_pool"].__file__.endswith("
 # name -> module that defines it; imported lazily because they need MLX.
 _MLX_EXPORTS = {
     "PoolBackedKVCache": "pool_backed",
-    "PoolBackedBatchKVCache": "pool_backed_batch",
-    "make_batch_caches": "pool_backed_batch",
-    "build_pooled_caches": "pool_backed",
-    "load_pooled_prompt_cache": "pool_backed",
+    "make_batch_caches": "paged_batch",
+    "build_pooled_caches": "pooled_caches",
+    "load_pooled_prompt_cache": "pooled_caches",
     "PooledKVCache": "pooled",
     "MLXBlockStorage": "storage",
 }
@@ -117,7 +117,6 @@ __all__ = [
     "OwnerAlreadyActiveError",
     "PoolArgumentError",
     "PoolArgumentTypeError",
-    "PoolBackedBatchKVCache",
     "PoolBackedKVCache",
     "PoolConfig",
     "PooledKVCache",

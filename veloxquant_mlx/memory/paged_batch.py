@@ -56,7 +56,9 @@ class PagedKVBatch:
 
     Args:
         arena: The pool's KV arena.
-        owners: One owner id per row.
+        owners: Per row, its owner id (a fresh row) or a request's
+            :class:`PagedRow` (its blocks, e.g. a
+            :class:`~veloxquant_mlx.memory.request_blocks.RequestBlocks`'s row).
         left_padding: Leading padding columns of each row (prefill groups).
         fast_attention: Attend through :mod:`~veloxquant_mlx.memory.paged_attention`
             on the CPU (float32 logits within ~1e-6 of mlx-lm's); False keeps
@@ -68,7 +70,7 @@ class PagedKVBatch:
         ValueError: ``left_padding`` does not have one entry per owner.
     """
 
-    def __init__(self, arena: KVArena, owners: Sequence[int],
+    def __init__(self, arena: KVArena, owners: Sequence[int | PagedRow],
                  left_padding: Sequence[int] | None = None,
                  fast_attention: bool = True, write_back: int = 1) -> None:
         pads = [0] * len(owners) if left_padding is None else [int(p) for p in left_padding]
@@ -80,8 +82,7 @@ class PagedKVBatch:
         self.bs = arena.block_size
         self.n_streams = 2 * arena.layout.n_layers
         self._fmt = arena.format_tag  # one format per arena: a row's blocks never mix formats
-        self.rows = [PagedRow.empty(o, p, self.n_streams)
-                     for o, p in zip(owners, pads, strict=True)]
+        self.rows = [_row(o, p, self.n_streams) for o, p in zip(owners, pads, strict=True)]
         self.columns = 0  # columns begun, over all model calls
         # Each row's RoPE position of a call's first column: before the call
         # begun last (offset_pre) and after it (offset_next).
@@ -386,10 +387,22 @@ class PagedKVBatch:
             cache.batch, cache.parts = None, None
 
 
-def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
-                     left_padding: Sequence[int] | None = None,
-                     fast_attention: bool = True) -> PagedKVBatch:
+def _row(owner: int | PagedRow, pad: int, n_streams: int) -> PagedRow:
+    """A batch's row: a request's own table, or a fresh one for an owner id."""
+    if isinstance(owner, PagedRow):
+        owner.pad, owner.column = pad, None
+        return owner
+    return PagedRow.empty(owner, pad, n_streams)
+
+
+def make_batch_caches(model, arena: KVArena, requests: int | Sequence[object],
+                      left_padding: Sequence[int] | None = None,
+                      fast_attention: bool = True) -> PagedKVBatch:
     """A :class:`PagedKVBatch` for ``model``; pass ``batch.caches`` as its cache.
+
+    ``requests``: per row, the request's caches from
+    ``build_pooled_caches(model, pool, owner, storage=arena)`` (the batch reads and
+    grows their block table), or an owner id for a row of the batch's own.
 
     With ``fast_attention`` (see :class:`PagedKVBatch`), a model of
     :mod:`veloxquant_mlx.llama_model` attends through
@@ -405,5 +418,19 @@ def make_paged_batch(model, arena: KVArena, owners: int | Sequence[int],
     # Only a model whose attention reads the batch's parts (the project's Llama-shaped
     # one) gets them: kept unread they would pin the arena version they came from.
     reads_parts = bool(getattr(model, "reads_paged_parts", False))
-    rows = [owners] if isinstance(owners, int) else list(owners)
+    rows = [requests] if isinstance(requests, int) else [
+        r if isinstance(r, int) else _blocks_of(r, arena).row for r in requests]
     return PagedKVBatch(arena, rows, left_padding, fast_attention and reads_parts)
+
+
+def _blocks_of(caches: Sequence[object], arena: KVArena):
+    """The :class:`RequestBlocks` under one request's caches, checked against ``arena``.
+
+    Raises:
+        ValueError: The caches are not a request's caches over ``arena``.
+    """
+    blocks = getattr(caches[0], "blocks", None) if len(caches) else None
+    if blocks is None or blocks.storage is not arena:
+        raise ValueError("a batch row must be an owner id or the caches of "
+                         "build_pooled_caches(model, pool, owner, storage=arena) of this arena")
+    return blocks

@@ -1,4 +1,12 @@
-"""A drop-in ``mlx_lm`` ``KVCache`` whose growth is checked out from a block pool.
+"""A drop-in ``mlx_lm`` ``KVCache`` whose memory is checked out from a block pool.
+
+It has two forms. Over the pool's block storage (``build_pooled_caches(...,
+storage=arena)``, what the server builds for every request) each layer's
+cache is a view of the request's block table: keys and values live in the
+pool's blocks, nowhere else (see :mod:`~veloxquant_mlx.memory.request_blocks`).
+Without a storage, the seed's form below keeps them in a contiguous buffer and
+only accounts them in the pool: for one lone sequence that skips the gather
+of its blocks at every step (``benchmark_pool_backed_kvcache.py`` measures both).
 
 :class:`PoolBackedKVCache` speaks mlx-lm's cache protocol (``update_and_fetch``,
 ``offset``, ``state``, ``trim``, ``make_mask``, ...) so it can be passed as
@@ -61,13 +69,14 @@ from veloxquant_mlx.memory.pool_kv_common import (
     allocate_kv,
     check_kv_input,
     check_positive,
+    check_single_sequence,
     check_trim,
     format_of,
     free_past,
     mark_used,
-    require_plain_kv_model,
     tokens_to_grow,
 )
+from veloxquant_mlx.memory.request_blocks import RequestBlocks
 
 
 class PoolBackedKVCache(ContiguousKVBuffer):
@@ -120,6 +129,28 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         self._k_blocks: list[Block] = []
         self._v_blocks: list[Block] = []
         self._block_size = 0
+        # The paged form: the request's blocks in the pool's storage, and this layer.
+        self.blocks: RequestBlocks | None = None
+        self.layer = 0
+
+    @classmethod
+    def over_storage(cls, blocks: RequestBlocks, layer: int,
+                     step: int | None = None) -> PoolBackedKVCache:
+        """Layer ``layer``'s cache over a request's blocks (see ``build_pooled_caches``)."""
+        cache = cls(blocks.pool, blocks.row.owner, step)
+        cache.blocks, cache.layer = blocks, layer
+        return cache
+
+    @property
+    def offset(self):
+        """Tokens before the next column: an int, or the paged form's batch positions."""
+        if self.blocks is None:
+            return self._offset
+        return self.blocks.offset(self.layer)
+
+    @offset.setter
+    def offset(self, value) -> None:
+        self._offset = value
 
     # -- pool side ------------------------------------------------------------
 
@@ -207,6 +238,8 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         (on this or any sibling layer) are no-ops. A detached cache has
         nothing to release.
         """
+        if self._lease is not None and not self._lease.released and self.blocks is not None:
+            self.blocks.close()  # the table lets go of its blocks; the lease frees them
         if self._lease is not None:
             release_lease(self._lease)
 
@@ -219,6 +252,8 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         """K plus V blocks this layer holds (0 once released)."""
         if self.released:
             return 0
+        if self.blocks is not None:
+            return 2 * self.blocks.row.n_blocks
         return len(self._k_blocks) + len(self._v_blocks)
 
     # -- mlx-lm cache protocol -------------------------------------------------
@@ -241,6 +276,9 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         if lease is None or lease.released:
             self._require_live()
         check_kv_input(keys, values)
+        if self.blocks is not None:  # all layers grow at the first, all-or-nothing
+            check_single_sequence(keys)
+            return self.blocks.alone().caches[self.layer].update_and_fetch(keys, values)
         prev = self.offset
         end = prev + keys.shape[2]
         bs = self._block_size
@@ -283,6 +321,9 @@ class PoolBackedKVCache(ContiguousKVBuffer):
     @property
     def state(self):
         """``(keys, values, offset)`` with only the live rows (stale rows never leak)."""
+        if self.blocks is not None:
+            keys, values = self.blocks.layer_kv(self.layer)
+            return keys, values, self.blocks.tokens
         if self.keys is None:
             return None, None, 0
         keys, values = self.keys_and_values()
@@ -292,6 +333,10 @@ class PoolBackedKVCache(ContiguousKVBuffer):
     def state(self, v) -> None:
         keys, values, offset = v
         offset = int(offset) if keys is not None else 0
+        if self.blocks is not None:
+            raise VeloxQuantError(
+                "the state of a PoolBackedKVCache over the pool's storage is its blocks; "
+                "load saved caches with load_pooled_prompt_cache() instead")
         if self._lease is not None:
             self._require_live()
             # Account first: an exhausted pool must leave the old state in place.
@@ -336,7 +381,9 @@ class PoolBackedKVCache(ContiguousKVBuffer):
             PoolArgumentTypeError: ``n`` is not an integer.
             PoolArgumentError: ``n`` is negative.
         """
-        n = min(self.offset, check_trim(n))
+        n = min(self.size(), check_trim(n))
+        if self.blocks is not None:
+            return 0  # a request's blocks only grow (is_trimmable() is False)
         if n and self._lease is not None:
             self._require_live()
             self._account(self.offset - n, self._dtype())
@@ -345,10 +392,27 @@ class PoolBackedKVCache(ContiguousKVBuffer):
 
     def size(self) -> int:
         """Tokens in the cache."""
-        return self.offset
+        return self._offset if self.blocks is None else self.blocks.tokens
+
+    def is_trimmable(self) -> bool:
+        """True for the contiguous form; the paged form's blocks only grow."""
+        return self.blocks is None
+
+    def empty(self) -> bool:
+        """True until the first append."""
+        return self.size() == 0 if self.blocks is not None else self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's keys and values: its blocks, or the buffers."""
+        if self.blocks is not None:
+            return self.blocks.layer_bytes()
+        return super().nbytes
 
     def make_mask(self, *args, **kwargs):
         """The attention mask for the next ``N`` tokens, as the stock cache makes it."""
+        if self.blocks is not None:
+            return self.blocks.alone().caches[self.layer].make_mask(*args, **kwargs)
         return _mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
@@ -365,102 +429,19 @@ class PoolBackedKVCache(ContiguousKVBuffer):
 
     @classmethod
     def merge(cls, caches):
-        """Not supported here: batching on the pool is ``PoolBackedBatchKVCache``'s job.
+        """Not supported here: batching on the pool is ``PagedKVBatch``'s job.
 
         Raises:
             VeloxQuantError: Always.
         """
         raise VeloxQuantError(
             "PoolBackedKVCache does not merge into a batch (mlx-lm batch generation); "
-            "for batched decoding on the pool build rows with "
-            "veloxquant_mlx.memory.pool_backed_batch.make_batch_caches() instead"
+            "for batched decoding on the pool, build each request's caches with "
+            "build_pooled_caches(model, pool, owner, storage=arena) and batch them with "
+            "veloxquant_mlx.memory.paged_batch.make_batch_caches()"
         )
 
 
 # load_prompt_cache() resolves saved class names in mlx_lm.models.cache's
 # namespace only; registering there makes files with our caches loadable.
 setattr(_mlx_cache, PoolBackedKVCache.__name__, PoolBackedKVCache)
-
-
-def build_pooled_caches(
-    model, pool: BlockPoolAllocator, owner: int, step: int | None = None
-) -> list[PoolBackedKVCache]:
-    """One :class:`PoolBackedKVCache` per layer of ``model``, sharing one owner.
-
-    The drop-in replacement for ``mlx_lm.models.cache.make_prompt_cache(model)``.
-    Calling ``release()`` on any returned cache frees the blocks of all of them.
-
-    Args:
-        model: An mlx-lm model (anything with ``layers``).
-        pool: Shared pool.
-        owner: The request's id.
-        step: Accounting growth chunk; defaults to ``pool.config.block_size``.
-
-    Returns:
-        ``len(model.layers)`` caches.
-
-    Raises:
-        ValueError: If the model's own ``make_cache()`` asks for a cache other
-            than a plain ``KVCache`` for some layer (sliding-window, SSM, ...);
-            the message names the first such layer and its cache type.
-    """
-    require_plain_kv_model(model, "PoolBackedKVCache",
-                           "use mlx_lm's make_prompt_cache(model) for this model")
-    return _as_layers([PoolBackedKVCache(pool, owner, step) for _ in range(len(model.layers))])
-
-
-def _as_layers(caches: list[PoolBackedKVCache]) -> list[PoolBackedKVCache]:
-    """Mark ``caches`` as one model's layers, in order (see ``LayerGroup``)."""
-    group = LayerGroup(caches)
-    for cache in caches:
-        cache._layers = group
-    return caches
-
-
-def load_pooled_prompt_cache(
-    file_name: str,
-    pool: BlockPoolAllocator,
-    owner: int,
-    step: int | None = None,
-    return_metadata: bool = False,
-):
-    """Load a saved prompt cache and account its tokens in ``pool`` under ``owner``.
-
-    Accepts files saved from :class:`PoolBackedKVCache` lists and from stock
-    ``KVCache`` lists alike; either way the result is attached pool-backed caches.
-
-    Args:
-        file_name: A ``.safetensors`` file written by ``save_prompt_cache``.
-        pool: Pool to account the loaded tokens in.
-        owner: The request id the blocks are checked out to.
-        step: Accounting growth chunk; defaults to ``pool.config.block_size``.
-        return_metadata: Also return the file's metadata dict.
-
-    Returns:
-        The caches, or ``(caches, metadata)`` when ``return_metadata``.
-
-    Raises:
-        ValueError: If a layer's saved cache is neither kind (the layer is named).
-        BlockPoolExhaustedError: If the pool cannot hold the loaded tokens;
-            nothing stays allocated in that case.
-    """
-    loaded, metadata = _mlx_cache.load_prompt_cache(file_name, return_metadata=True)
-    caches = []
-    for index, cache in enumerate(loaded):
-        if type(cache) is _mlx_cache.KVCache:
-            cache = PoolBackedKVCache.from_state(cache.state)
-        elif not isinstance(cache, PoolBackedKVCache):
-            raise ValueError(
-                f"layer {index} of {file_name} holds a {type(cache).__name__}, not a KVCache; "
-                "load it with mlx_lm's load_prompt_cache instead"
-            )
-        caches.append(cache)
-    try:
-        for cache in caches:
-            cache.attach(pool, owner, step)
-    except BaseException:
-        if caches and caches[0]._lease is not None:
-            caches[0].release()
-        raise
-    _as_layers(caches)
-    return (caches, metadata) if return_metadata else caches

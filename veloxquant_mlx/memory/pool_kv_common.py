@@ -1,11 +1,9 @@
-"""Pieces shared by the single-request and the batched pool-backed mlx-lm caches.
+"""Pieces of the pool-backed mlx-lm caches: input checks, paired blocks, the buffer.
 
-Both :class:`~veloxquant_mlx.memory.pool_backed.PoolBackedKVCache` and
-:class:`~veloxquant_mlx.memory.pool_backed_batch.PoolBackedBatchKVCache` keep
-keys and values in one contiguous buffer (attention needs it) and account
-the real tokens in the shared pool as paired ``"k"``/``"v"`` blocks. This
-module holds what they do the same way: the buffer (:class:`ContiguousKVBuffer`),
-the paired allocation, the ``n_used`` bookkeeping and the model check.
+:class:`~veloxquant_mlx.memory.pool_backed.PoolBackedKVCache` accounts tokens
+in the shared pool as paired ``"k"``/``"v"`` blocks (so do a paged batch's
+rows, :mod:`~veloxquant_mlx.memory.paged_rows`); its contiguous form keeps
+keys and values in one buffer (:class:`ContiguousKVBuffer`).
 """
 
 from __future__ import annotations
@@ -55,6 +53,18 @@ def check_kv_input(keys: object, values: object) -> None:
         raise PoolArgumentError(
             f"keys and values must be (B, n_kv_heads, n, head_dim) with the same n, got "
             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+
+
+def check_single_sequence(keys: mx.array) -> None:
+    """Refuse a batch of sequences for one request's cache.
+
+    Raises:
+        PoolArgumentError: ``keys`` holds more than one sequence (``B > 1``).
+    """
+    if keys.shape[0] != 1:
+        raise PoolArgumentError(
+            f"a request's PoolBackedKVCache holds one sequence, got a batch of "
+            f"{keys.shape[0]}; batch requests with make_batch_caches()")
 
 
 def check_trim(n: object) -> int:
