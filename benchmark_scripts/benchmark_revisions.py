@@ -82,6 +82,21 @@ def phase_totals(base: str) -> dict[str, float]:
     return totals
 
 
+def memory_figures(base: str) -> dict[str, float]:
+    """The side's KV and MLX memory after the rounds: ``/metrics``'s byte gauges by kind
+    (``kv:in_use``, ``kv:capacity``, ``mlx:peak``...) and the pool's peak blocks in use."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        prefix = {"veloxquant_kv_bytes": "kv", "veloxquant_mlx_memory_bytes": "mlx"}.get(
+            family.name)
+        for sample in family.samples:
+            if prefix is not None:
+                out[f"{prefix}:{sample.labels['kind']}"] = sample.value
+            elif sample.name == "veloxquant_block_pool_peak_blocks_in_use":
+                out["pool:peak_blocks_in_use"] = sample.value
+    return out
+
+
 def env_pair(text: str) -> tuple[str, str]:
     """``KEY=VALUE`` of ``--old-env``."""
     key, sep, value = text.partition("=")
@@ -136,6 +151,7 @@ def main() -> int:
                 loop_cpu[k] += process_cpu_s(proc.pid, proc.pid) - loop0
                 got[k] += res
                 wall[k] += sec
+        memory = {k: memory_figures(base) for k, (_, base) in servers.items()}
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -148,6 +164,7 @@ def main() -> int:
         steps = max(phases[k].pop("steps", 0.0), 1.0)
         out[k]["engine_ms_per_step"] = {phase: round(1000 * v / steps, 3)
                                         for phase, v in phases[k].items()}
+        out[k]["memory_after_rounds"] = memory[k]
     out["load"] = {"model": args.model, "concurrency": args.concurrency, "requests": n,
                    "rounds": args.rounds, "tokens": args.tokens, "max_batch": args.max_batch}
     out["revisions"] = {"new": checkout_revision(ROOT), "old": checkout_revision(args.old_root)}

@@ -38,7 +38,7 @@ from tests.server.test_real_model import ENGLISH_TEXT  # noqa: E402
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig  # noqa: E402
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout  # noqa: E402
 from veloxquant_mlx.memory.kv_format import KVFormat  # noqa: E402
-from veloxquant_mlx.memory.paged_batch import make_batch_caches  # noqa: E402
+from veloxquant_mlx.memory.request_blocks import make_batch_caches  # noqa: E402
 
 N_BLOCKS = 30 * 2 * 20 * 16  # 20 rows of up to 256 tokens, 30 layers, k and v
 

@@ -189,41 +189,11 @@ def load_model(section: ModelSection, codes: bool = True) -> LoadedModel:
     Returns:
         The loaded model, ready to generate.
     """
-    import mlx.core as mx
-    import mlx_lm
+    from server.model_weights import is_quantized, weight_bytes
 
-    from server.model_weights import (
-        apply_plan,
-        dequantize_budget,
-        float32_bytes,
-        is_quantized,
-        plan_weights,
-        stored_float_dtype,
-        weight_bytes,
-    )
-    from veloxquant_mlx.llama_model import own_model
-    from veloxquant_mlx.quant_weights import load_group16_parts
-
-    path = resolve_model_path(section)
-    model, tokenizer = mlx_lm.load(str(path), tokenizer_config=_tokenizer_config(section))
-    # Before anything is built around it: a model the KV pool would serve wrong stops here.
-    check_served(model, path, stated_context_length(model))
-    # The server bounds prompts itself (limits, the context, with a 400); the Hugging Face
-    # tokenizer's own bound only prints an "indexing errors" warning for what it refuses.
-    hf = getattr(tokenizer, "_tokenizer", None)
-    if hf is not None and hasattr(hf, "model_max_length"):
-        hf.model_max_length = sys.maxsize
-    quantized = is_quantized(model)
-    on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    codes = codes and quantized and not on_gpu and codes_available()
-    plan = plan_weights(section.dtype, on_gpu, quantized, float32_bytes(model),
-                        dequantize_budget(section.max_dequantized_bytes, codes),
-                        stored_dtype=stored_float_dtype(model), codes=codes)
-    layers = apply_plan(model, plan, group16=load_group16_parts(path) if plan.codes else None)
-    # Llama-shaped families run the project's own forward pass over these weights.
-    model = own_model(model)
-    if plan.slow:
-        log.warning("model %s: %s", path.name, plan.note)
+    path, model, tokenizer = _load_checked(section)
+    model, plan, layers = _hold_weights(model, path, section.dtype,
+                                        section.max_dequantized_bytes, codes)
     held = weight_bytes(model)
     note = f"{plan.note}; {held / 2**20:.0f} MiB of weights"
     if layers:
@@ -243,6 +213,52 @@ def load_model(section: ModelSection, codes: bool = True) -> LoadedModel:
         context_length=stated_context_length(model),
         served_names=names,
     )
+
+
+def _load_checked(section: ModelSection) -> tuple[Path, Any, Any]:
+    """``mlx_lm.load`` the model, refusing one the KV pool would serve wrong."""
+    import mlx_lm
+
+    path = resolve_model_path(section)
+    model, tokenizer = mlx_lm.load(str(path), tokenizer_config=_tokenizer_config(section))
+    # Before anything is built around it: a model the KV pool would serve wrong stops here.
+    check_served(model, path, stated_context_length(model))
+    # The server bounds prompts itself (limits, the context, with a 400); the Hugging Face
+    # tokenizer's own bound only prints an "indexing errors" warning for what it refuses.
+    hf = getattr(tokenizer, "_tokenizer", None)
+    if hf is not None and hasattr(hf, "model_max_length"):
+        hf.model_max_length = sys.maxsize
+    return path, model, tokenizer
+
+
+def _hold_weights(model: Any, path: Path, dtype: str | None, max_dequantized: Any,
+                  codes: bool) -> tuple[Any, Any, int]:
+    """Hold the weights as planned; the model (owned where its family allows), the
+    plan, and the layers that compute from their codes."""
+    import mlx.core as mx
+
+    from server.model_weights import (
+        apply_plan,
+        dequantize_budget,
+        float32_bytes,
+        is_quantized,
+        plan_weights,
+        stored_float_dtype,
+    )
+    from veloxquant_mlx.llama_model import own_model
+    from veloxquant_mlx.quant_weights import load_group16_parts
+
+    quantized = is_quantized(model)
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    codes = codes and quantized and not on_gpu and codes_available()
+    plan = plan_weights(dtype, on_gpu, quantized, float32_bytes(model),
+                        dequantize_budget(max_dequantized, codes),
+                        stored_dtype=stored_float_dtype(model), codes=codes)
+    layers = apply_plan(model, plan, group16=load_group16_parts(path) if plan.codes else None)
+    if plan.slow:
+        log.warning("model %s: %s", path.name, plan.note)
+    # Llama-shaped families run the project's own forward pass over these weights.
+    return own_model(model), plan, layers
 
 
 def codes_available() -> bool:

@@ -30,8 +30,9 @@ from server.engine.sampling import Sampler
 from server.engine.scoring import PromptScores
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
-from veloxquant_mlx.memory.paged_batch import PagedKVBatch, make_batch_caches
+from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 from veloxquant_mlx.memory.pool_backed import PoolBackedKVCache
+from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
 if TYPE_CHECKING:
     from server.engine.constraints import Matcher

@@ -137,14 +137,7 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
         from server.engine.engine import Engine  # imports MLX: only when serving for real
 
         engine = Engine(settings, ServerMetrics())
-    metrics: ServerMetrics = getattr(engine, "metrics", None) or ServerMetrics()
-    metrics.registry.register(PoolCollector(lambda: engine.pool))  # sized at model load
-    metrics.label_model(lambda: engine.model_name)  # known once the model loads
-    gauges = EngineCollector(engine, metrics)
-    metrics.registry.register(gauges)
-    if settings.metrics.vllm_names:
-        metrics.registry.register(VllmNames(metrics, gauges))
-    metrics.listeners.append(request_log.RequestLog())
+    metrics = _engine_metrics(settings, engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -173,6 +166,33 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
     app.state.unknown_fields = UnknownFields(settings.server.unknown_fields, metrics)
     app.state.started_at = int(time.time())
     install_error_handlers(app)
+    routes = _include_routers(app)
+    # SIGTERM drain, per-client cap, body size and stalled streams (server/http/guards.py);
+    # added first so RequestCounter, outside it, counts what the guards answer too.
+    app.state.drain = DrainState()
+    app.add_middleware(Guards, settings=settings, drain=app.state.drain)
+    app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
+    add_cors(app, settings)
+    app.add_middleware(RequestIds)  # outermost: every answer carries the id
+    return app
+
+
+def _engine_metrics(settings: Settings, engine: Any) -> ServerMetrics:
+    """The engine's metrics (a fresh set for a test double without), with the pool's,
+    the engine's and (``metrics.vllm_names``) vLLM's families registered."""
+    metrics: ServerMetrics = getattr(engine, "metrics", None) or ServerMetrics()
+    metrics.registry.register(PoolCollector(lambda: engine.pool))  # sized at model load
+    metrics.label_model(lambda: engine.model_name)  # known once the model loads
+    gauges = EngineCollector(engine, metrics)
+    metrics.registry.register(gauges)
+    if settings.metrics.vllm_names:
+        metrics.registry.register(VllmNames(metrics, gauges))
+    metrics.listeners.append(request_log.RequestLog())
+    return metrics
+
+
+def _include_routers(app: FastAPI) -> list[Route]:
+    """Add every route; returns the plain routes that requests are matched against."""
     # /health stays open, /metrics too unless server.metrics_require_key; the inference
     # routes need the API key when one is set.
     guarded = [Depends(require_api_key)]
@@ -184,13 +204,5 @@ def create_app(settings: Settings, engine: Any = None) -> FastAPI:
         app.include_router(router, dependencies=dependencies)
     # Plain routes to match paths against (FastAPI keeps included routers as lazy wrappers).
     routes = [r for r in app.routes if isinstance(r, Route)]
-    routes += [r for router, _ in routers for r in router.routes]
-    # SIGTERM drain, per-client cap, body size and stalled streams (server/http/guards.py);
-    # added first so RequestCounter, outside it, counts what the guards answer too.
-    app.state.drain = DrainState()
-    app.add_middleware(Guards, settings=settings, drain=app.state.drain)
-    app.add_middleware(RequestCounter, metrics=metrics, routes=routes)
-    add_cors(app, settings)
-    app.add_middleware(RequestIds)  # outermost: every answer carries the id
-    return app
+    return routes + [r for router, _ in routers for r in router.routes]
 

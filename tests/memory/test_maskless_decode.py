@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from tests.memory.test_paged_batch import BS, _arena, _prompt, _stock
-from veloxquant_mlx.memory.paged_batch import make_batch_caches
+from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 

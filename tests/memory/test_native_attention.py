@@ -101,7 +101,7 @@ PREFILL_CHECK = textwrap.dedent(
     from mlx_lm.models.cache import make_prompt_cache
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, native_attention
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
-    from veloxquant_mlx.memory.paged_batch import make_batch_caches
+    from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
     from veloxquant_mlx.llama_model import own_model
     model = own_model(mlx_lm.load(sys.argv[1])[0])

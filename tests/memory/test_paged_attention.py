@@ -118,7 +118,7 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
     import mlx_lm
 
     from tests.memory.test_paged_batch import _arena, _prompt
-    from veloxquant_mlx.memory.paged_batch import make_batch_caches
+    from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
     model = own_model(mlx_lm.load(str(tiny_model_path))[0])
     model.set_dtype(mx.bfloat16)
@@ -137,7 +137,7 @@ def test_a_call_left_to_mlx_lm_holds_no_parts_after_it(tiny_model_path):
 def test_a_batch_of_a_model_that_does_not_read_parts_keeps_none(model, tiny_model):
     """mlx-lm's own model never takes the parts: nothing would drop them."""
     from tests.memory.test_paged_batch import _arena
-    from veloxquant_mlx.memory.paged_batch import make_batch_caches
+    from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
     arena = _arena(model)
     batch = make_batch_caches(tiny_model[0], arena, [1])

@@ -26,7 +26,7 @@ from veloxquant_mlx.memory import (
     paged_attention,
 )
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout, workspace_bytes
-from veloxquant_mlx.memory.paged_batch import make_batch_caches
+from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
 BS = 16
 

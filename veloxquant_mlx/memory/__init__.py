@@ -88,7 +88,7 @@ NATIVE_ALLOCATOR = not sys.modules[f"{__name__}.block_pool"].__file__.endswith("
 # name -> module that defines it; imported lazily because they need MLX.
 _MLX_EXPORTS = {
     "PoolBackedKVCache": "pool_backed",
-    "make_batch_caches": "paged_batch",
+    "make_batch_caches": "request_blocks",
     "build_pooled_caches": "pooled_caches",
     "load_pooled_prompt_cache": "pooled_caches",
     "PooledKVCache": "pooled",

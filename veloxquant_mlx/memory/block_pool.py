@@ -292,15 +292,7 @@ class BlockPoolAllocator:
         bs = self._block_size
         self._acquire()
         try:
-            # Plain compares beat a dict look-up here; _stream() covers the rest.
-            if stream == "k":
-                st = self._k_stream
-            elif stream == "v":
-                st = self._v_stream
-            elif stream == "kv" and self._kv_stream is not None:
-                st = self._kv_stream
-            else:
-                st = self._stream(stream)
+            st = self._pick_stream(stream)
             c = self.stats
             owned = self._owned.get(owner)
             fresh_owner = owned is None
@@ -317,14 +309,28 @@ class BlockPoolAllocator:
             self._count(owner, st.name, n)
             if self._released:
                 self._released.discard(owner)  # growing again re-activates it
-            in_use = c.n_allocations + n - c.n_frees
-            c.n_allocations += n
-            if in_use > c.peak_blocks_in_use:
-                c.peak_blocks_in_use = in_use
-            self._record(c)
+            self._count_allocations(c, n)
             return taken
         finally:
             self._release()
+
+    def _pick_stream(self, stream: str) -> _Stream:
+        """The stream named ``stream`` (plain compares beat a dict look-up here)."""
+        if stream == "k":
+            return self._k_stream
+        if stream == "v":
+            return self._v_stream
+        if stream == "kv" and self._kv_stream is not None:
+            return self._kv_stream
+        return self._stream(stream)
+
+    def _count_allocations(self, c: AllocationStats, n: int) -> None:
+        """Count ``n`` blocks handed out, the peak in use, and record the stats."""
+        in_use = c.n_allocations + n - c.n_frees
+        c.n_allocations += n
+        if in_use > c.peak_blocks_in_use:
+            c.peak_blocks_in_use = in_use
+        self._record(c)
 
     def _take_one(
         self, st: _Stream, owner: int, format: str, n_used: int, owned: dict[object, Block]

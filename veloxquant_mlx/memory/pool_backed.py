@@ -1,46 +1,33 @@
 """A drop-in ``mlx_lm`` ``KVCache`` whose memory is checked out from a block pool.
 
-It has two forms. Over the pool's block storage (``build_pooled_caches(...,
-storage=arena)``, what the server builds for every request) each layer's
-cache is a view of the request's block table: keys and values live in the
-pool's blocks, nowhere else (see :mod:`~veloxquant_mlx.memory.request_blocks`).
-Without a storage, the seed's form below keeps them in a contiguous buffer and
-only accounts them in the pool: for one lone sequence that skips the gather
-of its blocks at every step (``benchmark_pool_backed_kvcache.py`` measures both).
-
 :class:`PoolBackedKVCache` speaks mlx-lm's cache protocol (``update_and_fetch``,
-``offset``, ``state``, ``trim``, ``make_mask``, ...) so it can be passed as
-``prompt_cache`` to ``mlx_lm.generate`` / ``stream_generate``. Attention needs
-one contiguous ``(B, n_kv_heads, seq, head_dim)`` tensor per layer, so the
-keys and values stay in one contiguous buffer, exactly like the stock cache;
-the pool does the accounting of that memory::
+``offset``, ``state``, ``trim``, ``make_mask``, ...), so it can be passed as
+``prompt_cache`` to ``mlx_lm.generate``. It has two forms:
+
+* Over the pool's block storage (``build_pooled_caches(..., storage=arena)``,
+  what the server builds for every request), each layer's cache views the
+  request's block table: keys and values live in pool blocks and nowhere else
+  (:mod:`~veloxquant_mlx.memory.request_blocks`).
+* Without a storage (the seed's form), keys and values stay in one contiguous
+  buffer per layer, grown 256 tokens at a time like the stock cache's, and the
+  pool accounts them: a lone sequence skips the gather of its blocks at every
+  step (``benchmark_pool_backed_kvcache.py`` measures both)::
 
     tokens   0 ........ 15 | 16 ....... 31 | 32 .. 37 |          offset = 38
     blocks   [ k0 | v0 ]   | [ k1 | v1 ]   | [k2|v2]  |          n_used 16, 16, 6
     buffer   [======================================........................]
-             ^ grows in ``buffer_step`` tokens (256, like stock KVCache)  ^
 
-* Blocks: every time ``offset`` passes the tokens the cache holds blocks for,
-  it allocates ``step`` more tokens' worth (default ``pool.config.block_size``)
-  on both the ``"k"`` and ``"v"`` streams under its owner, and keeps each
-  block's ``n_used`` equal to the tokens really in it. ``trim`` gives surplus
-  blocks back. So the pool's numbers follow real token use.
-* Buffer: grows in ``buffer_step`` chunks (256 by default, as stock). Growing
-  the buffer by only ``step`` tokens would copy the whole cache every 16
-  tokens; the larger chunk keeps decode speed equal to stock while the peak
-  buffer bytes are never above stock's.
+  Each time ``offset`` passes the tokens held, ``step`` more tokens' worth of
+  blocks (default ``pool.config.block_size``) are allocated on the ``"k"`` and
+  ``"v"`` streams, each block's ``n_used`` equal to its real tokens; ``trim``
+  gives surplus blocks back.
 
-All the caches of one request share an *owner lease*: ``release()`` on any of
-them frees every block of the owner once, and later calls are no-ops even if
-the owner id has since been reused by a new request (the new request's caches
-get a new lease).
-
-Saving and loading: mlx-lm's ``save_prompt_cache`` works as is. Its
-``load_prompt_cache`` finds cache classes by name in ``mlx_lm.models.cache``,
-so importing this module registers :class:`PoolBackedKVCache` there. Loaded
-caches are *detached* (no pool); account them with
-:meth:`PoolBackedKVCache.attach`, or load with :func:`load_pooled_prompt_cache`,
-which does both.
+The caches of one request share an *owner lease*: ``release()`` on any of them
+frees the owner's blocks once; later calls are no-ops, even after the owner id
+was reused. ``save_prompt_cache`` works as is, and importing this module
+registers the class in ``mlx_lm.models.cache`` so ``load_prompt_cache`` finds
+it; loaded caches are detached until :meth:`PoolBackedKVCache.attach` (or use
+:func:`~veloxquant_mlx.memory.pooled_caches.load_pooled_prompt_cache`).
 """
 
 from __future__ import annotations
@@ -171,10 +158,8 @@ class PoolBackedKVCache(ContiguousKVBuffer):
             BlockPoolExhaustedError: If the pool cannot cover the cache's tokens.
         """
         if self.pool is not None:
-            raise VeloxQuantError(
-                "this PoolBackedKVCache is already attached to a pool; "
-                "build a new cache for another request"
-            )
+            raise VeloxQuantError("this PoolBackedKVCache is already attached to a pool; "
+                                  "build a new cache for another request")
         if not isinstance(pool, BlockPoolAllocator):
             raise PoolArgumentTypeError(
                 f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
@@ -195,8 +180,7 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         if self._lease is None:
             raise VeloxQuantError(
                 "PoolBackedKVCache is not attached to a pool (it was loaded from a file?); "
-                "call cache.attach(pool, owner) or use load_pooled_prompt_cache()"
-            )
+                "call cache.attach(pool, owner) or use load_pooled_prompt_cache()")
         if self._lease.released:
             raise CacheReleasedError(
                 f"the caches of owner {self.owner} were released; build new caches with "
@@ -416,30 +400,20 @@ class PoolBackedKVCache(ContiguousKVBuffer):
         return _mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """Not supported: a quantized cache would leave the pool's accounting.
-
-        Raises:
-            VeloxQuantError: Always.
-        """
+        """Raises VeloxQuantError: a quantized cache would leave the pool's accounting."""
         raise VeloxQuantError(
             "PoolBackedKVCache cannot be converted to mlx-lm's QuantizedKVCache "
             f"(group_size={group_size}, bits={bits}); generate without kv_bits, or use "
-            "a VeloxQuant compression method for a compressed cache"
-        )
+            "a VeloxQuant compression method for a compressed cache")
 
     @classmethod
     def merge(cls, caches):
-        """Not supported here: batching on the pool is ``PagedKVBatch``'s job.
-
-        Raises:
-            VeloxQuantError: Always.
-        """
+        """Raises VeloxQuantError: batching on the pool is ``make_batch_caches``'s job."""
         raise VeloxQuantError(
             "PoolBackedKVCache does not merge into a batch (mlx-lm batch generation); "
             "for batched decoding on the pool, build each request's caches with "
             "build_pooled_caches(model, pool, owner, storage=arena) and batch them with "
-            "veloxquant_mlx.memory.paged_batch.make_batch_caches()"
-        )
+            "veloxquant_mlx.memory.request_blocks.make_batch_caches()")
 
 
 # load_prompt_cache() resolves saved class names in mlx_lm.models.cache's

@@ -28,7 +28,7 @@ def build_pooled_caches(
         step: Accounting growth chunk; defaults to ``pool.config.block_size``.
         storage: The pool's block storage: the caches then view one block table
             of the request in it (what the server builds for each request, and
-            what :func:`~veloxquant_mlx.memory.paged_batch.make_batch_caches`
+            what :func:`~veloxquant_mlx.memory.request_blocks.make_batch_caches`
             batches); None keeps each layer's KV in a contiguous buffer.
 
     Returns:

@@ -8,7 +8,8 @@ per layer over ONE :class:`RequestBlocks`: the request's block table
 and values) in that storage. The server batches requests by handing their
 tables to a :class:`~veloxquant_mlx.memory.paged_batch.PagedKVBatch`; a
 request used on its own (``mlx_lm.generate(..., prompt_cache=caches)``)
-runs through a one-row batch of its own, made here on first use::
+runs through a one-row batch of its own, made here on first use;
+:func:`make_batch_caches` batches requests::
 
     request 7: caches[0..L-1] ──> RequestBlocks(owner 7) ──> PagedRow: block ids per layer/stream
                                         │                         │
@@ -17,6 +18,8 @@ runs through a one-row batch of its own, made here on first use::
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -103,3 +106,44 @@ class RequestBlocks:
             self._alone = None
         else:
             free(self.pool, [self.row])
+
+
+def make_batch_caches(model, arena: KVArena, requests: int | Sequence[object],
+                      left_padding: Sequence[int] | None = None,
+                      fast_attention: bool = True) -> PagedKVBatch:
+    """A :class:`PagedKVBatch` for ``model``; pass ``batch.caches`` as its cache.
+
+    ``requests``: per row, the request's caches from
+    ``build_pooled_caches(model, pool, owner, storage=arena)`` (the batch reads and
+    grows their block table), or an owner id for a row of the batch's own.
+
+    With ``fast_attention`` (see :class:`PagedKVBatch`), a model of
+    :mod:`veloxquant_mlx.llama_model` attends through
+    :mod:`~veloxquant_mlx.memory.paged_attention` on these caches (a faster
+    softmax on the CPU); other models run mlx-lm's attention.
+
+    Raises:
+        ValueError: The model's layer count is not the arena's.
+    """
+    if len(model.layers) != arena.layout.n_layers:
+        raise ValueError(f"model has {len(model.layers)} layers, the arena was laid out "
+                         f"for {arena.layout.n_layers}")
+    # Only a model whose attention reads the batch's parts (the project's Llama-shaped
+    # one) gets them: kept unread they would pin the arena version they came from.
+    reads_parts = bool(getattr(model, "reads_paged_parts", False))
+    rows = [requests] if isinstance(requests, int) else [
+        r if isinstance(r, int) else _blocks_of(r, arena).row for r in requests]
+    return PagedKVBatch(arena, rows, left_padding, fast_attention and reads_parts)
+
+
+def _blocks_of(caches: Sequence[object], arena: KVArena) -> RequestBlocks:
+    """The :class:`RequestBlocks` under one request's caches, checked against ``arena``.
+
+    Raises:
+        ValueError: The caches are not a request's caches over ``arena``.
+    """
+    blocks = getattr(caches[0], "blocks", None) if len(caches) else None
+    if not isinstance(blocks, RequestBlocks) or blocks.storage is not arena:
+        raise ValueError("a batch row must be an owner id or the caches of "
+                         "build_pooled_caches(model, pool, owner, storage=arena) of this arena")
+    return blocks

@@ -193,82 +193,98 @@ def _stream(fanout: Fanout, base: dict[str, Any], want_logprobs: bool, include_u
             tools: ToolPlan, thinking: Thinking | None = None):
     """SSE chunks; with tools, text that may be a call is held and sent as ``tool_calls``;
     with ``thinking``, the reasoning goes as ``reasoning_content`` deltas."""
-    base = {**base, "object": "chat.completion.chunk"}
-    usage = UsageTotal()
-    held = [ToolStream(tools) if tools.mode != "none" else None for _ in fanout.calls]
-    splits = [thinking.splitter() if thinking is not None else None for _ in fanout.calls]
+    chunks = _ChatChunks(len(fanout.calls), base, want_logprobs, tools, thinking)
 
-    def delta(i: int, content: dict[str, Any], finish: str | None, logprobs: Any = None):
-        return {**base, "choices": [{"index": i, "delta": content, "logprobs": logprobs,
-                                     "finish_reason": finish}]}
+    def last() -> list[dict[str, Any]]:
+        return [{**chunks.base, "choices": [], "usage": chunks.usage.as_dict()}] \
+            if include_usage else []
 
-    templates = [FrameTemplate(delta(i, {"content": TEXT_MARK}, None))
-                 for i in range(len(fanout.calls))]
-    thought_templates = [FrameTemplate(delta(i, {"reasoning_content": TEXT_MARK}, None))
-                         for i in range(len(fanout.calls))] if thinking is not None else []
+    # A forced call's answer has no text: its content is null from the first chunk, as in
+    # OpenAI's streams (an empty string would make the SDK's stream helper report "").
+    opening = {"role": "assistant", "content": None if tools.forced_call else ""}
+    first = [chunks.delta(i, opening, None) for i in range(len(fanout.calls))]
+    return sse_stream(fanout, chunks.on_token, chunks.on_finish, first, last)
 
-    # Log-probability entries of text held back (a possible tool call): they go out with it.
-    pending: list[list[dict[str, Any]]] = [[] for _ in fanout.calls]
 
-    def on_token(i: int, event: TokenEvent) -> dict[str, Any] | bytes | None:
-        if want_logprobs:
-            pending[i] += [chat_entry(r) for r in event.logprobs]
-        thought, text = ("", event.text) if splits[i] is None else splits[i].feed(event.text)
-        text = text if held[i] is None else held[i].feed(text)
+class _ChatChunks:
+    """The chunks of a streamed chat answer, choice by choice (see :func:`_stream`)."""
+
+    def __init__(self, n: int, base: dict[str, Any], want_logprobs: bool, tools: ToolPlan,
+                 thinking: Thinking | None) -> None:
+        self.base = {**base, "object": "chat.completion.chunk"}
+        self.want_logprobs, self.tools = want_logprobs, tools
+        self.usage = UsageTotal()
+        self.held = [ToolStream(tools) if tools.mode != "none" else None for _ in range(n)]
+        self.splits = [thinking.splitter() if thinking is not None else None for _ in range(n)]
+        self.templates = [FrameTemplate(self.delta(i, {"content": TEXT_MARK}, None))
+                          for i in range(n)]
+        self.thought_templates = [
+            FrameTemplate(self.delta(i, {"reasoning_content": TEXT_MARK}, None))
+            for i in range(n)] if thinking is not None else []
+        # Log-probability entries of text held back (a possible tool call): they go out
+        # with it.
+        self.pending: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+
+    def delta(self, i: int, content: dict[str, Any], finish: str | None,
+              logprobs: Any = None) -> dict[str, Any]:
+        return {**self.base, "choices": [{"index": i, "delta": content, "logprobs": logprobs,
+                                          "finish_reason": finish}]}
+
+    def _take_pending(self, i: int) -> list[dict[str, Any]]:
+        entries, self.pending[i] = self.pending[i], []
+        return entries
+
+    def on_token(self, i: int, event: TokenEvent) -> dict[str, Any] | bytes | None:
+        held, split = self.held[i], self.splits[i]
+        if self.want_logprobs:
+            self.pending[i] += [chat_entry(r) for r in event.logprobs]
+        thought, text = ("", event.text) if split is None else split.feed(event.text)
+        text = text if held is None else held.feed(text)
         # (a forced call is never split: its grammar leaves the model no room to think)
-        if held[i] is not None and (piece := held[i].call_delta()) is not None:
-            return delta(i, {"tool_calls": [piece]}, None)  # a forced call, as it is written
+        if held is not None and (piece := held.call_delta()) is not None:
+            return self.delta(i, {"tool_calls": [piece]}, None)  # a forced call, as written
         if thought:
-            return thought_chunk(i, thought, text)
-        if not text and (held[i] is not None or not pending[i]):
+            return self._thought_chunk(i, thought, text)
+        if not text and (held is not None or not self.pending[i]):
             return None  # nothing to send yet (held back: it may be part of a tool call)
-        if pending[i]:
-            entries, pending[i] = pending[i], []
-            return delta(i, {"content": text}, None, {"content": entries})
-        return templates[i].frame(text)
+        if self.pending[i]:
+            return self.delta(i, {"content": text}, None, {"content": self._take_pending(i)})
+        return self.templates[i].frame(text)
 
-    def thought_chunk(i: int, thought: str, text: str) -> dict[str, Any] | bytes:
+    def _thought_chunk(self, i: int, thought: str, text: str) -> dict[str, Any] | bytes:
         """A reasoning delta; with the answer's first text when the block closed in it."""
-        if not text and not pending[i]:
-            return thought_templates[i].frame(thought)
-        entries, pending[i] = pending[i], []
+        if not text and not self.pending[i]:
+            return self.thought_templates[i].frame(thought)
+        entries = self._take_pending(i)
         piece = {"reasoning_content": thought, **({"content": text} if text else {})}
-        return delta(i, piece, None, {"content": entries} if entries else None)
+        return self.delta(i, piece, None, {"content": entries} if entries else None)
 
-    def on_finish(i: int, event: Finished) -> list[dict[str, Any]]:
-        usage.add(0, event.usage)
-        thought, tail = ("", event.text) if splits[i] is None else splits[i].finish(event.text)
-        return ([delta(i, {"reasoning_content": thought}, None)] if thought else []) + \
-            closing(i, tail, event.reason.value)
+    def on_finish(self, i: int, event: Finished) -> list[dict[str, Any]]:
+        self.usage.add(0, event.usage)
+        split = self.splits[i]
+        thought, tail = ("", event.text) if split is None else split.finish(event.text)
+        return ([self.delta(i, {"reasoning_content": thought}, None)] if thought else []) + \
+            self._closing(i, tail, event.reason.value)
 
-    def closing(i: int, tail: str, reason: str) -> list[dict[str, Any]]:
+    def _closing(self, i: int, tail: str, reason: str) -> list[dict[str, Any]]:
         """The answer's last chunks: text held back, whole calls, the finish reason."""
-        stream = held[i]
+        stream, delta = self.held[i], self.delta
         if stream is None:
             return [delta(i, {"content": tail} if tail else {}, reason)]
         now = stream.feed(tail)
         if stream.call is not None:  # a forced call already streaming: its last piece
             piece, whole = stream.finish_call()
-            entries, pending[i] = pending[i], []
+            entries = self._take_pending(i)
             chunks = [delta(i, {"tool_calls": [piece]}, None)] if piece else []
             if entries:
                 chunks.insert(0, delta(i, {}, None, {"content": entries}))
-            return chunks + [delta(i, {}, _finish(tools, reason, whole))]
+            return chunks + [delta(i, {}, _finish(self.tools, reason, whole))]
         rest, calls = stream.finish()
         rest = now + rest
-        entries, pending[i] = pending[i], []
+        entries = self._take_pending(i)
         logprobs = {"content": entries} if entries else None
         chunks = [delta(i, {"content": rest}, None, logprobs)] if rest or entries else []
         chunks += [delta(i, {"tool_calls": [{"index": k, **call}]}, None)
                    for k, call in enumerate(calls)]
-        finish = _finish(tools, reason) if calls else reason
+        finish = _finish(self.tools, reason) if calls else reason
         return chunks + [delta(i, {}, finish)]
-
-    def last() -> list[dict[str, Any]]:
-        return [{**base, "choices": [], "usage": usage.as_dict()}] if include_usage else []
-
-    # A forced call's answer has no text: its content is null from the first chunk, as in
-    # OpenAI's streams (an empty string would make the SDK's stream helper report "").
-    opening = {"role": "assistant", "content": None if tools.forced_call else ""}
-    first = [delta(i, opening, None) for i in range(len(fanout.calls))]
-    return sse_stream(fanout, on_token, on_finish, first, last)

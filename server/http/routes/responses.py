@@ -260,104 +260,129 @@ class _Events:
 async def _events(fanout: Fanout, shape: ResponseShape, tools: ToolPlan,
                   want_logprobs: bool) -> AsyncIterator[bytes]:
     """The stream of a response; see the module docstring for the order of events."""
-    event = _Events()
-    held = ToolStream(tools) if tools.mode != "none" else None
-    sent: list[str] = []  # message text streamed so far
-    logprobs: list[dict[str, Any]] = []  # of the text streamed so far
-    pending: list[dict[str, Any]] = []  # of tokens whose text is held back
-    where = {"item_id": shape.message_id, "output_index": 0, "content_index": 0}
+    stream = _ResponseEvents(shape, tools)
+    event = stream.event
     yield event("response.created", response=shape.base)
     yield event("response.in_progress", response=shape.base)
+    try:
+        async for _, item in fanout.events():
+            if isinstance(item, TokenEvent):
+                if want_logprobs:
+                    stream.pending += [chat_entry(r) for r in item.logprobs]
+                if frames := stream.on_text(item.text):
+                    yield b"".join(frames)
+                continue
+            yield b"".join(stream.finished(item))
+    except ClientGone:
+        return  # nobody is listening; the request is already cancelled
+    except APIError as exc:
+        yield event("response.failed", response=shape.failed(exc))
 
-    def opened() -> list[bytes]:
+
+class _ResponseEvents:
+    """The events of one streamed response's output, in the order the module docstring
+    gives: the message item's text (or a forced call's arguments) as it comes, then
+    every item's closing events."""
+
+    def __init__(self, shape: ResponseShape, tools: ToolPlan) -> None:
+        self.shape, self.event = shape, _Events()
+        self.held = ToolStream(tools) if tools.mode != "none" else None
+        self.sent: list[str] = []  # message text streamed so far
+        self.logprobs: list[dict[str, Any]] = []  # of the text streamed so far
+        self.pending: list[dict[str, Any]] = []  # of tokens whose text is held back
+        self.where = {"item_id": shape.message_id, "output_index": 0, "content_index": 0}
+
+    def opened(self) -> list[bytes]:
         """The message item's opening events, the first time text is to be sent."""
-        if sent:
+        if self.sent:
             return []
-        return [event("response.output_item.added", output_index=0,
-                      item=shape.message("", "in_progress", [])),
-                event("response.content_part.added", **where,
-                      part={"type": "output_text", "text": "", "annotations": [],
-                            "logprobs": []})]
+        return [self.event("response.output_item.added", output_index=0,
+                           item=self.shape.message("", "in_progress", [])),
+                self.event("response.content_part.added", **self.where,
+                           part={"type": "output_text", "text": "", "annotations": [],
+                                 "logprobs": []})]
 
-    def call_pieces() -> list[bytes]:
+    def call_pieces(self) -> list[bytes]:
         """A forced call's events for what the model has written of it so far."""
+        held = self.held
         piece = held.call_delta() if held is not None else None
         if piece is None:
             return []
         frames = []
         if "id" in piece:  # the name is known: the call's item opens
-            item = shape.call_item(held.streamed_call())
-            frames.append(event("response.output_item.added", output_index=0,
-                                item={**item, "status": "in_progress"}))
+            item = self.shape.call_item(held.streamed_call())
+            frames.append(self.event("response.output_item.added", output_index=0,
+                                     item={**item, "status": "in_progress"}))
         more = piece.get("function", {}).get("arguments")
         if more:
-            frames.append(event("response.function_call_arguments.delta",
-                                item_id=shape.call_id(held.call), output_index=0,
-                                delta=more))
+            frames.append(self.event("response.function_call_arguments.delta",
+                                     item_id=self.shape.call_id(held.call), output_index=0,
+                                     delta=more))
         return frames
 
-    def delta(text: str) -> list[bytes]:
-        nonlocal pending
-        frames = opened()
-        entries, pending = pending, []
-        logprobs.extend(entries)
-        sent.append(text)
-        return frames + [event("response.output_text.delta", **where, delta=text,
-                               logprobs=entries)]
+    def delta(self, text: str) -> list[bytes]:
+        frames = self.opened()
+        entries, self.pending = self.pending, []
+        self.logprobs.extend(entries)
+        self.sent.append(text)
+        return frames + [self.event("response.output_text.delta", **self.where, delta=text,
+                                    logprobs=entries)]
 
-    try:
-        async for _, item in fanout.events():
-            if isinstance(item, TokenEvent):
-                if want_logprobs:
-                    pending += [chat_entry(r) for r in item.logprobs]
-                text = item.text if held is None else held.feed(item.text)
-                if text:
-                    yield b"".join(delta(text))
-                elif frames := call_pieces():
-                    yield b"".join(frames)
-                continue
-            finished: Finished = item
-            streaming_call = held is not None and held.call is not None
-            if streaming_call:  # its item is open: its last arguments, then it closes
-                held.feed(finished.text)
-                last, _ = held.finish_call()
-                rest, calls = "", [held.streamed_call()]
+    def on_text(self, text: str) -> list[bytes]:
+        """A token's events: its text, or a forced call's new arguments (often none)."""
+        text = text if self.held is None else self.held.feed(text)
+        return self.delta(text) if text else self.call_pieces()
+
+    def finished(self, finished: Finished) -> list[bytes]:
+        """The last text, then every output item's closing events and the response's."""
+        held = self.held
+        streaming_call = held is not None and held.call is not None
+        last = None
+        if streaming_call:  # its item is open: its last arguments, then it closes
+            held.feed(finished.text)
+            last, _ = held.finish_call()
+            rest, calls = "", [held.streamed_call()]
+        else:
+            rest, calls = (finished.text, []) if held is None \
+                else _finish(held, finished.text)
+        frames = self.delta(rest) if rest else []
+        text = "".join(self.sent)
+        done = self.shape.response(
+            self.shape.items(text, calls, self.logprobs if not calls else []), finished)
+        for index, out in enumerate(done["output"]):
+            if out["type"] == "message":
+                frames += self._message_done(out, text)
             else:
-                rest, calls = (finished.text, []) if held is None \
-                    else _finish(held, finished.text)
-            frames = delta(rest) if rest else []
-            text = "".join(sent)
-            done = shape.response(shape.items(text, calls, logprobs if not calls else []),
-                                  finished)
-            for index, out in enumerate(done["output"]):
-                if out["type"] == "message":
-                    part = out["content"][0]
-                    frames += opened() + [
-                        event("response.output_text.done", **where, text=text,
-                              logprobs=part["logprobs"]),
-                        event("response.content_part.done", **where, part=part)]
-                else:
-                    at = {"item_id": out["id"], "output_index": index}
-                    if streaming_call:
-                        tail = (last or {}).get("function", {}).get("arguments")
-                        frames += [event("response.function_call_arguments.delta", **at,
-                                         delta=tail)] if tail else []
-                    else:
-                        frames += [event("response.output_item.added", output_index=index,
-                                         item={**out, "arguments": "",
-                                               "status": "in_progress"}),
-                                   event("response.function_call_arguments.delta", **at,
-                                         delta=out["arguments"])]
-                    frames.append(event("response.function_call_arguments.done", **at,
-                                        arguments=out["arguments"], name=out["name"]))
-                frames.append(event("response.output_item.done", output_index=index, item=out))
-            kind = "response.incomplete" if done["status"] == "incomplete" \
-                else "response.completed"
-            yield b"".join(frames + [event(kind, response=done)])
-    except ClientGone:
-        return  # nobody is listening; the request is already cancelled
-    except APIError as exc:
-        yield event("response.failed", response=shape.failed(exc))
+                tail = (last or {}).get("function", {}).get("arguments") if streaming_call \
+                    else None
+                frames += self._call_done(index, out, streaming_call, tail)
+            frames.append(self.event("response.output_item.done", output_index=index,
+                                     item=out))
+        kind = "response.incomplete" if done["status"] == "incomplete" \
+            else "response.completed"
+        return frames + [self.event(kind, response=done)]
+
+    def _message_done(self, out: dict[str, Any], text: str) -> list[bytes]:
+        part = out["content"][0]
+        return self.opened() + [
+            self.event("response.output_text.done", **self.where, text=text,
+                       logprobs=part["logprobs"]),
+            self.event("response.content_part.done", **self.where, part=part)]
+
+    def _call_done(self, index: int, out: dict[str, Any], streamed: bool,
+                   tail: str | None) -> list[bytes]:
+        """A call item's closing events; one not streamed yet is sent whole first."""
+        at = {"item_id": out["id"], "output_index": index}
+        if streamed:
+            frames = [self.event("response.function_call_arguments.delta", **at,
+                                 delta=tail)] if tail else []
+        else:
+            frames = [self.event("response.output_item.added", output_index=index,
+                                 item={**out, "arguments": "", "status": "in_progress"}),
+                      self.event("response.function_call_arguments.delta", **at,
+                                 delta=out["arguments"])]
+        return frames + [self.event("response.function_call_arguments.done", **at,
+                                    arguments=out["arguments"], name=out["name"])]
 
 
 def _finish(held: ToolStream, tail: str) -> tuple[str, list[dict[str, Any]]]:
