@@ -21,7 +21,7 @@ define BUILD_KERNELS
 	$(PY) -m veloxquant_mlx.kernels || echo "make: native kernels not built (see above); quantized models will run slower"
 endef
 
-.PHONY: install serve test lint bench smoke blas model clean
+.PHONY: install serve test test-fast lint bench smoke blas model clean
 
 # Python >= 3.10 with its venv module, said in one line when missing; then .venv.
 define MAKE_VENV
@@ -67,6 +67,11 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The quick loop: every test but those marked slow (subprocess servers, wheel and image
+# builds, nginx, distributed ranks, soaks).
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmark_scripts/benchmark_block_pool.py

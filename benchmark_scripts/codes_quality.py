@@ -2,7 +2,7 @@
 
 On a CPU the server computes a quantized model's layers from the checkpoint's codes
 (``veloxquant_mlx/codes_linear.py``): decode-sized products with int8 activations.
-Here the fixed English paragraph of ``tests/server/test_real_model.py`` is fed one
+Here the fixed English paragraph of ``tests/e2e/test_real_model.py`` is fed one
 token at a time (every product one row: int8 activations), its perplexity taken, then
 again on the exact float32 weights (``model.max_dequantized_bytes`` above their size),
 and the two log-probability tables compared. Each GGUF file runs in a child with the
@@ -40,7 +40,7 @@ def child(path: str) -> dict:
 
     from server.model_loader import load_model
     from server.settings import ModelSection
-    from tests.server.test_real_model import ENGLISH_TEXT
+    from tests.e2e.test_real_model import ENGLISH_TEXT
 
     loaded = load_model(ModelSection(path=path))
     if not loaded.codes_layers:

@@ -4,7 +4,7 @@ For each file: the tensor types it holds, how long the conversion takes, the
 converted model's logits on a chat prompt against an independent float64
 NumPy forward pass of the file (``tests/gguf/reference.py``, which
 dequantizes with the ``gguf`` package), perplexity on the fixed English text
-of ``tests/server/test_real_model.py`` and greedy answers to its factual
+of ``tests/e2e/test_real_model.py`` and greedy answers to its factual
 questions (the model as the server loads it, in this process: its layers
 computing from their codes), then single-stream decode speed through a real
 ``python -m server`` on the file (its start-up line says how many layers compute
@@ -137,9 +137,9 @@ def check_file(path: Path, cache: Path) -> dict:
 
     from server.model_loader import load_model
     from server.settings import ModelSection
+    from tests.e2e.test_real_model import ENGLISH_TEXT, FACTS
     from tests.gguf.reference import ReferenceModel
     from tests.gguf.test_logits import SMOLLM2_PROMPT
-    from tests.server.test_real_model import ENGLISH_TEXT, FACTS
     from veloxquant_mlx.gguf import convert_gguf, read_header
     from veloxquant_mlx.gguf.validate import tensor_type_counts
 

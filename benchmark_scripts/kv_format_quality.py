@@ -5,7 +5,7 @@ JSON line. Everything goes through the server's own paged KV batch on an arena
 of the format under test, so stored tokens are read back from quantized
 blocks exactly as when serving:
 
-- perplexity on the fixed English text of ``tests/server/test_real_model.py``,
+- perplexity on the fixed English text of ``tests/e2e/test_real_model.py``,
   teacher-forced ONE token per model call: every token's logits come from
   keys and values read back from the blocks (a single prefill call would see
   its own columns unquantized and measure nothing);
@@ -34,7 +34,7 @@ import mlx.core as mx  # noqa: E402
 
 from server.model_loader import load_model  # noqa: E402
 from server.settings import load_settings  # noqa: E402
-from tests.server.test_real_model import ENGLISH_TEXT  # noqa: E402
+from tests.e2e.test_real_model import ENGLISH_TEXT  # noqa: E402
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig  # noqa: E402
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout  # noqa: E402
 from veloxquant_mlx.memory.kv_format import KVFormat  # noqa: E402

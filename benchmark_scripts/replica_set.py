@@ -1,6 +1,6 @@
 """``scripts/run_replicas.sh`` as a child process: N replicas behind nginx, their URLs and pids.
 
-Used by ``benchmark_replicas.py`` and ``tests/server/test_replicas.py``. The script
+Used by ``benchmark_replicas.py`` and ``tests/e2e/test_replicas.py``. The script
 prints one line per replica, one for the balancer, then ``ready``; a reader thread
 keeps every line it prints afterwards (a replica's exit status, the stop messages),
 so callers can wait for one with a deadline instead of blocking on the pipe.

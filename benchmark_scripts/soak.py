@@ -16,7 +16,7 @@ Afterwards the server must be idle with nothing held: zero 5xx (HTTP status
 or an error frame inside a stream), ``blocks_in_use`` 0, no orphaned blocks,
 every allocated block freed, and RSS after the run within the stated bound of
 RSS after warm-up. Writes ``figures/reliability/soak.json``; exits 1 when a
-check fails. ``tests/server/test_soak.py`` runs a short version in CI.
+check fails. ``tests/e2e/test_soak.py`` runs a short version in CI.
 """
 
 from __future__ import annotations

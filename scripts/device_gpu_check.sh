@@ -136,10 +136,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 
 TEST_T=$((570 - (SECONDS - START)))
 [ -n "${SKIP_TESTS:-}" ] && TEST_T=0  # a rerun of the figures alone
-[ "$TEST_T" -gt 0 ] && PYTHONPATH=$(pwd) timeout $((TEST_T > 30 ? TEST_T : 30)) python3 -m pytest -q -p no:cacheprovider tests/test_mlx_env.py tests/server/test_drain.py \
-    tests/test_mlx_device.py tests/server/test_model_weights.py tests/server/test_batch_sampling.py \
+[ "$TEST_T" -gt 0 ] && PYTHONPATH=$(pwd) timeout $((TEST_T > 30 ? TEST_T : 30)) python3 -m pytest -q -p no:cacheprovider tests/test_mlx_env.py tests/e2e/test_drain.py \
+    tests/test_mlx_device.py tests/server/test_model_weights.py tests/engine/test_batch_sampling.py \
     tests/test_compiled_decode.py tests/test_fused_projections.py tests/memory/test_maskless_decode.py \
-    tests/server/test_event_timing.py \
+    tests/engine/test_event_timing.py \
     2>&1 | tail -25 | tee -a "$OUT/checks.log"
 rm -f "$OUT/results.tmp"  # a half-written copy, only if the run was cut mid-save
 ls -la "$OUT" "$OUT/logs" 2>/dev/null

@@ -181,24 +181,10 @@ def apply_plan(model: Any, plan: WeightPlan, group16: dict | None = None) -> int
     mx.eval(model.parameters())
     # What the swap freed stays resident otherwise: the replaced arrays in MLX's buffer
     # cache, the repacking's temporaries in glibc's heap (286 MiB of a 1B model's load).
-    mx.clear_cache()
-    release_free_heap()
+    from veloxquant_mlx.freed_memory import release_freed_memory
+
+    release_freed_memory()
     return layers
-
-
-def release_free_heap() -> None:
-    """Give glibc's free heap memory back to the system (nothing elsewhere)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        return
-    if trim is not None:  # glibc only: musl and macOS have none
-        trim(0)
 
 
 def weight_bytes(model: Any) -> int:

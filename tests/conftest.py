@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# The live-server fixtures and helpers (tests.support.servers) serve tests/engine,
+# tests/http, tests/e2e and tests/server alike.
+pytest_plugins = ["tests.support.servers"]
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:

@@ -50,11 +50,13 @@ def test_every_embedded_chart_has_a_source(charts):
     assert [n for n in embedded() if n not in charts.CHARTS] == []
 
 
+@pytest.mark.slow
 def test_committed_charts_match_their_json(charts):
     # --check prints what differs to stderr, which pytest shows on failure
     assert charts.main(["--check"]) == 0, "run: python scripts/render_charts.py"
 
 
+@pytest.mark.slow
 def test_check_reports_a_stale_and_a_missing_chart(charts, rendered, tmp_path):
     shutil.copytree(CHARTS_DIR, tmp_path, dirs_exist_ok=True)
     stale, missing = list(charts.CHARTS)[:2]

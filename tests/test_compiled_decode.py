@@ -43,6 +43,7 @@ def compiled(tiny_model_path):
 
 
 @pytest.mark.parametrize(("fast", "write_back"), [(False, 1), (True, 1), (False, 8), (True, 8)])
+@pytest.mark.slow
 def test_decode_logits_are_bit_identical_while_rows_join_and_leave(plain, compiled, fast,
                                                                    write_back):
     runs = [_joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(5), 30,

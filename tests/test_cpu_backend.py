@@ -82,6 +82,7 @@ SERVES_MLX = """
 
 
 @requires_wheel
+@pytest.mark.slow
 def test_the_wheel_serves_mlx_float32_matmuls_through_the_forward() -> None:
     report = _report(_child(SERVES_MLX))
     assert report["loaded"] == report["again"] == str(WHEEL.path)
@@ -95,6 +96,7 @@ def test_the_wheel_serves_mlx_float32_matmuls_through_the_forward() -> None:
 
 
 @requires_wheel
+@pytest.mark.slow
 def test_a_thread_timeout_of_ones_own_is_kept() -> None:
     env = dict(cb.child_env(preload=True), **{cb.THREAD_TIMEOUT_ENV: "20"})
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(SERVES_MLX)], cwd=ROOT,
@@ -128,6 +130,7 @@ ENTRY = """
 
 
 @requires_wheel
+@pytest.mark.slow
 def test_the_server_entry_point_loads_in_place_without_exec() -> None:
     done = _child(ENTRY)
     report = _report(done)
@@ -137,6 +140,7 @@ def test_the_server_entry_point_loads_in_place_without_exec() -> None:
 
 
 @pytest.mark.parametrize("which", ["wheel", "system", "wheel, pass-through"])
+@pytest.mark.slow
 def test_the_forward_computes_what_sgemm_computes(which: str) -> None:
     """Every row-major one-row product the forward serves (both transposes of each
     operand, padded leading dimensions, beta 0 over NaN and beta 2) and a three-row product
@@ -242,6 +246,7 @@ def _without_file_permission_override() -> list[str] | None:
 
 
 @linux_only
+@pytest.mark.slow
 def test_an_unreadable_blas_falls_back_with_one_warning(tmp_path: Path) -> None:
     """The library's folder may not be searched: the bundled BLAS serves, one line says why."""
     prefix = _without_file_permission_override()
@@ -264,6 +269,7 @@ def test_an_unreadable_blas_falls_back_with_one_warning(tmp_path: Path) -> None:
 
 
 @linux_only
+@pytest.mark.slow
 def test_a_broken_blas_falls_back_with_one_warning(tmp_path: Path) -> None:
     """Not a library, and a library without sgemm: both named on one line, no traceback."""
     garbage = tmp_path / "libblas.so.3"
@@ -286,6 +292,7 @@ void cblas_sgemv(void) { __builtin_trap(); }
 
 
 @linux_only
+@pytest.mark.slow
 def test_a_blas_that_crashes_is_caught_by_the_probe(tmp_path: Path) -> None:
     """The check runs in a child: the crash ends the child, never the loading process."""
     gcc = shutil.which("gcc")
@@ -301,6 +308,7 @@ def test_a_blas_that_crashes_is_caught_by_the_probe(tmp_path: Path) -> None:
 
 
 @requires_wheel
+@pytest.mark.slow
 def test_after_mlx_is_imported_nothing_loads_and_one_line_says_why() -> None:
     done = _child("""
         import mlx.core
@@ -313,6 +321,7 @@ def test_after_mlx_is_imported_nothing_loads_and_one_line_says_why() -> None:
 
 @requires_wheel
 @pytest.mark.parametrize("how", ["env", "setting"])
+@pytest.mark.slow
 def test_the_opt_outs_leave_mlx_on_its_bundled_blas(how: str) -> None:
     env = cb.child_env(preload=how != "env")
     done = _child(f"""
@@ -362,6 +371,7 @@ def test_a_chosen_blas_library_is_the_only_candidate(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.skipif(SYSTEM is None, reason="no distribution OpenBLAS installed")
+@pytest.mark.slow
 def test_a_chosen_distribution_blas_serves_mlx() -> None:
     env = dict(cb.child_env(preload=True), **{cb.CHOICE_ENV: str(SYSTEM.path)})
     report = _report(_child(SERVES_MLX, env=env))

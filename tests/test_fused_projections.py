@@ -24,7 +24,7 @@ from server.engine.engine import Engine
 from server.metrics import ServerMetrics
 from server.model_loader import load_model
 from tests.memory.test_paged_batch import _arena, _joins_and_leaves, _paged, _prompt
-from tests.server.conftest import make_settings
+from tests.support.servers import make_settings
 from veloxquant_mlx.compiled_decode import compile_decode_blocks, fused_of
 from veloxquant_mlx.fused_projections import fusable, fuse_block, fuse_group
 from veloxquant_mlx.llama_model import own_model
@@ -119,6 +119,7 @@ def _assert_same_decode(plain, fused) -> None:
 
 
 @pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.slow
 def test_a_fused_compiled_model_decodes_the_plain_logits(tiny_model_path, quantize):
     plain, fused = _tiny_pair(tiny_model_path, quantize)
     names = [n for n, _ in tree_flatten(fused.parameters())]
@@ -195,6 +196,7 @@ def test_codes_layers_fuse_and_compute_what_they_did(tiny_model_path, rows):
             assert mx.array_equal(w, layer(x)), name  # the members' own calls on the views
 
 
+@pytest.mark.slow
 def test_a_fused_compiled_codes_model_decodes_the_unfused_logits(tiny_model_path):
     plain, fused = (_codes_model(tiny_model_path) for _ in range(2))
     assert compile_decode_blocks(plain, fuse_projections=False) == len(plain.layers)

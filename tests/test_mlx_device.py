@@ -79,6 +79,7 @@ def fake_libs(tmp_path: Path) -> SimpleNamespace:
 
 @requires_gcc
 @linux_only
+@pytest.mark.slow
 def test_elf_needed_reads_what_the_linker_wrote(fake_libs: SimpleNamespace) -> None:
     assert "libcuda.so.1" in md.elf_needed(fake_libs.cuda_build)
     assert "libcuda.so.1" not in md.elf_needed(fake_libs.cpu_build)
@@ -98,6 +99,7 @@ def test_elf_needed_refuses_what_is_not_a_64_bit_elf(tmp_path: Path) -> None:
 
 @requires_gcc
 @linux_only
+@pytest.mark.slow
 def test_cuda_build_is_recognised_without_importing_mlx(tmp_path: Path,
                                                         fake_libs: SimpleNamespace) -> None:
     # mlx-cuda-13 wrote libmlx.so last (e.g. installed on top of a CPU install).
@@ -109,6 +111,7 @@ def test_cuda_build_is_recognised_without_importing_mlx(tmp_path: Path,
 
 @requires_gcc
 @linux_only
+@pytest.mark.slow
 def test_cpu_library_over_an_installed_cuda_wheel_is_reported(tmp_path: Path,
                                                                fake_libs: SimpleNamespace) -> None:
     # A fresh `pip install '.[cuda]'`: mlx-cpu's copy of the shared file was written last.

@@ -38,6 +38,7 @@ def test_an_operators_value_is_kept() -> None:
     assert environ == {CHECK: "1"}
 
 
+@pytest.mark.slow
 def test_the_module_imports_no_mlx() -> None:
     code = ("import sys; import veloxquant_mlx.mlx_env, server.__main__; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))")
@@ -126,6 +127,7 @@ def _cuda() -> bool:
 
 
 @pytest.mark.skipif(not _cuda(), reason="MLX's CUDA backend only (run in the device check)")
+@pytest.mark.slow
 def test_on_cuda_the_server_defaults_serve_what_mlx_defaults_fail(tiny_model_path: Path) -> None:
     ours = _engine_under_small_caches(tiny_model_path, "server-defaults")
     assert ours["device"].startswith("Device(gpu")

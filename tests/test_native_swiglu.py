@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from tests.memory.test_native_attention import _run_child, needs_forward
+
+pytestmark = pytest.mark.slow
 
 VALUES_CHECK = textwrap.dedent(
     """

@@ -142,6 +142,7 @@ def test_a_folder_without_sixteen_value_codes_has_none(tmp_path):
     assert load_group16_parts(tmp_path) == {}
 
 
+@pytest.mark.slow
 def test_the_served_default_model_computes_from_its_codes_and_answers(tmp_path: Path) -> None:
     """``python -m server`` as a user starts it: every projection and the tied embedding
     of SmolLM2's 30 layers compute from their codes, and the facts hold."""

@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from veloxquant_mlx import llama_model
+from veloxquant_mlx.freed_memory import release_freed_memory
 from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block, plain_settings
 from veloxquant_mlx.llama_model import Block
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
@@ -185,4 +186,6 @@ def compile_decode_blocks(model: Any, fuse_projections: bool = True) -> int:
         halves = shared.get(key) or shared.setdefault(key, _Halves(block))
         block.decode = DecodeHalves(halves, tuple(w for _, w in
                                                   tree_flatten(_decode_tree(block))))
+    if fuse_projections and blocks:  # the members' old buffers: ~270 MiB of a 1B model
+        release_freed_memory()
     return len(blocks)

@@ -61,7 +61,7 @@ from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
-from veloxquant_mlx.memory.pooled_caches import build_pooled_caches
+from veloxquant_mlx.memory.pooled_caches import caches_over
 
 log = logging.getLogger("veloxquant.server")
 # The smallest chunk a time-sliced prefill cuts, also its first (measuring) chunk: below
@@ -152,7 +152,7 @@ class ModelRunner:
             row.matcher = params.constraint.matcher()
         row.task = task
         # Its KV: the request's block table in the pool's storage, under its owner.
-        row.kv = build_pooled_caches(self.model, self.pool, owner, storage=self.arena)
+        row.kv = caches_over(self.arena, owner)
         self.prefilling.append(row)
 
     def remove(self, owners: Iterable[int]) -> dict[int, int]:

@@ -17,6 +17,7 @@ def test_type_table_matches_gguf_package():
 
 
 @pytest.mark.parametrize("which", ["smollm2", "mixed"])
+@pytest.mark.slow
 def test_header_matches_gguf_reader(which, smollm2_path, synthetic_files):
     path = smollm2_path if which == "smollm2" else synthetic_files[which]
     ours = read_header(path)

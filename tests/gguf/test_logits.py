@@ -92,6 +92,7 @@ def smollm2_reference(smollm2_path) -> np.ndarray:
     return ReferenceModel(smollm2_path).logits(SMOLLM2_PROMPT)
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_reference(smollm2_folder, smollm2_reference):
     model, _ = mlx_lm.load(str(smollm2_folder))  # own copy: set_dtype must not leak
     got = mlx_logits(model, SMOLLM2_PROMPT)
@@ -103,6 +104,7 @@ def test_smollm2_logits_match_reference(smollm2_folder, smollm2_reference):
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.slow
 def test_smollm2_check_fails_without_unpermute(smollm2_folder, smollm2_reference):
     model, _ = mlx_lm.load(str(smollm2_folder))  # a private copy: it gets damaged
     repermute_qk(model, 9, 3)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from mlx_lm import generate
+
+pytestmark = pytest.mark.slow
 
 
 def test_greedy_answer_names_paris(smollm2_loaded):

@@ -20,6 +20,7 @@ HERE = Path(__file__).parent
 ALLOCATOR_TESTS = sorted(str(p) for p in HERE.glob("test_block_pool*.py") if "pure" not in p.name)
 
 
+@pytest.mark.slow
 def test_pure_python_switch_loads_the_source():
     code = "import veloxquant_mlx.memory as m; print(m.NATIVE_ALLOCATOR)"
     env = {**os.environ, "VELOXQUANT_PURE_PYTHON": "1"}
@@ -28,6 +29,7 @@ def test_pure_python_switch_loads_the_source():
 
 
 @pytest.mark.skipif(not memory.NATIVE_ALLOCATOR, reason="this run already uses pure Python")
+@pytest.mark.slow
 def test_allocator_tests_pass_on_the_pure_python_source():
     env = {**os.environ, "VELOXQUANT_PURE_PYTHON": "1"}
     out = subprocess.run(

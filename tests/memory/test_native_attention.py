@@ -145,6 +145,7 @@ def _run_child(script: str, *args: str, preload: bool = True) -> dict:
 
 
 @needs_forward
+@pytest.mark.slow
 def test_kernel_is_float64_attention_within_float32_rounding() -> None:
     report = _run_child(KERNEL_CHECK)
     assert len(report["cases"]) == 5
@@ -156,6 +157,7 @@ def test_kernel_is_float64_attention_within_float32_rounding() -> None:
 
 
 @needs_forward
+@pytest.mark.slow
 def test_a_paged_prefill_goes_through_the_kernel_with_stock_logits(tiny_model_path) -> None:
     report = _run_child(PREFILL_CHECK, str(tiny_model_path))
     assert report["kernel"] and report["described"]  # the start-up line says so
@@ -166,6 +168,7 @@ def test_a_paged_prefill_goes_through_the_kernel_with_stock_logits(tiny_model_pa
     assert report["free"]
 
 
+@pytest.mark.slow
 def test_without_the_preload_the_kernel_is_absent_and_mlx_attends(tiny_model_path) -> None:
     report = _run_child(PREFILL_CHECK, str(tiny_model_path), preload=False)
     assert not report["kernel"] and report["calls"] == [] and not report["described"]

@@ -117,6 +117,7 @@ def test_end_of_turn_token_stops_generation(tiny_model):
     assert out[-1].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_and_seeded(tmp_path, tiny_model_path):
     first = ensure_model("tiny", root=tmp_path / "a")
     assert fingerprint(first) == fingerprint(tiny_model_path)
@@ -128,6 +129,7 @@ def test_build_is_deterministic_and_seeded(tmp_path, tiny_model_path):
     assert not list((tmp_path / "a").glob(".tiny.build-*"))  # staging folder cleaned up
 
 
+@pytest.mark.slow
 def test_existing_current_build_is_reused_and_stale_or_forced_rebuilt(tmp_path):
     folder = ensure_model("tiny", root=tmp_path)
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
@@ -145,6 +147,7 @@ def test_existing_current_build_is_reused_and_stale_or_forced_rebuilt(tmp_path):
     assert (folder / "model.safetensors").stat().st_mtime_ns != stamp
 
 
+@pytest.mark.slow
 def test_concurrent_builders_build_once(tmp_path, monkeypatch):
     builds = []
     real_build = offline_model.build_model
@@ -181,6 +184,7 @@ def test_small_preset_is_about_57m_parameters():
     assert 50e6 < n_params < 100e6
 
 
+@pytest.mark.slow
 def test_cli_prints_the_model_folder(tmp_path):
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_model.py"), "--preset", "tiny",

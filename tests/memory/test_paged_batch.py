@@ -185,6 +185,7 @@ def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False,
 
 
 @pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.slow
 def test_joins_and_leaves_keep_every_owner_exact_and_memory_bounded(model, fast):
     _joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(7), 40,
                       join_p=0.4, leave_p=0.3, fast=fast)

@@ -82,6 +82,7 @@ def test_held_columns_give_the_stock_logits(model, monkeypatch, fast):
 
 
 @pytest.mark.parametrize("seed", [3, 11])
+@pytest.mark.slow
 def test_joins_and_leaves_while_holding_match_writing_every_call(model, seed):
     def run(write_back):
         return _joins_and_leaves(model, _arena(model, n_blocks=4096), random.Random(seed), 36,

@@ -21,7 +21,7 @@ import pytest
 import server.__main__ as entry
 from server.cli import build_parser, default_comments, parse_args, settings_from_args
 from server.settings import SECTIONS, ConfigError, Settings
-from tests.server.conftest import run_server
+from tests.support.servers import run_server
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}|{% endfor %}"
@@ -199,6 +199,7 @@ def test_print_config_shows_each_source_and_hides_secrets(
     assert all("s3cret" not in line for line in lines.values())
 
 
+@pytest.mark.slow
 def test_python_dash_m_server_prints_the_config_and_exits_0() -> None:
     done = subprocess.run([sys.executable, "-m", "server", "--print-config", "-np", "3"],
                           cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},

@@ -98,6 +98,7 @@ def test_console_script_is_run() -> None:
     assert scripts == {"veloxquant-serve": "server.__main__:run"}
 
 
+@pytest.mark.slow
 def test_python_dash_m_server_exits_with_mains_code() -> None:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     bad = subprocess.run([sys.executable, "-m", "server", "--config", "/no/such/file.toml"],

@@ -23,7 +23,7 @@ from server.engine.engine import Engine
 from server.metrics import ServerMetrics
 from server.model_loader import load_model
 from server.settings import ModelSection
-from tests.server.conftest import make_settings
+from tests.support.servers import make_settings
 from veloxquant_mlx.family_models import FAMILIES, WINDOW, build_family_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -23,6 +25,7 @@ def _resolve(model: str, hub_cache: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_a_cached_repo_id_resolves_to_its_snapshot(tiny_model_path: Path, tmp_path: Path):
     # The layout huggingface_hub writes: refs/main names the snapshot folder.
     repo = tmp_path / "models--veloxquant--tiny-test"
@@ -34,6 +37,7 @@ def test_a_cached_repo_id_resolves_to_its_snapshot(tiny_model_path: Path, tmp_pa
     assert Path(out.stdout.strip()) == repo / "snapshots" / COMMIT
 
 
+@pytest.mark.slow
 def test_an_uncached_repo_id_says_only_local_paths_load_offline(tmp_path: Path):
     out = _resolve("veloxquant/not-there", tmp_path)
     assert out.returncode != 0
@@ -50,6 +54,7 @@ def _serve(args: list[str], home: Path) -> subprocess.CompletedProcess:
                           cwd=home if home.is_dir() else home.parent)
 
 
+@pytest.mark.slow
 def test_a_bad_gguf_stops_start_up_with_one_line_and_writes_nothing(tmp_path: Path):
     from tests.gguf import synth
 
@@ -79,12 +84,14 @@ def test_a_gguf_file_converts_once_into_the_models_cache(tmp_path: Path, monkeyp
     assert resolve_model_path(ModelSection(path=str(gguf))) == folder
 
 
+@pytest.mark.slow
 def test_a_missing_gguf_says_so(tmp_path: Path):
     out = _serve(["--model", str(tmp_path / "nope.gguf")], tmp_path)
     assert out.returncode == 2
     assert "nope.gguf" in out.stderr and "does not exist" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_cache_folder_that_cannot_be_made_stops_start_up_with_one_line(tmp_path: Path):
     from tests.gguf import synth
 
@@ -100,6 +107,7 @@ def test_a_cache_folder_that_cannot_be_made_stops_start_up_with_one_line(tmp_pat
         assert "set VELOXQUANT_HOME to a folder this user can write" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_port_in_use_or_a_bad_host_stops_start_up_before_the_model_loads(tmp_path: Path):
     import socket
 
@@ -118,6 +126,7 @@ def test_a_port_in_use_or_a_bad_host_stops_start_up_before_the_model_loads(tmp_p
     assert not (tmp_path / "models").exists()  # nothing was built or converted first
 
 
+@pytest.mark.slow
 def test_a_folder_whose_config_is_not_json_is_named(tmp_path: Path):
     folder = tmp_path / "model"
     folder.mkdir()

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from server.engine.pool_fit import arena_problem, device_memory_bytes, records_problem
-from tests.server.conftest import make_settings
+from tests.support.servers import make_settings
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -53,6 +55,7 @@ def _start(tiny: Path, **env: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env=full, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_impossible_pools_and_formats_stop_start_up_with_exit_2(tiny_model_path) -> None:
     cases = [({"VELOXQUANT_POOL_N_BLOCKS": str(10**20)}, "bad configuration: pool.n_blocks"),
              ({"VELOXQUANT_POOL_KV_MEMORY": "1000TiB"},
@@ -105,7 +108,7 @@ def test_a_default_pool_serves_its_stated_context_and_a_sized_one_warns(tiny_mod
     """Live: the tiny model (4 layers) with a 40,960-token context needs 20,480 blocks."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.server.conftest import run_server
+    from tests.support.servers import run_server
 
     limits = {"max_prompt_tokens": 40000, "max_tokens_cap": 960, "max_context_tokens": 40960}
     settings = make_settings(model={"path": str(tiny_model_path)}, limits=limits)

@@ -15,7 +15,7 @@ import pytest
 from server.__main__ import parse_args, settings_from_args
 from server.model_loader import served_names
 from server.settings import ConfigError, ModelSection, load_settings
-from tests.server.conftest import make_settings, run_server
+from tests.support.servers import make_settings, run_server
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -45,6 +45,7 @@ def test_aliases_replace_the_default_name_the_first_is_primary():
     assert served_names(section, Path("/snapshot")) == ("chat", "gpt-4o-mini")
 
 
+@pytest.mark.slow
 def test_a_cached_hub_id_is_served_under_that_id(tiny_model_path: Path, tmp_path: Path):
     # The layout huggingface_hub writes: refs/main names the snapshot folder by commit.
     repo = tmp_path / "models--veloxquant--tiny-test"

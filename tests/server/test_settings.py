@@ -178,6 +178,7 @@ def test_every_veloxquant_env_name_in_the_code_is_known():
     assert found - valid - placeholders == set()
 
 
+@pytest.mark.slow
 def test_the_typo_stops_a_real_start_up():
     proc = _serve(env_extra={"VELOXQUANT_LIMIT_MAX_QUEUE": "0"})
     assert proc.returncode == 2
@@ -253,12 +254,14 @@ def _serve(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Co
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_start_up_stops_on_bad_config(tmp_path):
     proc = _serve("--config", str(write(tmp_path, "[pool]\nn_blocks = -1\n")))
     assert proc.returncode == 2
     assert "'pool.n_blocks'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_hub_ids_are_refused_offline():
     proc = _serve("--model", "mlx-community/Llama-3.2-1B-Instruct-4bit")
     assert proc.returncode == 2
@@ -267,6 +270,7 @@ def test_hub_ids_are_refused_offline():
 
 @pytest.mark.parametrize("env", [{"VELOXQUANT_ADMIN_TOKEN": "t\u00f6ken"},
                                  {"VELOXQUANT_API_KEY": " \n"}])
+@pytest.mark.slow
 def test_a_bad_secret_stops_a_real_start_up_naming_the_variable(env):
     proc = _serve(env_extra=env)
     assert proc.returncode == 2

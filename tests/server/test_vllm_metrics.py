@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import kv_usage_ratio
-from tests.server.conftest import LiveServer, make_settings, run_server
 from tests.server.test_observability_config import metric_names
+from tests.support.servers import LiveServer, make_settings, run_server
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.prefix_cache import PrefixCache
 

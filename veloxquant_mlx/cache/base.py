@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
 
-if TYPE_CHECKING:
-    from veloxquant_mlx.cache.builder import KVCacheConfig
+# ``config`` arguments below are builder.KVCacheConfig objects, untyped here as in every
+# method's module: the builder imports the caches, so they do not import it back.
 
 #: Methods that exist only as VeloxQuant ``KVCache`` implementations (mlx-lm's
 #: ``generate()`` never drives them); ``kivi`` implements the same ABC too.
@@ -114,18 +114,18 @@ class KVCache(ABC):
     bits_range: ClassVar[tuple[int, int]] = (1, 8)
     default_bits: ClassVar[int] = 4
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config) -> None:
         self.config = config
         self.head_dim = config.head_dim
         self.bits = int(config.bits if config.bits is not None else self.default_bits)
 
     @classmethod
-    def head_dim_error(cls, config: KVCacheConfig) -> str | None:
+    def head_dim_error(cls, config) -> str | None:
         """Say why ``config.head_dim`` is unsupported, or ``None`` if it is fine."""
         return None
 
     @classmethod
-    def knob_error(cls, config: KVCacheConfig) -> str | None:
+    def knob_error(cls, config) -> str | None:
         """Say which of the method's other settings is unusable (naming it), or ``None``."""
         return None
 

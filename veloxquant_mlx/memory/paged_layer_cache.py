@@ -11,13 +11,10 @@ separately so the CPU's attention can skip concatenating them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
-
-if TYPE_CHECKING:  # the batch builds its layers' caches: no import at run time
-    from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 
 
 class PagedLayerCache(_mlx_cache._BaseCache):
@@ -28,7 +25,9 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         layer: This layer's index.
     """
 
-    def __init__(self, batch: PagedKVBatch, layer: int) -> None:
+    def __init__(self, batch: Any, layer: int) -> None:
+        # batch: the PagedKVBatch that made this cache (not imported: the batch imports
+        # this module to build its layers' caches).
         self.batch = batch
         self.layer = layer
         self.written = 0  # columns this layer appended

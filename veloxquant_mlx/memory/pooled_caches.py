@@ -45,12 +45,24 @@ def build_pooled_caches(
     layers = len(model.layers)
     if storage is None:
         return _as_layers([PoolBackedKVCache(pool, owner, step) for _ in range(layers)])
-    blocks = RequestBlocks(storage, owner)
     if storage.pool is not pool or storage.layout.n_layers != layers:
         raise ValueError(f"storage is laid out for {storage.layout.n_layers} layers of "
                          f"{'this' if storage.pool is pool else 'another'} pool; the model "
                          f"has {layers} layers")
-    return _as_layers([PoolBackedKVCache.over_storage(blocks, i, step) for i in range(layers)])
+    return caches_over(storage, owner, step)
+
+
+def caches_over(storage: KVArena, owner: int, step: int | None = None
+                ) -> list[PoolBackedKVCache]:
+    """One request's caches over ``storage``, one per layer it was laid out for.
+
+    What the server's runner builds for each request: the model was checked when it
+    loaded and the storage was laid out from it (:func:`build_pooled_caches` checks both
+    for a caller that has only a model).
+    """
+    blocks = RequestBlocks(storage, owner)
+    return _as_layers([PoolBackedKVCache.over_storage(blocks, i, step)
+                       for i in range(storage.layout.n_layers)])
 
 
 def _as_layers(caches: list[PoolBackedKVCache]) -> list[PoolBackedKVCache]:

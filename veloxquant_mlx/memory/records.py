@@ -7,13 +7,10 @@ mutation rules. Kept apart so the allocator module stays about allocation.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
 from veloxquant_mlx.memory.pool_config import SHARED_STREAM
-
-if TYPE_CHECKING:
-    from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _NO_HOME: list[Block] = []  # never appended to: only pool-made blocks are freed
@@ -54,7 +51,10 @@ class Block:
         self.owner = owner
         self.ever_allocated = ever_allocated
         self.checkouts = 0
-        self._pool: BlockPoolAllocator | None = None
+        # The BlockPoolAllocator that made it (None for a loose block): it keeps the
+        # fragmentation count when n_used changes. Untyped, so this module stays below
+        # block_pool.py instead of in a loop with it.
+        self._pool: Any = None
         # The pool's free stack this block returns to; set by the pool. Shared
         # placeholder until then: one list per block would double the objects
         # a big pool allocates and scatter its blocks in memory.

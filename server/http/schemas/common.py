@@ -33,7 +33,7 @@ class OpenAIModel(BaseModel):
 
 
 # The endpoints' own bodies. Every field of the ``openai`` package's request types is
-# declared (tests/server/test_openai_fields.py); a field none of them knows is left out
+# declared (tests/http/test_openai_fields.py); a field none of them knows is left out
 # here and handled by ``server.unknown_fields`` before validation (ignored and logged, or
 # a 400 naming it: server/http/unknown_fields.py). Nested objects (messages, tools) keep
 # extra keys too: clients send back the SDK's own message objects, whose keys differ
