@@ -131,26 +131,41 @@ def use_codes(model: nn.Module, group16: dict[str, QuantizedParts] | None = None
         they were.
     """
     group16 = group16 or {}
-    replaced = []
-    for path, module in model.named_modules():
-        parts = layer_parts(module)
-        if parts is None and path in group16 and isinstance(module, (nn.Linear, nn.Embedding)):
-            parts = group16[path]
-        if parts is None:
-            continue
-        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
-            replaced.append((path, CodesEmbedding(parts)))
-            continue
-        precise = path.rsplit(".", 1)[-1] in PRECISE_LAYERS
-        replaced.append((path, CodesLinear(parts, module.get("bias"), precise)))
-    for path, layer in replaced:  # after the walk: named_modules must not see half a swap
-        mx.eval(layer.parameters())
+    # Paths first (named_modules must not see half a swap), then one layer at a time: a
+    # layer's repacked copy exists only until it replaces the original, so the load holds
+    # one layer beyond the weights, not a second copy of them all.
+    targets = [path for path, module in model.named_modules()
+               if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+               or (path in group16 and isinstance(module, (nn.Linear, nn.Embedding)))]
+    replaced = 0
+    for path in targets:
         *parents, name = path.split(".")
         parent: Any = model
         for key in parents:  # modules and lists of modules (model.layers.3.mlp)
             parent = parent[int(key)] if isinstance(parent, list) else getattr(parent, key)
+        layer = _codes_layer(path, parent[int(name)] if isinstance(parent, list)
+                             else getattr(parent, name), group16.get(path))
+        if layer is None:
+            continue
+        mx.eval(layer.parameters())
         if isinstance(parent, list):
             parent[int(name)] = layer
         else:
             setattr(parent, name, layer)
-    return len(replaced)
+        replaced += 1
+        mx.clear_cache()  # the original's buffers go back now, not after the last layer
+    return replaced
+
+
+def _codes_layer(path: str, module: nn.Module, group16: QuantizedParts | None
+                 ) -> nn.Module | None:
+    """The codes layer replacing ``module`` (None: the kernel cannot serve it)."""
+    parts = layer_parts(module)
+    if parts is None and group16 is not None:
+        parts = group16
+    if parts is None:
+        return None
+    if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+        return CodesEmbedding(parts)
+    precise = path.rsplit(".", 1)[-1] in PRECISE_LAYERS
+    return CodesLinear(parts, module.get("bias"), precise)
