@@ -53,6 +53,7 @@ class RequestBlocks:
 
     @property
     def pool(self) -> BlockPoolAllocator:
+        """The pool the storage was laid out for."""
         return self.storage.pool
 
     @property
@@ -80,8 +81,9 @@ class RequestBlocks:
             self._alone = PagedKVBatch(self.storage, [self.row], fast_attention=False)
         return self._alone
 
-    def layer_kv(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Layer ``layer``'s stored keys and values, ``(1, H_kv, tokens, D)`` each."""
+    def layer_kv(self, layer: int) -> tuple[mx.array | None, mx.array | None]:
+        """Layer ``layer``'s stored keys and values, ``(1, H_kv, tokens, D)`` each (None, None
+        while it holds no token)."""
         if self._alone is not None:
             self._alone.flush()
         row, tokens = self.row, self.row.tokens
