@@ -168,7 +168,7 @@ class ModelRunner:
         leaving = [r for r in self.held_rows() if r.owner in gone]
         self._solo -= gone
         self.prefilling = [r for r in self.prefilling if r.owner not in gone]
-        for group in ([self.group] if self.group else []) + self.joining:
+        for group in self._groups():
             keep = [i for i, r in enumerate(group.rows) if r.owner not in gone]
             if len(keep) < len(group.rows):
                 group.keep(keep)
@@ -186,8 +186,11 @@ class ModelRunner:
 
     def held_rows(self) -> list[Row]:
         """Every row the runner holds: prefilling, in prefill groups, decoding."""
-        groups = ([self.group] if self.group else []) + self.joining
-        return self.prefilling + [r for g in groups for r in g.rows] + self.rows
+        return self.prefilling + [r for g in self._groups() for r in g.rows] + self.rows
+
+    def _groups(self) -> list[PrefillGroup]:
+        """The prefill group running now (if any), then those waiting to join decode."""
+        return ([self.group] if self.group else []) + self.joining
 
     def _filter(self, keep: list[int]) -> None:
         """Keep decode rows ``keep``; the others' blocks go back to the pool."""
