@@ -36,16 +36,6 @@ BS = 16
 DEFAULT_OUT = ROOT / "figures" / "admission" / "results.json"
 
 
-class _Prefixes:
-    """The planner's view of the prefix cache (``held_blocks``), over a real PrefixCache."""
-
-    def __init__(self, cache: PrefixCache) -> None:
-        self.cache = cache
-
-    def held_blocks(self, owner: int) -> dict[str, int]:
-        return self.cache.held_blocks(owner)
-
-
 def recount(pool: BlockPoolAllocator, cache: PrefixCache, streams: list[str],
             running: list[tuple[int, Reservation]]) -> dict[str, int]:
     """The previous count: every held block walked in Python, per request."""
@@ -66,7 +56,7 @@ def recount(pool: BlockPoolAllocator, cache: PrefixCache, streams: list[str],
 def build(rows: int, layers: int, tokens: int, cached: int):
     per_stream = -(-tokens // BS)
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4 * rows * layers * per_stream))
-    cache = PrefixCache(pool)
+    cache = pool.prefix_cache
     reservation = Reservation({"k": layers * (per_stream + 8), "v": layers * (per_stream + 8)})
     for owner in range(1, rows + 1):
         pool.register_owner(owner)
@@ -101,7 +91,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     pool, cache, running = build(args.rows, args.layers, args.tokens, args.cached)
-    planner = CapacityPlanner(pool, args.layers, _Prefixes(cache))
+    planner = CapacityPlanner(pool, args.layers)
     now, before = planner.outstanding(running), recount(pool, cache, ["k", "v"], running)
     if now != before:
         raise SystemExit(f"the two counts differ: {now} vs {before}")

@@ -30,8 +30,6 @@ from prometheus_client.core import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
-
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
@@ -421,16 +419,16 @@ def orphaned_blocks(pool: Any, live_requests: Callable[[], dict[int, str]]) -> i
 
     Reads the pool's owners before the live set: an owner that ends in between
     has already freed its blocks, so it adds 0 and never counts as an orphan.
-    The prefix cache's owner is a known one (its blocks are reported apart).
+    The prefix cache's blocks are no owner's (they are reported apart).
     """
     owners = pool.active_owners()
     live = live_requests()
-    return sum(pool.n_blocks_held(o) for o in owners if o not in live and o != CACHE_OWNER)
+    return sum(pool.n_blocks_held(o) for o in owners if o not in live)
 
 
 def request_blocks_in_use(pool: Any, blocks_in_use: int) -> int:
     """Blocks requests hold: the pool's ``blocks_in_use`` less the prefix cache's blocks."""
-    return blocks_in_use - pool.n_blocks_held(CACHE_OWNER)
+    return blocks_in_use - pool.prefix_cache.cached_blocks
 
 
 class PoolCollector:

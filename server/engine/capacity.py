@@ -14,23 +14,19 @@ hold), cover its reservation. So a running request never meets an exhausted
 pool, whatever the others do. Runs on the engine thread; reads the pool
 through its thread-safe methods only.
 
-With prefix caching (server.engine.prefix), blocks no request references
-are *evictable* and count as free; a request's cached prefix blocks count as
-held (it references them), so its reservation only asks for the rest.
-:meth:`CapacityPlanner.make_room` evicts, least recently used first, once a
-request is admitted on the strength of evictable blocks.
+Cached prefix blocks (server.engine.prefix) no request references are
+*evictable*: the pool counts them as available (``pool.n_available``) and
+evicts them, least recently used first, when an allocation needs them. A
+request's cached prefix blocks count as held (it references them), so its
+reservation only asks for the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from veloxquant_mlx.memory import BlockPoolAllocator
-
-if TYPE_CHECKING:
-    from server.engine.prefix import PromptPrefixes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +49,11 @@ class CapacityPlanner:
         n_layers: KV-cache layers per request.
     """
 
-    def __init__(self, pool: BlockPoolAllocator, n_layers: int,
-                 prefixes: PromptPrefixes | None = None) -> None:
+    def __init__(self, pool: BlockPoolAllocator, n_layers: int) -> None:
         self.pool = pool
         self.n_layers = n_layers
         self.block_size = pool.config.block_size
         self.streams = pool.config.streams
-        self.prefixes = prefixes
 
     def reservation(self, n_tokens: int) -> Reservation:
         """Blocks a request that may write ``n_tokens`` slots per layer can hold."""
@@ -79,12 +73,8 @@ class CapacityPlanner:
         return max(config.max_blocks - self.pool.stats.n_blocks, 0)
 
     def _stream_capacity(self) -> dict[str, int]:
-        """Blocks each stream manages now (free + held by anyone)."""
-        held = dict.fromkeys(self.streams, 0)
-        for owner in self.pool.active_owners():
-            for block in self.pool.blocks_for(owner):
-                held[block.stream] = held.get(block.stream, 0) + 1
-        return {s: self.pool.n_free(s) + held[s] for s in self.streams}
+        """Blocks each stream manages now (free, held, cached)."""
+        return {s: self.pool.n_blocks_on(s) for s in self.streams}
 
     def never_fits(self, need: Reservation, n_tokens: int,
                    field: str = "max_tokens") -> str | None:
@@ -147,24 +137,10 @@ class CapacityPlanner:
         pinned = pinned or {}
         deficit = 0
         for stream, blocks in need.per_stream.items():
-            spare = (self.pool.n_free(stream) + self._evictable(stream)
+            spare = (self.pool.n_available(stream)
                      - pinned.get(stream, 0) - outstanding.get(stream, 0))
             deficit += max(blocks - spare, 0)
         return deficit <= headroom
-
-    def make_room(self, need: Reservation, outstanding: dict[str, int]) -> int:
-        """Evict cached blocks until ``need`` fits the free blocks; returns blocks evicted.
-
-        Call after the candidate acquired its own prefix (so it is never evicted).
-        """
-        if self.prefixes is None:
-            return 0
-        short = {s: n - (self.pool.n_free(s) - outstanding.get(s, 0))
-                 for s, n in need.per_stream.items()}
-        return self.prefixes.evict({s: n for s, n in short.items() if n > 0})
-
-    def _evictable(self, stream: str) -> int:
-        return self.prefixes.evictable(stream) if self.prefixes is not None else 0
 
     def outstanding(self, running: Iterable[tuple[int, Reservation]]) -> dict[str, int]:
         """Blocks reserved by running requests (owner, reservation) but not yet held."""
@@ -172,9 +148,8 @@ class CapacityPlanner:
         for owner, reservation in running:
             # Cached blocks it references count as held: they are in its table.
             held = self.pool.n_blocks_held_per_stream(owner)
-            if self.prefixes is not None:
-                for stream, n in self.prefixes.held_blocks(owner).items():
-                    held[stream] = held.get(stream, 0) + n
+            for stream, n in self.pool.prefix_cache.held_blocks(owner).items():
+                held[stream] = held.get(stream, 0) + n
             for stream, blocks in reservation.per_stream.items():
                 out[stream] += max(blocks - held.get(stream, 0), 0)
         return out

@@ -333,7 +333,8 @@ class Engine:
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """The pool's prefix cache (None: prefix caching off, or the model not loaded)."""
-        return self.prefixes.cache if self.prefixes is not None else None
+        prefixes = self.prefixes
+        return prefixes.cache if prefixes is not None and prefixes.enabled else None
 
     @property
     def failing(self) -> str | None:

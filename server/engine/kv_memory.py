@@ -27,7 +27,6 @@ from server.settings_sections import DEFAULT_N_BLOCKS, LimitsSection
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena, KVLayout, workspace_bytes
 from veloxquant_mlx.memory.kv_format import KVFormat
-from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +61,7 @@ class KVMemory:
         """``{in_use, cached, reserved, workspace, capacity}`` in bytes (in_use: requests')."""
         stats = pool.stats
         per = self.bytes_per_block
-        cached = pool.n_blocks_held(CACHE_OWNER)  # the prefix cache's, shown apart
+        cached = pool.prefix_cache.cached_blocks  # the prefix cache's, shown apart
         return {"in_use": (stats.blocks_in_use() - cached) * per, "cached": cached * per,
                 "reserved": reserved_blocks * per,
                 "workspace": self.workspace_bytes, "capacity": stats.n_blocks * per}

@@ -96,6 +96,7 @@ class Row:
         matcher: Its grammar's state (structured outputs), None for free text.
         prefix_keys: Keys of the prompt's full blocks (prefix caching; else empty).
         cached_blocks: Cached blocks its prompt starts on, ``[position][stream]``.
+        prefix_root: The root its keys chain from (empty: nothing to publish).
         fed: Generated tokens fed to the model so far (kept only with prefix caching:
             its output's full blocks are cached when it ends), else None.
         task: A whole-prompt task (scoring, :mod:`server.engine.scoring`; an embedding,
@@ -120,6 +121,7 @@ class Row:
     matcher: Matcher | None = None
     prefix_keys: list[bytes] = field(default_factory=list)
     cached_blocks: list[list[Block]] = field(default_factory=list)
+    prefix_root: bytes = b""
     fed: list[int] | None = None
     task: PromptScores | PromptEmbedding | None = None
     kv: list[PoolBackedKVCache] = field(default_factory=list)

@@ -1,8 +1,9 @@
 """The engine's side of prefix caching: what a prompt can reuse, and what it leaves.
 
-The bookkeeping (hash chain, references, LRU) is the library's
-:class:`~veloxquant_mlx.memory.prefix_cache.PrefixCache`; this module decides
-when it is used (engine thread only)::
+The bookkeeping (hash chain, references, LRU) is the pool's own
+(``pool.prefix_cache``, :class:`~veloxquant_mlx.memory.prefix_cache.PrefixCache`),
+and the pool evicts unreferenced blocks when an allocation needs them; this
+module decides what a prompt looks up and publishes (engine thread only)::
 
     admission   lookup(prompt): full-block keys, the longest cached run
                 (at most (P - min_tail) // block_size blocks: the last prompt token
@@ -14,6 +15,8 @@ when it is used (engine thread only)::
 
 Keys hash the model's identity and the KV format (:func:`cache_root`), so a
 block computed by another model or stored in another format never matches.
+With caching off (``cache.prefix_caching = false``) a lookup finds nothing and
+nothing is published, so the pool's cache stays empty.
 """
 
 from __future__ import annotations
@@ -58,10 +61,13 @@ class PrefixHit:
     Attributes:
         keys: Keys of every full block of the prompt (to publish later).
         entries: The cached run it starts on (position order).
+        root: The root its keys chain from (salted or not; empty: caching off),
+            which the blocks past the prompt's chain from too, when it has none.
     """
 
     keys: list[bytes] = field(default_factory=list)
     entries: list[CachedBlock] = field(default_factory=list)
+    root: bytes = b""
 
     def per_stream(self) -> dict[str, int]:
         """Pool blocks the shared run covers, per stream."""
@@ -100,14 +106,16 @@ class PromptPrefixes:
             in float32, and a near-tie first token (SmolLM2 asked the capital of
             France: "The" 0.10 above "L") flipped on the second asking. One row more
             keeps the tail on the cold prompt's float32 path.
+        enabled: False: every lookup misses and nothing is published.
     """
 
     def __init__(self, cache: PrefixCache, root: bytes, block_size: int,
-                 min_tail: int = 1) -> None:
+                 min_tail: int = 1, enabled: bool = True) -> None:
         self.cache = cache
         self.root = root
         self.block_size = block_size
         self.min_tail = max(min_tail, 1)
+        self.enabled = enabled
 
     def lookup(self, prompt_ids: Sequence[int], salt: str | None = None) -> PrefixHit:
         """Keys of the prompt and the cached run it may start on (nothing acquired).
@@ -116,13 +124,17 @@ class PromptPrefixes:
         own, so its blocks match only prompts sent under the same salt: what one
         client's prompts leave in the cache is invisible to clients without it.
         """
+        if not self.enabled:
+            return PrefixHit()
         root = self.root if salt is None else salted_root(self.root, salt)
         keys = chain_hashes(prompt_ids, self.block_size, root)
         usable = max(len(prompt_ids) - self.min_tail, 0) // self.block_size
-        return PrefixHit(keys, self.cache.match(keys[:usable]))
+        return PrefixHit(keys, self.cache.match(keys[:usable]), root)
 
     def acquire(self, owner: int, hit: PrefixHit, prompt_tokens: int) -> int:
         """``owner`` references ``hit``'s blocks; returns the prompt tokens they cover."""
+        if not self.enabled:
+            return 0
         self.cache.acquire(owner, hit.entries)
         tokens = len(hit.entries) * self.block_size
         self.cache.record_query(prompt_tokens, tokens)
@@ -142,17 +154,21 @@ class PromptPrefixes:
             Positions published.
         """
         published = 0
+        if not self.enabled:
+            return published
         for j in range(shared, len(keys)):
             published += self.cache.publish(owner, keys[j], [stream[j] for stream in table])
         return published
 
-    def publish_output(self, owner: int, prompt_keys: Sequence[bytes], tokens: Sequence[int],
-                       stored: int, table: Sequence[Sequence[Block]]) -> int:
+    def publish_output(self, owner: int, prompt_keys: Sequence[bytes], root: bytes,
+                       tokens: Sequence[int], stored: int,
+                       table: Sequence[Sequence[Block]]) -> int:
         """Publish the full blocks past the prompt's: prompt tail and generated tokens.
 
         Args:
             owner: The request (it is ending: nothing writes its blocks any more).
             prompt_keys: Keys of its prompt's full blocks (published at prefill).
+            root: The root they chain from (its ``cache_salt``'s, if it sent one).
             tokens: Prompt plus the generated tokens it fed to the model.
             stored: Tokens its block table holds (must equal ``len(tokens)``).
             table: Its blocks, ``table[stream][position]``.
@@ -160,10 +176,10 @@ class PromptPrefixes:
         Returns:
             Positions published (0 when ``stored`` disagrees with ``tokens``).
         """
-        if stored != len(tokens):
+        if stored != len(tokens) or not root:
             return 0
         start = len(prompt_keys)
-        parent = prompt_keys[-1] if prompt_keys else self.root
+        parent = prompt_keys[-1] if prompt_keys else root
         keys = chain_hashes(tokens[start * self.block_size:], self.block_size, parent)
         return self.publish(owner, [*prompt_keys, *keys], start, table)
 
@@ -171,22 +187,6 @@ class PromptPrefixes:
         """Drop ``owner``'s references (the request ended)."""
         self.cache.release(owner)
 
-    def evictable(self, stream: str) -> int:
-        """Blocks of ``stream`` eviction could free now."""
-        return self.cache.evictable(stream)
-
-    def evict(self, need: dict[str, int]) -> int:
-        """Free unreferenced blocks, least recently used first, ``need`` per stream.
-
-        Returns:
-            Blocks freed.
-        """
-        return self.cache.evict(need)
-
     def reset(self) -> int:
         """Drop every unreferenced block; returns blocks freed."""
         return self.cache.reset()
-
-    def held_blocks(self, owner: int) -> dict[str, int]:
-        """Cached blocks ``owner`` references, per stream."""
-        return self.cache.held_blocks(owner)

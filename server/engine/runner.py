@@ -145,6 +145,7 @@ class ModelRunner:
                   shared=batchable(params))
         if prefix is not None:
             row.prefix_keys, row.cached_blocks = prefix.keys, prefix.blocks()
+            row.prefix_root = prefix.root
             row.fed = []
         if processors:
             row.history = mx.array(prompt_ids)
@@ -322,7 +323,7 @@ class ModelRunner:
                   if row.owner in owners and row.fed]
         if ending:  # their newest tokens may be held out of the arena: write them first
             self.batch.flush()
-        return sum(self.prefixes.publish_output(row.owner, row.prefix_keys,
+        return sum(self.prefixes.publish_output(row.owner, row.prefix_keys, row.prefix_root,
                                                 row.prompt_ids + row.fed, paged.tokens,
                                                 paged.blocks)
                    for row, paged in ending)

@@ -53,6 +53,7 @@ class Scheduler:
         pool: The shared pool.
         loaded: The loaded model (tokenizer, vocabulary, layer count).
         metrics: Where refusals and admissions are recorded.
+        prefixes: Prefix caching over ``pool.prefix_cache`` (default: off).
 
     Invariant: an owner is in :attr:`running` exactly while it is registered
     on the pool (registered right after it is listed, retired right before
@@ -66,8 +67,10 @@ class Scheduler:
         self.pool = pool
         self.loaded = loaded
         self.metrics = metrics
-        self.prefixes = prefixes  # prefix caching (None: off)
-        self.planner = CapacityPlanner(pool, loaded.n_layers, prefixes)
+        # Prefix caching; without one, off: every lookup misses.
+        self.prefixes = prefixes or PromptPrefixes(pool.prefix_cache, b"",
+                                                   pool.config.block_size, enabled=False)
+        self.planner = CapacityPlanner(pool, loaded.n_layers)
         self.waiting: deque[PendingRequest] = deque()
         # The n choices of a prompt, admitted together (server.engine.choices).
         self.choices = ChoiceHolds(self.reject, self._drop_cancelled,
@@ -299,12 +302,9 @@ class Scheduler:
         targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
         # Unreferenced cached blocks count as free: they are evicted, then retired, but only
         # once the shrink is known to go ahead (a refused one leaves the cache as it was).
-        evictable = ({s: self.prefixes.evictable(s) for s in targets}
-                     if self.prefixes is not None else {})
         outstanding = self.outstanding()
         floors = {s: max(target_free, outstanding.get(s, 0)) for s in targets}
-        retiring = {s: max(self.pool.n_free(s) + evictable.get(s, 0) - floors[s], 0)
-                    for s in targets}
+        retiring = {s: max(self.pool.n_available(s) - floors[s], 0) for s in targets}
         why = self.maximal_request_misfit(retiring)
         # A pool that already cannot hold a maximal request (the default model's, at its
         # whole context) is refused too when the shrink lowers the longest request it
@@ -329,21 +329,16 @@ class Scheduler:
         # requests' outstanding reservations (their growth takes free blocks, it does not
         # evict): the rest of the cache stays warm rather than emptying on every shrink.
         short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
-        if self.prefixes is not None and any(n > 0 for n in short.values()):
-            self.prefixes.evict(short)
+        if any(n > 0 for n in short.values()):
+            self.pool.prefix_cache.evict(short)
         retired = sum(self.pool.shrink(s, self.pool.n_free(s) - retiring[s]) for s in targets)
         if retired:  # nothing retired: capacity, and so /health, stay as they were
             self.capacity_changed()
-        left = {s: self.pool.n_free(s) for s in targets}
-        if self.prefixes is not None:
-            left = {s: n + self.prefixes.evictable(s) for s, n in left.items()}
-        return retired, left
+        return retired, {s: self.pool.n_available(s) for s in targets}
 
     def stream_capacity(self, stream: str) -> int:
-        """Blocks ``stream`` manages now: free plus held by anyone."""
-        held = sum(1 for owner in self.pool.active_owners()
-                   for block in self.pool.blocks_for(owner) if block.stream == stream)
-        return self.pool.n_free(stream) + held
+        """Blocks ``stream`` manages now: free, held or cached."""
+        return self.pool.n_blocks_on(stream)
 
     # -- expiry and admission ------------------------------------------------------
 
@@ -400,7 +395,7 @@ class Scheduler:
                 continue
             hit = self._lookup(head)
             need = _new_blocks(head.reservation, hit)
-            if not self.planner.fits_now(need, outstanding, hit.pinned() if hit else None):
+            if not self.planner.fits_now(need, outstanding, hit.pinned()):
                 # Nothing but a release, an arrival or a pool resize can make it fit: skip
                 # the per-step re-check over every running request until then.
                 self._stuck = (self._releases, head, len(self.waiting))
@@ -409,7 +404,6 @@ class Scheduler:
             if head.group is not None:  # it stands for its group: the hold keeps the rest
                 self.choices.admitted(head)
             state = self._register(head, hit)
-            self.planner.make_room(need, outstanding)  # its own prefix is referenced now
             for stream, blocks in need.per_stream.items():
                 outstanding[stream] = outstanding.get(stream, 0) + blocks
             yield state
@@ -421,10 +415,10 @@ class Scheduler:
             pending = self.choices.ready.popleft()
             yield self._register(pending, self._lookup(pending))
 
-    def _lookup(self, pending: PendingRequest) -> PrefixHit | None:
+    def _lookup(self, pending: PendingRequest) -> PrefixHit:
         """Its cached prompt prefix (a whole-prompt task computes every position: none)."""
-        if self.prefixes is None or pending.request.whole_prompt:
-            return None
+        if pending.request.whole_prompt:
+            return PrefixHit()
         return self.prefixes.lookup(pending.prompt_ids, pending.request.cache_salt)
 
     def _over_share(self, reservation: Reservation) -> bool:
@@ -437,13 +431,11 @@ class Scheduler:
         Returns:
             Blocks freed.
         """
-        if self.prefixes is None:
-            return 0
         freed = self.prefixes.reset()
         self._stuck = None  # free blocks appeared: a stuck head may fit now
         return freed
 
-    def _register(self, pending: PendingRequest, hit: PrefixHit | None = None) -> RequestState:
+    def _register(self, pending: PendingRequest, hit: PrefixHit) -> RequestState:
         request, tokenizer = pending.request, self.loaded.tokenizer
         state = RequestState(
             request=request, owner=next(self._owners), prompt_ids=pending.prompt_ids,
@@ -454,7 +446,7 @@ class Scheduler:
         with self._lock:
             self.running[state.owner] = state
         self.pool.register_owner(state.owner)
-        if hit is not None and self.prefixes is not None:
+        if hit.root:  # caching is on for it
             state.prefix = hit
             state.cached_tokens = self.prefixes.acquire(state.owner, hit, len(state.prompt_ids))
         return state
@@ -475,16 +467,15 @@ class Scheduler:
         """
         left = shared = 0
         try:
-            if self.prefixes is not None:  # cached blocks in its table count as held
-                shared = sum(self.prefixes.held_blocks(state.owner).values())
+            # cached blocks in its table count as held
+            shared = sum(self.pool.prefix_cache.held_blocks(state.owner).values())
             left = self.pool.n_blocks_held(state.owner)
             if left:
                 self.pool.free_all(state.owner)
             else:
                 self.pool.release_owner(state.owner)
         finally:
-            if self.prefixes is not None:  # its cached blocks may become evictable
-                self.prefixes.release(state.owner)
+            self.prefixes.release(state.owner)  # its cached blocks may become evictable
             with self._lock:
                 self.running.pop(state.owner, None)
             self._releases += 1  # blocks came back: a stuck head may fit now
@@ -551,9 +542,9 @@ class Scheduler:
         self.choices.close(event)
 
 
-def _new_blocks(reservation: Reservation, hit: PrefixHit | None) -> Reservation:
+def _new_blocks(reservation: Reservation, hit: PrefixHit) -> Reservation:
     """The blocks a request must still draw: its reservation less its cached prefix."""
-    if hit is None or not hit.entries:
+    if not hit.entries:
         return reservation
     shared = hit.per_stream()
     return Reservation({s: max(n - shared.get(s, 0), 0)

@@ -38,7 +38,6 @@ from veloxquant_mlx.codes_linear import INT8_MAX_ROWS
 from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
-from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("veloxquant.server")
 
@@ -182,7 +181,7 @@ class EngineParts:
     loaded: LoadedModel
     pool: BlockPoolAllocator
     kv: KVMemory
-    prefixes: PromptPrefixes | None
+    prefixes: PromptPrefixes
     scheduler: Scheduler
     runner: Any  # a ModelRunner, or the distributed LeaderRunner around one
     output: OutputProcessor
@@ -215,12 +214,11 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
         shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
     pool, kv = plan_kv(settings, layout, pool, loaded.context_length)
-    prefixes = None
-    if settings.cache.prefix_caching:
-        # A hit leaves the int8 row range behind it (PromptPrefixes' min_tail).
-        codes_rows = INT8_MAX_ROWS if loaded.codes_layers else 0
-        prefixes = PromptPrefixes(PrefixCache(pool), cache_root(loaded.name, kv.arena),
-                                  pool.config.block_size, min_tail=codes_rows + 1)
+    # A hit leaves the int8 row range behind it (PromptPrefixes' min_tail).
+    codes_rows = INT8_MAX_ROWS if loaded.codes_layers else 0
+    prefixes = PromptPrefixes(pool.prefix_cache, cache_root(loaded.name, kv.arena),
+                              pool.config.block_size, min_tail=codes_rows + 1,
+                              enabled=settings.cache.prefix_caching)
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
     _refuse_a_pool_that_holds_no_request(scheduler, pool)
     _warn_if_default_requests_never_fit(scheduler, settings.limits.default_max_tokens)

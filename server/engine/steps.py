@@ -240,7 +240,7 @@ class EngineSteps:
         Only stop and length ends: a failed call may not have written its KV.
         Caching is an optimisation, so a fault here is logged, never raised.
         """
-        if self.prefixes is None:
+        if not self.prefixes.enabled:
             return
         done = {s.owner for s in states
                 if (reason or s.finish) in (FinishReason.STOP, FinishReason.LENGTH)}

@@ -25,7 +25,6 @@ from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 BS = 16
 
@@ -45,19 +44,19 @@ def _cached_planner(n_blocks: int, prompt: list[int]) -> tuple[BlockPoolAllocato
                                                                CapacityPlanner]:
     """One layer; owner 1 computed ``prompt``, published its full blocks and ended."""
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks))
-    prefixes = PromptPrefixes(PrefixCache(pool), b"root", BS)
+    prefixes = PromptPrefixes(pool.prefix_cache, b"root", BS)
     pool.register_owner(1)
     table = [pool.allocate(s, len(prompt), 1) for s in ("k", "v")]
     prefixes.publish(1, prefixes.lookup(prompt).keys, 0, table)
     prefixes.release(1)
     pool.free_all(1)
-    return pool, prefixes, CapacityPlanner(pool, 1, prefixes)
+    return pool, prefixes, CapacityPlanner(pool, 1)
 
 
 def test_fits_now_does_not_count_the_candidates_own_cached_prefix_as_free():
     prompt = list(range(BS + 1))  # one cached position: 1 block a stream
     pool, prefixes, planner = _cached_planner(8, prompt)
-    assert (pool.n_free("k"), prefixes.evictable("k")) == (3, 1)
+    assert (pool.n_free("k"), pool.n_available("k")) == (3, 4)
     pinned = prefixes.lookup(prompt).pinned()
     assert pinned == {"k": 1, "v": 1}
     # 3 free + 1 evictable - 1 pinned = 3 a stream.
@@ -79,7 +78,7 @@ def test_outstanding_counts_referenced_cached_blocks_as_held():
         pool.allocate(stream, 8, 2)  # computes its tail: 1 block a stream of its own
     reservation = planner.reservation(len(prompt) + 24)  # 64 tokens: 4 blocks a stream
     assert reservation.per_stream == {"k": 4, "v": 4}
-    assert prefixes.held_blocks(2) == {"k": 2, "v": 2}
+    assert pool.prefix_cache.held_blocks(2) == {"k": 2, "v": 2}
     assert planner.outstanding([(2, reservation)]) == {"k": 4 - 1 - 2, "v": 4 - 1 - 2}
 
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.engine.engine import Engine
 from server.metrics import ServerMetrics
 from tests.support.servers import ADMIN_TOKEN, LiveServer, make_settings, run_server
-from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
+from veloxquant_mlx.memory.prefix_cache import CACHED
 
 BS = 16
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -75,9 +75,11 @@ def assert_accounted(live: LiveServer) -> None:
     assert m["veloxquant_block_pool_request_blocks_in_use"] == 0
     assert m["veloxquant_orphaned_blocks"] == 0
     pool, cache = live.engine.pool, live.engine.prefix_cache
-    assert set(pool.blocks_held_by_owner()) <= {CACHE_OWNER}
+    assert pool.blocks_held_by_owner() == {} and pool.active_owners() == []
     assert all(e.refs == 0 for e in cache.entries()) and cache.holders() == {}
-    assert pool.n_blocks_held(CACHE_OWNER) == cache.cached_blocks == cache.evictable_blocks
+    assert all(b.owner == CACHED for e in cache.entries() for b in e.blocks)
+    assert sum(len(e.blocks) for e in cache.entries()) == cache.cached_blocks
+    assert cache.cached_blocks == cache.evictable_blocks
     assert m["veloxquant_block_pool_cached_blocks"] == cache.cached_blocks
     free = sum(pool.n_free(s) for s in pool.config.streams)
     assert free + cache.cached_blocks == pool.stats.n_blocks
@@ -189,7 +191,7 @@ def test_metrics_admin_pool_and_reset(server):
     assert view["prefix_cache"]["enabled"] is True
     assert view["prefix_cache"]["cached_blocks"] == m["veloxquant_block_pool_cached_blocks"]
     assert view["stats"]["request_blocks_in_use"] == 0 and view["kv_bytes_in_use"] == 0
-    assert all(o["owner"] != CACHE_OWNER for o in view["owners"])
+    assert all(o["owner"] != CACHED for o in view["owners"])
     cached = int(m["veloxquant_block_pool_cached_blocks"])
     assert reset(server) == cached
     after = server.metrics()
@@ -305,7 +307,8 @@ def test_caching_off_by_env(tiny_model_path):
         m = live.wait_idle()
         assert m["veloxquant_block_pool_cached_blocks"] == 0
         assert m["veloxquant_prefix_cache_query_tokens_total"] == 0
-        assert live.engine.pool.n_blocks_held(CACHE_OWNER) == 0
+        assert live.engine.pool.prefix_cache.cached_blocks == 0
+        assert live.engine.prefix_cache is None
         assert reset(live) == 0
 
 
@@ -398,6 +401,35 @@ def test_output_blocks_are_cached_and_reused(tiny_model_path):
         assert cached_tokens(warm) == 64  # prompt blocks and the output blocks
         reset(live)
         assert_same_output(complete(live, follow_up), warm)
+        assert_accounted(live)
+
+
+def test_a_salted_short_prompts_output_blocks_stay_under_its_salt(tiny_model_path):
+    """A prompt shorter than a block has no keys of its own; the blocks its answer fills
+    chain from its salted root all the same, so no other namespace ever matches them."""
+    settings = settings_for(tiny_model_path, pool={"n_blocks": 2048})
+    fed: dict[int, list[int]] = {}
+
+    def hook(state):
+        for row in live.engine.runner.rows:
+            if row.owner == state.owner and row.fed is not None:
+                fed[state.owner] = list(row.fed)
+
+    engine = Engine(settings, ServerMetrics(), fault_hook=hook)
+    with run_server(settings, engine) as live:
+        prompt = [6, 9, 12, 15, 18]
+        salted = {"extra_body": {"cache_salt": "tenant-a"}}
+        first = complete(live, prompt, max_tokens=30, logit_bias={"1": -100, "3": -100},
+                         **salted)
+        assert first.usage.completion_tokens == 30
+        live.wait_idle()
+        assert len(live.engine.prefix_cache.entries()) == 2  # 5 + 29 fed: 2 full blocks
+        (generated,) = fed.values()
+        follow_up = prompt + generated + [7, 8]
+        assert cached_tokens(complete(live, follow_up)) == 0  # no salt: another namespace
+        other = {"extra_body": {"cache_salt": "tenant-b"}}
+        assert cached_tokens(complete(live, follow_up, **other)) == 0
+        assert cached_tokens(complete(live, follow_up, **salted)) == 32
         assert_accounted(live)
 
 

@@ -1,4 +1,4 @@
-"""Prefix cache bookkeeping on tiny pools: keys, references, LRU eviction, invariants.
+"""The pool's prefix cache on tiny pools: keys, references, LRU eviction, invariants.
 
 One "layer" (two streams: its keys and its values) and block_size 4, so every
 cached position is one k block and one v block and ids can be asserted exactly.
@@ -11,10 +11,14 @@ from collections import Counter
 
 import pytest
 
-from veloxquant_mlx.exceptions import ForeignBlockError, PoolArgumentError
+from veloxquant_mlx.exceptions import (
+    BlockPoolExhaustedError,
+    ForeignBlockError,
+    PoolArgumentError,
+)
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.prefix_cache import (
-    CACHE_OWNER,
+    CACHED,
     PrefixCache,
     chain_hashes,
     prefix_root,
@@ -26,7 +30,7 @@ ROOT = prefix_root("model-a", "fp32", BS)
 
 def make(n_blocks: int = 24) -> tuple[BlockPoolAllocator, PrefixCache]:
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks))
-    return pool, PrefixCache(pool)
+    return pool, pool.prefix_cache
 
 
 def table(pool: BlockPoolAllocator, owner: int, positions: int):
@@ -41,13 +45,13 @@ def position(tab, j: int):
 def check_invariants(pool: BlockPoolAllocator, cache: PrefixCache, live: set[int]) -> None:
     """Every block is free, cached, or held by a live owner; refs match references."""
     cached_ids = {b.block_id for e in cache.entries() for b in e.blocks}
-    assert {b.block_id for b in pool.blocks_for(CACHE_OWNER)} == cached_ids
+    assert all(b.owner == CACHED for e in cache.entries() for b in e.blocks)
     held = pool.blocks_held_by_owner()
-    assert set(held) - {CACHE_OWNER} <= live
+    assert set(held) <= live  # the cache is no owner
     for owner in held:  # the pool's per-stream counts follow transfers to the cache
         recount = Counter(b.stream for b in pool.blocks_for(owner))
         assert pool.n_blocks_held_per_stream(owner) == dict(recount)
-    assert sum(held.values()) == pool.stats.blocks_in_use()
+    assert sum(held.values()) + len(cached_ids) == pool.stats.blocks_in_use()
     assert pool.n_free("k") + pool.n_free("v") + pool.stats.blocks_in_use() == pool.stats.n_blocks
     refs = {id(e): 0 for e in cache.entries()}
     for owner in live:
@@ -90,15 +94,16 @@ def test_no_hit_across_models_or_formats():
         assert cache.match(chain_hashes(tokens, BS, root)) == []
 
 
-def test_publish_moves_blocks_to_the_cache_owner():
+def test_publish_hands_blocks_to_the_pools_cache():
     pool, cache = make()
     tab = table(pool, 1, 3)
     in_use = pool.stats.blocks_in_use()
     keys = chain_hashes(list(range(12)), BS, ROOT)
     assert cache.publish(1, keys[0], position(tab, 0))
     assert cache.publish(1, keys[1], position(tab, 1))
-    assert [b.block_id for b in pool.blocks_for(CACHE_OWNER)] == [
+    assert [b.block_id for e in cache.entries() for b in e.blocks] == [
         tab[0][0].block_id, tab[1][0].block_id, tab[0][1].block_id, tab[1][1].block_id]
+    assert pool.active_owners() == [1] and set(pool.blocks_held_by_owner()) == {1}
     assert pool.n_blocks_held(1) == 2  # position 2 (the one being written) stays its own
     assert pool.stats.blocks_in_use() == in_use  # moved, not freed or allocated
     assert cache.cached_blocks == 4 and cache.evictable_blocks == 0
@@ -153,7 +158,7 @@ def test_release_makes_entries_evictable_and_eviction_goes_tail_first():
     assert cache.evict({"k": 1}) == 2  # one position: its k and its v block
     assert pool.n_free("k") == free_k + 1
     assert [e.key for e in cache.match(keys)] == keys[:2]  # the tail went first
-    assert pool.blocks_for(CACHE_OWNER)[-1] is tab[1][1]
+    assert cache.entries()[-1].blocks == position(tab, 1)
     check_invariants(pool, cache, set())
     assert cache.reset() == 4 and cache.cached_blocks == 0
     assert pool.stats.blocks_in_use() == 0
@@ -178,36 +183,47 @@ def test_eviction_never_touches_referenced_blocks():
     check_invariants(pool, cache, set())
 
 
-def test_transfer_rejects_foreign_and_free_blocks():
-    pool, _ = make()
-    other = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4))
-    foreign = other.allocate("k", 1, 1)
-    with pytest.raises(ForeignBlockError):
-        pool.transfer(foreign, CACHE_OWNER)
-    mine = pool.allocate("k", 1, 1)
-    pool.free(mine)
+def test_one_cache_per_pool_and_cached_blocks_are_nobodys():
+    pool, cache = make()
+    with pytest.raises(PoolArgumentError, match="pool.prefix_cache"):
+        PrefixCache(pool)
+    tab = table(pool, 1, 1)
+    key = chain_hashes(list(range(4)), BS, ROOT)[0]
+    cache.publish(1, key, position(tab, 0))
+    with pytest.raises(PoolArgumentError, match="prefix cache"):
+        pool.transfer(position(tab, 0), 2)  # no owner takes a cached block
+    pool.free(position(tab, 0))  # nor frees it: a no-op, as for a free block
+    assert cache.cached_blocks == 2 and pool.stats.blocks_in_use() == 2
     with pytest.raises(PoolArgumentError):
-        pool.transfer(mine, CACHE_OWNER)
-    assert pool.blocks_for(CACHE_OWNER) == []
+        pool.allocate("k", 1, CACHED)  # the cache's mark is no owner id
+    other = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4))
+    with pytest.raises(ForeignBlockError):
+        cache.publish(1, b"x" * 32, other.allocate("k", 1, 1))
 
 
-def test_transfer_keeps_counters_and_owner_active():
-    pool, _ = make()
-    pool.register_owner(1)
-    blocks = pool.allocate("k", 2 * BS, 1)
-    before = pool.stats.snapshot().as_dict()
-    history = len(pool.history)
-    pool.transfer(blocks, CACHE_OWNER)
-    assert pool.stats.snapshot().as_dict() == before
-    assert len(pool.history) == history
-    assert 1 in pool.active_owners() and pool.n_blocks_held(1) == 0
-    assert pool.n_blocks_held_per_stream(CACHE_OWNER) == {"k": 2}
-    assert pool.n_blocks_held_per_stream(1) == {}
-    pool.transfer(blocks + blocks, CACHE_OWNER)  # listed twice, to their holder: no change
-    assert pool.n_blocks_held_per_stream(CACHE_OWNER) == {"k": 2}
-    pool.free(blocks)
-    assert pool.stats.blocks_in_use() == 0
-    assert pool.n_blocks_held_per_stream(CACHE_OWNER) == {}
+def test_allocation_evicts_unreferenced_blocks_before_it_refuses():
+    """Evictable blocks are counted once: as available, and taken by allocation."""
+    pool, cache = make(n_blocks=8)  # 4 k + 4 v
+    keys = chain_hashes(list(range(12)), BS, ROOT)
+    tab = table(pool, 1, 3)
+    for j, key in enumerate(keys):
+        cache.publish(1, key, position(tab, j))
+    cache.release(1)
+    pool.free_all(1)
+    assert pool.n_free("k") == 1 and cache.evictable("k") == 3
+    assert pool.n_available("k") == 4 and pool.n_available("kv") == 8
+    frees = pool.stats.n_frees
+    got = pool.allocate("k", 3 * BS, 2)  # 1 free + 2 evicted, the chain's tail first
+    assert len(got) == 3 and pool.n_available("k") == 1
+    assert [e.key for e in cache.match(keys)] == keys[:1]
+    assert pool.stats.n_frees == frees + 4  # two positions: their k and v blocks
+    assert pool.stats.blocks_in_use() == pool.stats.n_allocations - pool.stats.n_frees
+    check_invariants(pool, cache, {2})
+    cache.acquire(3, cache.match(keys[:1]))  # referenced: never evicted
+    with pytest.raises(BlockPoolExhaustedError):
+        pool.allocate("k", 2 * BS, 2)
+    assert len(cache.match(keys)) == 1
+    check_invariants(pool, cache, {2, 3})
 
 
 def test_random_mix_of_requests_cancels_and_evictions_keeps_every_block_accounted():
@@ -224,11 +240,12 @@ def test_random_mix_of_requests_cancels_and_evictions_keeps_every_block_accounte
             keys = chain_hashes(prompt, BS, ROOT)
             hit = cache.match(keys[: (len(prompt) - 1) // BS])
             need = -(-len(prompt) // BS) - len(hit)
-            spare = min(pool.n_free("k"), pool.n_free("v"))
-            if need > spare + min(cache.evictable("k"), cache.evictable("v")):
+            pinned = sum(1 for e in hit if e.refs == 0)  # it stops being evictable
+            if need > min(pool.n_available("k"), pool.n_available("v")) - pinned:
                 continue
             cache.acquire(owner, hit)
-            cache.evict({"k": need - pool.n_free("k"), "v": need - pool.n_free("v")})
+            if rng.random() < 0.5:  # else the allocations below evict what they need
+                cache.evict({"k": need - pool.n_free("k"), "v": need - pool.n_free("v")})
             own = table(pool, owner, need)
             tab = [[e.blocks[s] for e in hit] + own[s] for s in range(2)]
             live[owner] = [keys, len(hit), tab]

@@ -20,7 +20,7 @@ ROOT = prefix_root("model-a", "fp32", BS)
 
 def _cache() -> tuple[BlockPoolAllocator, PrefixCache]:
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=24))
-    return pool, PrefixCache(pool)
+    return pool, pool.prefix_cache
 
 
 def _publish(pool: BlockPoolAllocator, cache: PrefixCache, owner: int,

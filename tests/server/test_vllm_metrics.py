@@ -22,7 +22,6 @@ from server.metrics import kv_usage_ratio
 from tests.server.test_observability_config import metric_names
 from tests.support.servers import LiveServer, make_settings, run_server
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_grafana_queries.json"
 SERVED = "tiny-vllm-named"
@@ -204,7 +203,7 @@ LABELLED = {
 
 def test_kv_usage_counts_what_admission_cannot_hand_out():
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=20))
-    cache = PrefixCache(pool)
+    cache = pool.prefix_cache
     assert kv_usage_ratio(pool, cache) == 0
     k, v = pool.allocate("k", 48, owner=1), pool.allocate("v", 48, owner=1)
     assert kv_usage_ratio(pool, cache) == 6 / 20

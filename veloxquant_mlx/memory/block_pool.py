@@ -16,8 +16,9 @@ the never-allocated blocks stay a contiguous run at the bottom. That lets
 ``min(n, len(stack) - n_fresh)`` are recycled.
 
 Invariants (checked by the stateful tests):
-    * every block id is on exactly one free stack xor owned by one owner;
-    * ``stats.blocks_in_use() == n_allocations - n_frees == owned blocks``;
+    * every block id is on exactly one free stack xor owned by one owner xor
+      held by the pool's prefix cache (``prefix_cache.py``);
+    * ``stats.blocks_in_use() == n_allocations - n_frees == owned + cached blocks``;
     * ``stats.n_blocks == free + in use`` and ids ever created ==
       ``n_blocks + n_retired``.
 """
@@ -37,7 +38,9 @@ from veloxquant_mlx.exceptions import (
     PoolArgumentTypeError,
 )
 from veloxquant_mlx.memory.pool_config import HISTORY_LEN, SHARED_STREAM, PoolConfig, check_count
+from veloxquant_mlx.memory.prefix_cache import PrefixCache
 from veloxquant_mlx.memory.records import (
+    CACHED,
     AllocationStats,
     Block,
 )
@@ -55,8 +58,11 @@ def _as_count(n_tokens: object) -> int:
 
 
 def _as_owner(owner: object) -> int:
-    """``owner`` as a plain int, or the typed error (see :func:`_as_count`)."""
-    return int(check_count("owner", owner, -(2**63)))
+    """``owner`` as a plain int, or the typed error (see :func:`_as_count`).
+
+    The lowest int64 is the prefix cache's mark (:data:`CACHED`), never an owner.
+    """
+    return int(check_count("owner", owner, CACHED + 1))
 
 
 def _blocks_memory_holds() -> int:
@@ -76,14 +82,16 @@ _BLOCKS_MEMORY_HOLDS = _blocks_memory_holds()
 
 
 class _Stream:
-    """Free stack of one stream plus the length of its never-allocated bottom run."""
+    """Free stack of one stream, the length of its never-allocated bottom run, and
+    how many live blocks (free or not) the stream has."""
 
-    __slots__ = ("name", "stack", "n_fresh")
+    __slots__ = ("name", "stack", "n_fresh", "n_blocks")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.stack: list[Block] = []  # top (next handed out) at the end
         self.n_fresh = 0
+        self.n_blocks = 0
 
 
 class BlockPoolAllocator:
@@ -133,6 +141,10 @@ class BlockPoolAllocator:
         self._k_stream = self._stream_of["k"]
         self._v_stream = self._stream_of["v"]
         self._kv_stream = self._stream_of.get(SHARED_STREAM)  # None on a split pool
+        self.prefix_cache: PrefixCache | None = None
+        # Full blocks of finished prompts kept for reuse (hash, references, LRU):
+        # allocation evicts its unreferenced ones before it grows or refuses.
+        self.prefix_cache = PrefixCache(self)
 
     # -- internal helpers (call with the lock held) -------------------------
 
@@ -157,6 +169,7 @@ class BlockPoolAllocator:
             raise
         self._next_id += count
         stream.n_fresh += count
+        stream.n_blocks += count
 
     def _count(self, owner: int, stream: str, delta: int) -> None:
         """Add ``delta`` to the blocks ``owner`` holds on ``stream`` (zeros are dropped)."""
@@ -191,8 +204,13 @@ class BlockPoolAllocator:
     def _grow_or_raise(self, stream: _Stream, needed: int) -> None:
         """Make ``needed`` blocks free on ``stream`` or raise (counting the miss)."""
         c = self.stats
+        cache = self.prefix_cache
+        if cache is not None and cache.evictable(stream.name):  # cached blocks go first
+            self._evicted(cache.take_lru({stream.name: needed - len(stream.stack)}))
         free = len(stream.stack)
         gap = needed - free
+        if gap <= 0:
+            return
         detail = self._grow(stream, gap) if self.config.grow_on_exhaustion else ""
         if detail is None:
             return
@@ -283,7 +301,7 @@ class BlockPoolAllocator:
         # build reports bad input with our typed errors, not a generic one.
         if type(n_tokens) is not int or n_tokens <= 0:
             n_tokens = _as_count(n_tokens)
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         if type(format) is not str:
             raise PoolArgumentTypeError(f"format must be a str, got {type(format).__name__}")
@@ -405,6 +423,32 @@ class BlockPoolAllocator:
         c.n_frees += len(blocks)
         self._record(c)
 
+    def _evicted(self, blocks: list[Block]) -> int:
+        """Free blocks the prefix cache let go (lock held); returns how many."""
+        if blocks:
+            self._push_back(blocks)
+        return len(blocks)
+
+    def _into_cache(self, owner: int, blocks: list[Block]) -> None:
+        """Hand ``owner``'s ``blocks`` to the prefix cache (lock held); all or none.
+
+        They stay in use (no counter moves) and leave ``owner``'s list.
+        """
+        owned = self._owned.get(owner, {})
+        for block in blocks:
+            self._live_block(block, "publish")
+            if block.owner != owner or block._key not in owned:
+                raise PoolArgumentError(
+                    f"block {block.block_id} is held by {block.owner}, not {owner}; only a "
+                    "request's own written blocks can be published")
+        for block in blocks:
+            if owned.pop(block._key, None) is not None:
+                self._count(owner, block.stream, -1)
+            block.owner = CACHED
+        if not owned and owner in self._released:  # a retired owner's last block
+            self._owned.pop(owner, None)
+            self._released.discard(owner)
+
     def free(self, blocks: Iterable[object]) -> None:
         """Return ``blocks`` to the pool. Freeing an already-free block is a no-op.
 
@@ -448,7 +492,7 @@ class BlockPoolAllocator:
 
     def free_all(self, owner: object) -> None:
         """Return every block checked out to ``owner`` and retire the owner id."""
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -464,19 +508,18 @@ class BlockPoolAllocator:
     def transfer(self, blocks: Iterable[object], owner: object) -> None:
         """Hand checked-out ``blocks`` over to ``owner``; nothing is freed or counted.
 
-        The prefix cache uses it to take a finished prompt block from the
-        request that wrote it, so the block outlives that request. Counters
-        and history are unchanged (the blocks stay in use). An owner left
+        Counters and history are unchanged (the blocks stay in use). An owner left
         holding nothing stays active (it is still running), as after
         :meth:`register_owner`.
 
         Raises:
             ForeignBlockError: A block is not one of this pool's live blocks.
-            PoolArgumentError: A block is free (only checked-out blocks move).
+            PoolArgumentError: A block is free, or the prefix cache's (only
+                blocks checked out to an owner move).
             PoolArgumentTypeError: ``owner`` is not an int.
             Nothing moves when any of these is raised.
         """
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -488,6 +531,10 @@ class BlockPoolAllocator:
                         f"block {block.block_id} is free; only checked-out blocks can be "
                         "transferred (allocate it first)"
                     )
+                if block.owner == CACHED:
+                    raise PoolArgumentError(
+                        f"block {block.block_id} is held by the prefix cache; requests "
+                        "reference cached blocks (prefix_cache.acquire), they never own them")
                 checked.append(block)
             target = self._owned.get(owner)
             if target is None:
@@ -518,7 +565,7 @@ class BlockPoolAllocator:
             OwnerAlreadyActiveError: ``owner`` holds blocks or was registered
                 and not yet released.
         """
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -531,7 +578,7 @@ class BlockPoolAllocator:
 
     def release_owner(self, owner: object) -> None:
         """Drop ``owner`` from the active set without freeing its blocks."""
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -553,7 +600,7 @@ class BlockPoolAllocator:
 
     def blocks_for(self, owner: object) -> list[Block]:
         """Blocks checked out to ``owner``, in allocation order."""
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -564,7 +611,7 @@ class BlockPoolAllocator:
 
     def n_blocks_held(self, owner: object) -> int:
         """How many blocks ``owner`` holds, without copying them."""
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -580,7 +627,7 @@ class BlockPoolAllocator:
         blocks held, per stream), so the counts are kept as blocks change hands
         (allocate, free, transfer), not recounted: O(streams), not O(blocks).
         """
-        if type(owner) is not int:
+        if type(owner) is not int or owner == CACHED:
             owner = _as_owner(owner)
         self._acquire()
         try:
@@ -607,6 +654,25 @@ class BlockPoolAllocator:
             return len(self._stream(stream).stack)
         finally:
             self._release()
+
+    def n_blocks_on(self, stream: object = "k") -> int:
+        """Live blocks of ``stream``, free or in use ("kv" on a split pool: both)."""
+        self._acquire()
+        try:
+            if stream == SHARED_STREAM and self.config.separate_kv:
+                return sum(s.n_blocks for s in self._streams.values())
+            return self._stream(stream).n_blocks
+        finally:
+            self._release()
+
+    def n_available(self, stream: object = "k") -> int:
+        """Blocks an allocation on ``stream`` can take now: free ones, and cached ones no
+        request references (allocation evicts those first, least recently used)."""
+        cache = self.prefix_cache
+        names = (list(self._streams) if stream == SHARED_STREAM and self.config.separate_kv
+                 else [self._stream(stream).name])
+        evictable = sum(cache.evictable(n) for n in names) if cache is not None else 0
+        return self.n_free(stream) + evictable
 
     def shrink(self, stream: object, target_free: object) -> int:
         """Retire free blocks of ``stream`` until ``target_free`` stay free.
@@ -647,6 +713,7 @@ class BlockPoolAllocator:
             block._pool = None
         del stack[:count]
         st.n_fresh -= min(count, st.n_fresh)
+        st.n_blocks -= count
         return count
 
     # -- observability ------------------------------------------------------

@@ -13,27 +13,33 @@ a chained hash::
 so two prompts share ``key_j`` exactly when their first ``16 * (j + 1)``
 tokens are equal and were computed by the same model into the same format.
 
-Ownership and life of a cached block::
+The cache is the pool's own (``pool.prefix_cache``, one per pool). A block
+keeps its owner id until it is published; then the pool holds it for the
+cache::
 
-    request writes block j -> prompt prefilled -> publish: pool.transfer(.., CACHE_OWNER)
+    request writes block j -> prompt prefilled -> publish: owner := CACHED
         referenced (refs > 0) by the requests whose tables hold it: never evicted
-        unreferenced (refs == 0): evictable, in LRU order; counts as free for admission
-        evict: pool.free() -> back on the free list
+        unreferenced (refs == 0): evictable, in LRU order
+        evicted -> back on the free list, when an allocation finds its free list
+        short (the pool evicts before it grows or refuses), or on demand
 
-The cache's blocks are checked out to one owner, :data:`CACHE_OWNER`, so the
-pool still accounts every byte (they are in use, by the cache). Requests
-*reference* cached blocks, they never own them: a request frees only the
-blocks checked out to its own owner, and :meth:`PrefixCache.release` drops
-its references. A block being written is never published: only blocks whose
+Cached blocks are allocated (``blocks_in_use == n_allocations - n_frees``
+counts them) and held by no request: they are not on any owner's list, so
+``active_owners()`` and ``blocks_held_by_owner()`` show requests only.
+Evictable blocks are counted once, in :meth:`BlockPoolAllocator.n_available`
+(free plus evictable), which is what admission asks. A request *references*
+cached blocks, it never owns them, and :meth:`PrefixCache.release` drops its
+references. A block being written is never published: only blocks whose
 ``block_size`` slots are all prompt tokens already computed.
 
-Invariants (checked by the tests): every entry's blocks are checked out to
-``CACHE_OWNER``; ``refs`` equals the number of owners' references to it; an
+Every method that changes references or blocks takes the pool's lock, so
+an allocation on another thread that evicts never meets a half-made change.
+Counters are plain ints, safe to read from a scrape without it.
+
+Invariants (checked by the tests): every entry's blocks have owner
+:data:`CACHED`; ``refs`` equals the number of owners' references to it; an
 entry is in the LRU exactly when ``refs == 0``; the evictable counts are the
 LRU entries' blocks per stream.
-
-Not thread-safe: the engine thread is its only writer. Counters are plain
-ints, safe to read from a scrape.
 """
 
 from __future__ import annotations
@@ -42,13 +48,13 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from veloxquant_mlx.exceptions import PoolArgumentError
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.records import CACHED, Block
 
-CACHE_OWNER = -1
-"""The pool owner every cached block is checked out to (request owners are >= 1)."""
+__all__ = ["CACHED", "CachedBlock", "PrefixCache", "chain_hashes", "prefix_root"]
 
 
 def prefix_root(model: str, kv_format: str, block_size: int) -> bytes:
@@ -108,52 +114,60 @@ class CacheCounters:
     published_blocks: int = 0
 
 
-@dataclass(slots=True)
 class PrefixCache:
     """Cached blocks by key, their references, and the LRU of unreferenced ones.
 
+    Made by the pool (``pool.prefix_cache``); a second cache on the same pool
+    would hide its blocks from the pool's eviction, so it is refused.
+
     Args:
-        pool: The shared pool the blocks belong to.
+        pool: The pool the blocks belong to.
+
+    Raises:
+        PoolArgumentError: ``pool`` has its cache already.
     """
 
-    pool: BlockPoolAllocator
-    counters: CacheCounters = field(default_factory=CacheCounters)
-    _entries: dict[bytes, CachedBlock] = field(default_factory=dict)
-    _lru: OrderedDict[bytes, CachedBlock] = field(default_factory=OrderedDict)  # oldest first
-    _held: dict[int, list[CachedBlock]] = field(default_factory=dict)  # owner -> references
-    # owner -> pool blocks of its references per stream (admission asks every step)
-    _held_counts: dict[int, Counter[str]] = field(default_factory=dict)
-    _evictable: Counter[str] = field(default_factory=Counter)  # blocks per stream in the LRU
-    _cached: int = 0  # pool blocks in entries
-
-    def __post_init__(self) -> None:
-        # Every stream's key exists from the start, so a scrape summing the counts
-        # on another thread never sees the dict change size.
-        self._evictable.update(dict.fromkeys(self.pool.config.streams, 0))
+    def __init__(self, pool: Any) -> None:
+        if getattr(pool, "prefix_cache", None) is not None:
+            raise PoolArgumentError("this pool has its prefix cache already: use "
+                                    "pool.prefix_cache")
+        self.pool = pool
+        self.counters = CacheCounters()
+        self._entries: dict[bytes, CachedBlock] = {}
+        self._lru: OrderedDict[bytes, CachedBlock] = OrderedDict()  # oldest first
+        self._held: dict[int, list[CachedBlock]] = {}  # owner -> references
+        # owner -> pool blocks of its references per stream (admission asks every step)
+        self._held_counts: dict[int, Counter[str]] = {}
+        # Blocks per stream in the LRU. Every stream's key exists from the start, so a
+        # scrape summing the counts on another thread never sees the dict change size.
+        self._evictable: Counter[str] = Counter(dict.fromkeys(pool.config.streams, 0))
+        self._cached = 0  # pool blocks in entries
 
     # -- requests ------------------------------------------------------------------
 
     def match(self, keys: Sequence[bytes]) -> list[CachedBlock]:
         """The longest run of cached entries that starts ``keys`` (nothing acquired)."""
         found = []
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
-                break
-            found.append(entry)
+        with self.pool._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    break
+                found.append(entry)
         return found
 
     def acquire(self, owner: int, entries: Sequence[CachedBlock]) -> None:
         """``owner`` references ``entries`` (they stop being evictable)."""
-        held = self._held.setdefault(owner, [])
-        counts = self._held_counts.setdefault(owner, Counter())
-        for entry in entries:
-            if entry.refs == 0:
-                del self._lru[entry.key]
-                self._evictable.subtract(entry.per_stream)
-            entry.refs += 1
-            held.append(entry)
-            counts.update(entry.per_stream)
+        with self.pool._lock:
+            held = self._held.setdefault(owner, [])
+            counts = self._held_counts.setdefault(owner, Counter())
+            for entry in entries:
+                if entry.refs == 0:
+                    del self._lru[entry.key]
+                    self._evictable.subtract(entry.per_stream)
+                entry.refs += 1
+                held.append(entry)
+                counts.update(entry.per_stream)
 
     def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
         """Count one admitted prompt and how much of it came from the cache."""
@@ -171,23 +185,21 @@ class PrefixCache:
             True when the blocks were taken.
 
         Raises:
+            ForeignBlockError: A block is not one of the pool's live blocks.
             PoolArgumentError: A block is not checked out to ``owner``.
         """
-        if key in self._entries:
-            return False
-        for block in blocks:
-            if block.owner != owner:
-                raise PoolArgumentError(
-                    f"block {block.block_id} is held by {block.owner}, not {owner}; only a "
-                    "request's own written blocks can be published")
-        self.pool.transfer(blocks, CACHE_OWNER)
-        entry = CachedBlock(key, list(blocks), dict(Counter(b.stream for b in blocks)), refs=1)
-        self._entries[key] = entry
-        self._held.setdefault(owner, []).append(entry)
-        self._held_counts.setdefault(owner, Counter()).update(entry.per_stream)
-        self._cached += len(blocks)
-        self.counters.published_blocks += len(blocks)
-        return True
+        with self.pool._lock:
+            if key in self._entries:
+                return False
+            self.pool._into_cache(owner, blocks)
+            entry = CachedBlock(key, list(blocks), dict(Counter(b.stream for b in blocks)),
+                                refs=1)
+            self._entries[key] = entry
+            self._held.setdefault(owner, []).append(entry)
+            self._held_counts.setdefault(owner, Counter()).update(entry.per_stream)
+            self._cached += len(blocks)
+            self.counters.published_blocks += len(blocks)
+            return True
 
     def release(self, owner: int) -> None:
         """Drop every reference ``owner`` holds; entries nobody references become evictable.
@@ -195,16 +207,18 @@ class PrefixCache:
         Released tail first, so a chain's last blocks are the first evicted
         (its head, which more prompts share, stays longest).
         """
-        self._held_counts.pop(owner, None)
-        for entry in reversed(self._held.pop(owner, [])):
-            entry.refs -= 1
-            if entry.refs == 0:
-                self._lru[entry.key] = entry
-                self._evictable.update(entry.per_stream)
+        with self.pool._lock:
+            self._held_counts.pop(owner, None)
+            for entry in reversed(self._held.pop(owner, [])):
+                entry.refs -= 1
+                if entry.refs == 0:
+                    self._lru[entry.key] = entry
+                    self._evictable.update(entry.per_stream)
 
     def held_blocks(self, owner: int) -> dict[str, int]:
         """Cached pool blocks ``owner`` references, per stream (kept as references change)."""
-        return dict(self._held_counts.get(owner, ()))
+        with self.pool._lock:
+            return dict(self._held_counts.get(owner, ()))
 
     # -- capacity ------------------------------------------------------------------
 
@@ -216,38 +230,47 @@ class PrefixCache:
         """Free least recently used entries until ``need`` blocks per stream came free.
 
         Stops early when nothing evictable is left; referenced entries are
-        never touched.
+        never touched. Allocation does this by itself when a free list runs
+        short; call it to make room ahead (a shrink).
 
         Returns:
             Pool blocks freed.
         """
+        with self.pool._lock:
+            return self.pool._evicted(self.take_lru(need))
+
+    def reset(self) -> int:
+        """Evict every unreferenced entry; returns the pool blocks freed."""
+        with self.pool._lock:
+            blocks: list[Block] = []
+            while self._lru:
+                blocks += self._drop(self._lru.popitem(last=False)[1])
+            return self.pool._evicted(blocks)
+
+    def take_lru(self, need: dict[str, int]) -> list[Block]:
+        """Forget least recently used entries until they cover ``need``; their blocks.
+
+        Call with the pool's lock held: the pool frees what this returns.
+        """
         left = {s: n for s, n in need.items() if n > 0}
-        freed = 0
+        blocks: list[Block] = []
         while left and self._lru:
             _, entry = self._lru.popitem(last=False)
-            freed += self._drop(entry)
+            blocks += self._drop(entry)
             for stream, n in entry.per_stream.items():
                 if stream in left:
                     left[stream] -= n
                     if left[stream] <= 0:
                         del left[stream]
-        return freed
+        return blocks
 
-    def reset(self) -> int:
-        """Evict every unreferenced entry; returns the pool blocks freed."""
-        freed = 0
-        while self._lru:
-            freed += self._drop(self._lru.popitem(last=False)[1])
-        return freed
-
-    def _drop(self, entry: CachedBlock) -> int:
-        """Forget an unreferenced entry (already off the LRU) and free its blocks."""
+    def _drop(self, entry: CachedBlock) -> list[Block]:
+        """Forget an unreferenced entry (already off the LRU); its blocks, to free."""
         del self._entries[entry.key]
         self._evictable.subtract(entry.per_stream)
-        self.pool.free(entry.blocks)
         self._cached -= len(entry.blocks)
         self.counters.evicted_blocks += len(entry.blocks)
-        return len(entry.blocks)
+        return entry.blocks
 
     # -- observability ---------------------------------------------------------------
 
@@ -263,11 +286,13 @@ class PrefixCache:
 
     def entries(self) -> list[CachedBlock]:
         """Every entry (for checks and tests)."""
-        return list(self._entries.values())
+        with self.pool._lock:
+            return list(self._entries.values())
 
     def holders(self) -> dict[int, int]:
         """Owner -> references it holds (for checks and tests)."""
-        return {owner: len(held) for owner, held in self._held.items() if held}
+        with self.pool._lock:
+            return {owner: len(held) for owner, held in self._held.items() if held}
 
     def view(self) -> dict[str, int]:
         """The figures /admin/pool shows."""

@@ -15,12 +15,17 @@ from veloxquant_mlx.memory.pool_config import SHARED_STREAM
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _NO_HOME: list[Block] = []  # never appended to: only pool-made blocks are freed
 
+CACHED = -(2**63)
+"""``Block.owner`` of a block the pool's prefix cache holds: in use, no request's.
+The one int the pool refuses as an owner id."""
+
 
 class Block:
     """One fixed-size block of KV-cache storage.
 
     ``block_id`` is stable for the life of the pool; blocks are reused in
-    place. ``owner`` is None while the block is free. ``n_used`` (token slots
+    place. ``owner`` is None while the block is free, and :data:`CACHED` while
+    the pool's prefix cache holds it. ``n_used`` (token slots
     filled) is set by ``allocate()`` and kept current by whoever writes into
     the block; assigning it keeps the pool's fragmentation count in step.
     ``checkouts`` counts the times the pool handed the block out (a transfer

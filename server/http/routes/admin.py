@@ -12,7 +12,6 @@ from server.engine.protocol import ShrinkRefused
 from server.http.auth import require_admin
 from server.http.errors import ConflictError, UnavailableError
 from server.metrics import request_blocks_in_use
-from veloxquant_mlx.memory.prefix_cache import CACHE_OWNER
 
 HISTORY_SHOWN = 16
 RANKS_TIMEOUT_S = 10.0  # longest wait for every rank's pool figures (/admin/pool)
@@ -39,8 +38,7 @@ def pool_view(request: Request) -> dict[str, Any]:
     pool = engine.pool
     history = pool.history() if callable(pool.history) else pool.history
     live = engine.live_requests()
-    held = pool.blocks_held_by_owner()
-    held.pop(CACHE_OWNER, None)  # the cache's blocks are under "prefix_cache"
+    held = pool.blocks_held_by_owner()  # requests only: cached blocks are "prefix_cache"'s
     config = pool.config
     return {
         "stats": _stats(pool),
