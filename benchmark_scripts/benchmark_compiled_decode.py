@@ -39,9 +39,9 @@ DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
 
 def measure(model, rows: int, compiled: bool, steps: int) -> dict:
     """Decode ``steps`` greedy steps of ``rows`` rows (64-token prompts)."""
-    from server.engine.protocol import SamplingParams
+    from server.engine.run_output import StepClock
     from server.engine.runner import ModelRunner
-    from server.engine.step_clock import StepClock
+    from server.protocol import SamplingParams
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 

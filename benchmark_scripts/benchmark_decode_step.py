@@ -45,10 +45,10 @@ DEFAULT_OUT = ROOT / "figures" / "decode_step" / "results.json"
 def child(model_name: str, rows: int, steps: int) -> dict:
     """Measure in this process, on the checkout its ``PYTHONPATH`` (and cwd) names."""
     import server
-    from server.engine.protocol import SamplingParams
+    from server.engine.run_output import StepClock
     from server.engine.runner import ModelRunner
-    from server.engine.step_clock import StepClock
     from server.model_loader import load_model
+    from server.protocol import SamplingParams
     from server.settings import load_settings
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout

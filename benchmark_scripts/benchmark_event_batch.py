@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from server.engine.protocol import EventBatch, EventChannel, TokenEvent  # noqa: E402
+from server.channel import EventBatch, EventChannel  # noqa: E402
+from server.protocol import TokenEvent  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "server" / "event_batch.json"
 

@@ -11,7 +11,7 @@ completions rather than chat so a prompt is exactly the tokens cut for it, no
 template around it). Both servers get the same prompts and no server sees a
 prompt twice. Ours is then
 stopped with SIGTERM and its exit checked. Around each of our levels the
-engine's step clock is read from ``/metrics`` (server/engine/step_clock.py),
+engine's step clock is read from ``/metrics`` (server/engine/run_output.py),
 so each level records where a decode step's time went under that load.
 
 Every phase is bounded: a level stops launching requests at its time limit

@@ -46,7 +46,7 @@ DEFAULT_OUT = ROOT / "figures" / "real_model" / "long_prompt.json"
 _ENGINE = r"""
 import json, sys, time
 import mlx.core as mx
-from server.engine.protocol import SamplingParams
+from server.protocol import SamplingParams
 from server.engine.runner import ModelRunner
 from server.model_loader import load_model
 from server.settings import load_settings

@@ -141,9 +141,9 @@ def save_figures(out: Path, script: str, fields: dict) -> None:
 
 def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
     """Decode ``steps`` steps of ``rows`` rows (32-token prompts, temperature 0.7)."""
-    from server.engine.protocol import SamplingParams
+    from server.engine.run_output import StepClock
     from server.engine.runner import ModelRunner
-    from server.engine.step_clock import StepClock
+    from server.protocol import SamplingParams
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 

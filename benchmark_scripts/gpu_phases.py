@@ -161,7 +161,7 @@ def engine_clock(base: str) -> dict[str, float]:
 
     (``veloxquant_engine_phase_seconds``, ``veloxquant_engine_decode_steps``,
     the ``veloxquant_batch_size`` histogram's sum and ``veloxquant_kv_arena_writes``;
-    see server/engine/step_clock.py.)
+    see server/engine/run_output.py.)
     """
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -104,11 +104,11 @@ def served_generation(folder: Path, prompt_ids: list[list[int]], n: int) -> list
     Raises:
         server.model_support.UnsupportedModelError: The load refuses the model.
     """
-    from server.engine.protocol import SamplingParams
+    from server.engine.run_output import StepClock
     from server.engine.startup import assemble, make_pool
-    from server.engine.step_clock import StepClock
     from server.metrics import ServerMetrics
     from server.model_loader import load_model
+    from server.protocol import SamplingParams
     from server.settings import load_settings
 
     settings = load_settings(None, overrides={"model": {"path": str(folder)}}, env={})
@@ -126,8 +126,8 @@ def unchecked_generation(folder: Path, prompt_ids: list[list[int]], n: int) -> l
     """:func:`served_generation` with no load-time check: mlx-lm's load, the runner, the arena."""
     import mlx_lm
 
-    from server.engine.protocol import SamplingParams
     from server.engine.runner import ModelRunner
+    from server.protocol import SamplingParams
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 

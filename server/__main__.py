@@ -27,7 +27,9 @@ from server.cli import (
     settings_from_args,
     warn_secret_flags,
 )
-from server.engine.pool_fit import records_problem  # imports no MLX
+from server.engine.kv_memory import (
+    records_problem,  # imports no MLX
+)
 from server.settings import ConfigError, Settings
 from veloxquant_mlx.cpu_backend import load_optimized_blas  # imports no MLX
 from veloxquant_mlx.mlx_env import MLX_ENV_DEFAULTS, apply_mlx_env_defaults  # no MLX

@@ -298,7 +298,7 @@ def settings_from_args(args: argparse.Namespace,
         origins[dotted] = given.flag
     settings = load_settings(args.config, overrides=overrides, env=env, origins=origins)
     if settings.distributed.ranks > 1 and settings.cache.prefix_caching:
-        # A cache hit changes what one rank computes (server.engine.distributed).
+        # A cache hit changes what one rank computes (server.distributed).
         settings = settings.replace(cache=settings.cache.model_copy(
             update={"prefix_caching": False}))
     return settings

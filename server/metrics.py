@@ -352,7 +352,7 @@ def kv_usage_ratio(pool: Any, cache: Any) -> float:
 
 
 def _grammar_families(cache: Any):
-    """The compiled-grammar cache (server.engine.constraints.GrammarCache): its estimated
+    """The compiled-grammar cache (server.text.schemas.GrammarCache): its estimated
     bytes, bounded by ``limits.grammar_cache_bytes``, and its entries (0 without one)."""
     yield _gauge("veloxquant_grammar_cache_bytes",
                  "Estimated bytes of the compiled structured-output grammars kept.",
@@ -387,7 +387,7 @@ def _cache_families(cache: Any):
 
 
 def _step_families(clock: Any):
-    """The engine's time per step phase (server.engine.step_clock) and its decode steps."""
+    """The engine's time per step phase (server.engine.run_output) and its decode steps."""
     steps, seconds = clock.totals()
     phases = CounterMetricFamily("veloxquant_engine_phase_seconds",
                                  "Engine-thread seconds by step phase (differences between "

@@ -1,6 +1,6 @@
 """How deep a client's JSON Schema may nest: checked before anything walks it recursively.
 
-The schema rewrites and checks of structured outputs (server.engine.constraints) and
+The schema rewrites and checks of structured outputs (server.text.schemas) and
 of tool definitions recurse about three Python frames per level of objects and arrays;
 Python's limit (1,000 frames) is reached near 330 levels, which a 12 KB body reaches.
 The walk here is iterative, so any depth the JSON parser accepted is measured safely.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.engine.protocol import ConstraintError
+from server.protocol import ConstraintError
 
 # Objects and arrays nested in a client's schema, at most. Generated schemas nest a few
 # levels per model (pydantic puts nested models in $defs, reached by $ref): 64 lets a

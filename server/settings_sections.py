@@ -269,7 +269,7 @@ class LimitsSection(_Section):
     # others wait; a larger one waits until nobody else does. 1: no cap.
     max_pool_share: float = Field(default=0.5, gt=0.0, le=1.0)
     # Compiled structured-output grammars kept, by their estimated bytes ("256MiB" or a
-    # byte count); past it the least recently used go (server.engine.constraints.GrammarCache).
+    # byte count); past it the least recently used go (server.text.schemas.GrammarCache).
     grammar_cache_bytes: str | int = "256MiB"
 
     @field_validator("grammar_cache_bytes")
@@ -357,7 +357,7 @@ class MetricsSection(_Section):
 
 
 class DistributedSection(_Section):
-    """One model over several processes (server.engine.distributed): tensor parallel
+    """One model over several processes (server.distributed): tensor parallel
     over mx.distributed's ring backend; rank 0 serves HTTP, owns admission and the pool
     figures, the other ranks follow each step. 1 = one process (off)."""
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from server.engine.protocol import SamplingParams
 from server.engine.runner import ModelRunner
+from server.protocol import SamplingParams
 from tests.memory.test_paged_batch import _arena, _joins_and_leaves, _paged, _prompt, _stock
 from veloxquant_mlx import compiled_decode
 from veloxquant_mlx.compiled_decode import compile_decode_blocks

@@ -77,7 +77,7 @@ from veloxquant_mlx.mlx_env import apply_mlx_env_defaults
 if sys.argv[2] == "server-defaults":
     apply_mlx_env_defaults()
 import mlx.core as mx
-from server.engine.protocol import SamplingParams
+from server.protocol import SamplingParams
 from server.engine.runner import ModelRunner
 from server.model_loader import load_model
 from server.settings import load_settings

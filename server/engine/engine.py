@@ -2,10 +2,10 @@
 
 Routes call :meth:`Engine.submit` (thread-safe, non-blocking); the engine
 thread answers through each request's
-:class:`~server.engine.protocol.EventChannel`. One loop, one thread::
+:class:`~server.channel.EventChannel`. One loop, one thread::
 
     while running:
-        intake   inbox (prompts tokenized by worker threads, server.engine.preparer)
+        intake   inbox (prompts tokenized by worker threads, server.text.prompts)
                  -> scheduler.intake (refused, or waiting)
         step     schedule, prefill, one decode, postprocess (server.engine.steps)
         memory   MLX's memory next to the pool's KV bytes (/metrics)
@@ -26,14 +26,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.chat_render import tool_call_format
-from server.engine.embedding import can_embed
-from server.engine.intake import RequestRejected, out_of_vocab, tokenize_prompt, vocab_size
 from server.engine.kv_memory import KVMemory
 from server.engine.output import OutputProcessor
 from server.engine.prefix import PromptPrefixes
-from server.engine.preparer import Prepared, PromptPreparer
-from server.engine.protocol import (
+from server.engine.run_output import StepClock
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Scheduler
+from server.engine.startup import (
+    assemble,
+    events_at_submit,
+    make_pool,
+    prefill_time_slice,
+    release_thread_streams,
+)
+from server.engine.steps import EngineSteps, FaultHook
+from server.engine.tasks import can_embed, echo_ids
+from server.metrics import ServerMetrics
+from server.model_loader import LoadedModel, load_model
+from server.protocol import (
     ChatPrompt,
     ConversationBound,
     FinishReason,
@@ -42,23 +52,21 @@ from server.engine.protocol import (
     Rejected,
     ThinkTags,
 )
-from server.engine.runner import ModelRunner
-from server.engine.scheduler import Scheduler
-from server.engine.scoring import echo_ids
-from server.engine.startup import (
-    assemble,
-    events_at_submit,
-    make_pool,
-    prefill_time_slice,
-    release_thread_streams,
-)
-from server.engine.step_clock import StepClock
-from server.engine.steps import EngineSteps, FaultHook
-from server.engine.think_tags import opens_thinking, think_tags
-from server.metrics import ServerMetrics
-from server.model_loader import LoadedModel, load_model
 from server.settings import Settings
 from server.settings_sections import parse_bytes
+from server.text.chat_render import tool_call_format
+from server.text.prompts import (
+    Prepared,
+    PromptPreparer,
+    RequestRejected,
+    out_of_vocab,
+    tokenize_prompt,
+    vocab_size,
+)
+from server.text.think_tags import (
+    opens_thinking,
+    think_tags,
+)
 from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("veloxquant.server")
@@ -77,9 +85,9 @@ class _Command:
 def _grammar_cache(settings: Settings) -> Any:
     """The engine's compiled-grammar cache, bounded by ``limits.grammar_cache_bytes``.
 
-    Imported here, not at the top: server.engine.constraints loads llguidance.
+    Imported here, not at the top: server.text.schemas loads llguidance.
     """
-    from server.engine.constraints import GrammarCache
+    from server.text.schemas import GrammarCache
 
     return GrammarCache(parse_bytes(settings.limits.grammar_cache_bytes))
 
@@ -215,7 +223,7 @@ class Engine:
 
         Blocks for the first schema of a model (~0.4 s: llguidance's token
         index); call it from a worker thread. Cached, thread-safe
-        (:mod:`server.engine.constraints`).
+        (:mod:`server.text.schemas`).
 
         Returns:
             The compiled constraint for ``SamplingParams.constraint``, or None
@@ -224,7 +232,10 @@ class Engine:
         Raises:
             ConstraintError: The format or schema cannot be enforced (a 400).
         """
-        from server.engine.constraints import compile_json_schema, compile_response_format
+        from server.text.schemas import (
+            compile_json_schema,
+            compile_response_format,
+        )
 
         tokenizer = self.loaded.tokenizer
         if schema is not None:
@@ -311,7 +322,7 @@ class Engine:
         Returns:
             A future of ``(retired, kept_free)``: blocks retired and, per
             stream, the free blocks left. It raises
-            :class:`~server.engine.protocol.ShrinkRefused`.
+            :class:`~server.protocol.ShrinkRefused`.
         """
         return self.run_on_engine(lambda: self._shrink(stream, target_free, force))
 

@@ -2,7 +2,7 @@
 
 Runs on the engine thread after each model call. The runner hands back bare
 token ids (and, when asked for, the distribution each was drawn from); here
-they become the client-facing :class:`~server.engine.protocol.TokenEvent`
+they become the client-facing :class:`~server.protocol.TokenEvent`
 records, and a request is marked finished when it hits an end token, a stop
 string or ``max_tokens``.
 """
@@ -15,8 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from server.engine.protocol import FinishReason, TokenEvent, TokenLogprob, TopLogprob
-from server.engine.token_bytes import TokenBytes
+from server.protocol import (
+    FinishReason,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+)
+from server.text.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from server.engine.request_state import RequestState

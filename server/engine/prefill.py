@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from server.engine.embedding import PromptEmbedding
-from server.engine.protocol import SamplingParams
 from server.engine.sampling import Sampler
-from server.engine.scoring import PromptScores
+from server.engine.tasks import PromptEmbedding, PromptScores
+from server.protocol import SamplingParams
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
@@ -35,7 +34,7 @@ from veloxquant_mlx.memory.pool_backed import PoolBackedKVCache
 from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
 if TYPE_CHECKING:
-    from server.engine.constraints import Matcher
+    from server.text.grammar import Matcher
 
 # Model modules (mlx-lm's and the project's) whose ``Model.__call__`` is the backbone
 # (``model.model``) then the vocabulary projection (the tied embedding or ``lm_head``),
@@ -99,8 +98,8 @@ class Row:
         prefix_root: The root its keys chain from (empty: nothing to publish).
         fed: Generated tokens fed to the model so far (kept only with prefix caching:
             its output's full blocks are cached when it ends), else None.
-        task: A whole-prompt task (scoring, :mod:`server.engine.scoring`; an embedding,
-            :mod:`server.engine.embedding`): the row prefills alone, its task reads
+        task: A whole-prompt task (scoring, :mod:`server.engine.tasks`; an embedding,
+            :mod:`server.engine.tasks`): the row prefills alone, its task reads
             every position, and it generates nothing. None for a generation.
         kv: Its KV: one :class:`PoolBackedKVCache` per layer over the pool's storage,
             owned by ``owner``; the batches it runs in read and grow their block table.

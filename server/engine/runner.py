@@ -25,11 +25,11 @@ stream. A row's KV never exceeds ``prompt + max_tokens`` tokens (the last
 token is fed once before the row is seen to finish), which is what the
 admission reservation covers.
 
-Each row samples with its own settings, as :mod:`server.engine.decode_sampling`
+Each row samples with its own settings, as :mod:`server.engine.sampling`
 plans it (one ``argmax`` when every row is greedy; else one compiled graph
 with per-row settings, and seeded or penalised rows alone).
 
-Rows with a grammar (``response_format``, :mod:`server.engine.constraints`)
+Rows with a grammar (``response_format``, :mod:`server.text.schemas`)
 decode in the same batch as free rows: their logits are masked to what the
 grammar allows before the shared sampling. The mask of a row's next token
 needs its current token on the host, so a batch with such rows reads its
@@ -50,13 +50,21 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.engine.decode_sampling import SamplingPlan, ban, constrain, sample_one, sample_rows
 from server.engine.prefill import PrefillGroup, Row
 from server.engine.prefix import PrefixHit, PromptPrefixes
-from server.engine.protocol import SamplingParams
-from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled, TaskDone
-from server.engine.sampling import batchable, build_logits_processors, build_sampler, mask_logits
-from server.engine.step_clock import StepClock
+from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled, StepClock, TaskDone
+from server.engine.sampling import (
+    SamplingPlan,
+    ban,
+    batchable,
+    build_logits_processors,
+    build_sampler,
+    constrain,
+    mask_logits,
+    sample_one,
+    sample_rows,
+)
+from server.protocol import SamplingParams
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.memory import BlockPoolAllocator
 from veloxquant_mlx.memory.kv_arena import KVArena
@@ -77,7 +85,7 @@ class ModelRunner:
         pool: The shared pool the rows' blocks come from.
         prefill_chunk_size: Most prompt columns per prefill model call.
         arena: The pool's KV arena (where the blocks' keys and values live).
-        clock: Where the decode's phases are timed (see :mod:`server.engine.step_clock`).
+        clock: Where the decode's phases are timed (see :mod:`server.engine.run_output`).
         kv_write_back: Decode columns the batch holds out of the arena before
             one write of them all (:mod:`veloxquant_mlx.memory.write_back`); 1
             writes every step.
@@ -113,7 +121,7 @@ class ModelRunner:
         self.clock = clock or StepClock()
         # Every token a row feeds passes through here (lazily): the identity, except
         # on a model split over ranks, where it hands every rank rank 0's tokens
-        # (server.engine.distributed.token_sharer).
+        # (server.distributed.token_sharer).
         self.share_tokens: Callable[[mx.array], mx.array] = _same
         # Called right before a decode hands its graph to the device: from there the
         # engine thread waits without the GIL (the device computes, then the token

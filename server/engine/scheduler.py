@@ -2,7 +2,7 @@
 
 Runs on the engine thread. It is the one owner of a request's lifetime:
 
-    submit -> preparer  tokenize, prompt limits (worker threads, server.engine.preparer)
+    submit -> preparer  tokenize, prompt limits (worker threads, server.text.prompts)
            -> intake()  fits the pool at all? queue bound  -> refused (Rejected) or waiting
     waiting -> expire()  cancelled or past limits.queue_timeout_s -> dropped / Rejected;
                          can never fit after the pool shrank -> Rejected (capacity_changed)
@@ -28,20 +28,28 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from server.engine.capacity import CapacityPlanner, Reservation
-from server.engine.choices import ChoiceHolds, times
-from server.engine.intake import RequestRejected, no_room_in_pool
 from server.engine.prefix import PrefixHit, PromptPrefixes
-from server.engine.preparer import Prepared
-from server.engine.protocol import (
+from server.engine.request_state import (
+    ChoiceHolds,
+    PendingRequest,
+    RequestState,
+    StopMatcher,
+    times,
+)
+from server.metrics import ServerMetrics
+from server.model_loader import LoadedModel
+from server.protocol import (
     GenerationRequest,
     Reason,
     Rejected,
     ShrinkRefused,
 )
-from server.engine.request_state import PendingRequest, RequestState, StopMatcher
-from server.metrics import ServerMetrics
-from server.model_loader import LoadedModel
 from server.settings import Settings
+from server.text.prompts import (
+    Prepared,
+    RequestRejected,
+    no_room_in_pool,
+)
 from veloxquant_mlx.memory import BlockPoolAllocator
 
 
@@ -72,7 +80,7 @@ class Scheduler:
                                                    pool.config.block_size, enabled=False)
         self.planner = CapacityPlanner(pool, loaded.n_layers)
         self.waiting: deque[PendingRequest] = deque()
-        # The n choices of a prompt, admitted together (server.engine.choices).
+        # The n choices of a prompt, admitted together (server.engine.request_state).
         self.choices = ChoiceHolds(self.reject, self._drop_cancelled,
                                    self.limits.queue_timeout_s)
         self.max_pool_share = self.limits.max_pool_share

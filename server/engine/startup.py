@@ -17,23 +17,24 @@ from typing import Any
 
 from server.engine.kv_memory import (
     KVMemory,
+    arena_problem,
     blocks_for_bytes,
     blocks_for_longest_request,
     build_kv_memory,
+    device_memory_bytes,
     kv_format_of,
     longest_request,
 )
 from server.engine.kv_memory import describe as describe_kv
 from server.engine.output import OutputProcessor
-from server.engine.pool_fit import arena_problem, device_memory_bytes
 from server.engine.prefix import PromptPrefixes, cache_root
-from server.engine.preparer import PromptPreparer
+from server.engine.run_output import StepClock
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
-from server.engine.step_clock import StepClock
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.settings import LimitsSection, Settings
+from server.text.prompts import PromptPreparer
 from veloxquant_mlx.codes_linear import INT8_MAX_ROWS
 from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
@@ -202,14 +203,14 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     """
     group = None
     if settings.distributed.ranks > 1:  # rank 0 of a split model
-        from server.engine.distributed import join_group
+        from server.distributed import join_group
 
         group = join_group(settings.distributed.ranks)
     # A split model stays in mlx-lm's layer classes, which its split takes (load_model).
     loaded = loader(settings.model) if group is None else loader(settings.model, codes=False)
     apply_context_limit(settings.limits, loaded)
     if group is not None:
-        from server.engine.distributed import shard_loaded
+        from server.distributed import shard_loaded
 
         shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
@@ -229,7 +230,10 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
                          fuse_projections=batch.fuse_projections)
     compiled = runner.compiled_blocks
     if group is not None:  # the other ranks repeat this runner's calls
-        from server.engine.distributed import LeaderRunner, RankLink
+        from server.distributed import (
+            LeaderRunner,
+            RankLink,
+        )
 
         runner = LeaderRunner(runner, RankLink(group))
     parts = EngineParts(loaded, pool, kv, prefixes, scheduler, runner,
@@ -265,7 +269,7 @@ def release_thread_streams() -> None:
 def serve_follower(settings: Any) -> int:
     """A follower process's whole life: join the ring, load and shard the model, then
     :func:`follow`."""
-    from server.engine.distributed import (
+    from server.distributed import (
         LeaderWait,
         RankLink,
         follow,

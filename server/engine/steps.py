@@ -20,13 +20,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from server.engine.call_health import CallHealth
-from server.engine.constraints import ConstraintViolation
-from server.engine.embedding import PromptEmbedding
+from server.channel import EventBatch
 from server.engine.kv_memory import memory_snapshot
-from server.engine.protocol import (
+from server.engine.request_state import RequestState
+from server.engine.run_output import CallHealth, RunOutput, StepClock
+from server.engine.sampling import reset_random_state
+from server.engine.startup import EngineParts
+from server.engine.tasks import PromptEmbedding, PromptScores
+from server.metrics import ServerMetrics
+from server.protocol import (
     Admitted,
-    EventBatch,
     Failed,
     Finished,
     FinishReason,
@@ -34,13 +37,7 @@ from server.engine.protocol import (
     Reason,
     Usage,
 )
-from server.engine.request_state import RequestState
-from server.engine.run_output import RunOutput
-from server.engine.sampling import reset_random_state
-from server.engine.scoring import PromptScores
-from server.engine.startup import EngineParts
-from server.engine.step_clock import StepClock
-from server.metrics import ServerMetrics
+from server.text.grammar import ConstraintViolation
 
 log = logging.getLogger("veloxquant.server")
 

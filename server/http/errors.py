@@ -21,8 +21,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.engine.protocol import Failed, FinishReason, Reason, Rejected
 from server.http.validation_messages import field_path, validation_message
+from server.protocol import (
+    Failed,
+    FinishReason,
+    Reason,
+    Rejected,
+)
 from server.settings import Settings
 from veloxquant_mlx.exceptions import VeloxQuantError
 

@@ -25,8 +25,11 @@ import sys
 import time
 from typing import Any, TextIO
 
-from server.engine.protocol import FinishReason, Reason
 from server.http.errors import end_status, status_of
+from server.protocol import (
+    FinishReason,
+    Reason,
+)
 
 LOGGER_NAME = "veloxquant.requests"
 log = logging.getLogger(LOGGER_NAME)

@@ -20,7 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.engine.distributed import DistributedError, check_split, shard_model
+from server.distributed import (
+    DistributedError,
+    check_split,
+    shard_model,
+)
 from server.settings import load_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark_scripts"))

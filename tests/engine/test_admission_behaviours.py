@@ -19,10 +19,15 @@ from types import SimpleNamespace
 
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.prefix import PromptPrefixes
-from server.engine.preparer import Prepared
-from server.engine.protocol import GenerationRequest, Reason, Rejected, SamplingParams
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
+from server.protocol import (
+    GenerationRequest,
+    Reason,
+    Rejected,
+    SamplingParams,
+)
+from server.text.prompts import Prepared
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from server.engine.protocol import SamplingParams
 from server.engine.sampling import (
     BatchSettings,
     _keep_min_p,
@@ -25,6 +24,7 @@ from server.engine.sampling import (
     build_logits_processors,
     sample_batch,
 )
+from server.protocol import SamplingParams
 
 VOCAB = 64
 

@@ -13,9 +13,12 @@ import threading
 import httpx
 import pytest
 
-from server.engine.call_health import FAILED_CALLS_UNHEALTHY, CallHealth
 from server.engine.engine import Engine
-from server.engine.run_output import RunOutput
+from server.engine.run_output import (
+    FAILED_CALLS_UNHEALTHY,
+    CallHealth,
+    RunOutput,
+)
 from server.metrics import ServerMetrics
 from server.model_loader import load_model
 from tests.support.servers import make_settings, run_server

@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 
 from server.engine.capacity import CapacityPlanner, Reservation
-from server.engine.protocol import SamplingParams
 from server.engine.sampling import build_sampler
+from server.protocol import SamplingParams
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 

@@ -14,11 +14,15 @@ from types import SimpleNamespace
 
 import httpx
 
-from server.engine.choices import ChoiceGroup
-from server.engine.preparer import Prepared
-from server.engine.protocol import GenerationRequest, Reason, SamplingParams
+from server.engine.request_state import ChoiceGroup
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
+from server.protocol import (
+    GenerationRequest,
+    Reason,
+    SamplingParams,
+)
+from server.text.prompts import Prepared
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 

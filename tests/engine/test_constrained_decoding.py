@@ -20,9 +20,10 @@ import jsonschema
 import mlx.core as mx
 import pytest
 
-from server.engine.constraints import ConstraintViolation, compile_response_format
-from server.engine.protocol import SamplingParams
 from server.engine.runner import ModelRunner
+from server.protocol import SamplingParams
+from server.text.grammar import ConstraintViolation
+from server.text.schemas import compile_response_format
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
@@ -175,10 +176,10 @@ def test_constrained_rows_report_the_models_finite_logprobs(parts):
 
 
 def test_the_engine_finishes_a_constrained_request_with_stop(tiny_model_path, parts):
+    from server.channel import EventChannel
     from server.engine.engine import Engine
-    from server.engine.protocol import (
+    from server.protocol import (
         Admitted,
-        EventChannel,
         Finished,
         GenerationRequest,
         TokenEvent,

@@ -1,4 +1,4 @@
-"""response_format compiled into grammars (server.engine.constraints) and masks on logits.
+"""response_format compiled into grammars (server.text.schemas) and masks on logits.
 
 The tiny model's real tokenizer (4,096 tokens, end tokens 1 and 3) and real
 llguidance grammars: what compiles, what is refused and why, the cache, a
@@ -13,18 +13,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from server.engine.constraints import (
-    SAFE_INTEGER,
+from server.engine.sampling import mask_logits
+from server.text.grammar import (
     BatchMasks,
-    ConstraintError,
     ConstraintViolation,
+    mask_words,
+)
+from server.text.schemas import (
+    SAFE_INTEGER,
+    ConstraintError,
     bound_integers,
     close_objects,
     compile_json_schema,
     compile_response_format,
-    mask_words,
 )
-from server.engine.sampling import mask_logits
 
 SCHEMA = {"type": "object",
           "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from server.engine.protocol import EventBatch, EventChannel, TokenEvent
+from server.channel import (
+    EventBatch,
+    EventChannel,
+)
+from server.protocol import TokenEvent
 
 
 def test_each_channel_gets_its_events_in_order_with_one_call_per_loop():

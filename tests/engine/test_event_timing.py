@@ -19,17 +19,17 @@ import asyncio
 import mlx.core as mx
 import pytest
 
+from server.channel import EventChannel
 from server.engine import runner as runner_module
 from server.engine.engine import Engine
-from server.engine.protocol import (
+from server.metrics import ServerMetrics
+from server.protocol import (
     Admitted,
-    EventChannel,
     Finished,
     GenerationRequest,
     SamplingParams,
     TokenEvent,
 )
-from server.metrics import ServerMetrics
 from tests.support.servers import make_settings
 
 NO_EOS = ((1, -100.0), (3, -100.0))  # the tiny model's end tokens never come

@@ -12,8 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.engine.protocol import SamplingParams
 from server.engine.runner import ModelRunner
+from server.protocol import SamplingParams
 from tests.support.servers import LiveServer
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout

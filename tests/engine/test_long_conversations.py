@@ -21,13 +21,12 @@ import httpx
 import openai
 import pytest
 
-from server.engine.chat_bound import frames_every_message
 from server.engine.engine import Engine
-from server.engine.prompt_bound import max_bytes_per_token
 from server.http.routes.truncation import drop_units, without_oldest
 from server.http.schemas.chat import ChatMessage
 from server.metrics import ServerMetrics
 from server.settings import LimitsSection
+from server.text.bounds import frames_every_message, max_bytes_per_token
 from tests.support.servers import LiveServer, make_settings, run_server
 
 N_MESSAGES = 30_000  # one-letter messages a body: about 900 KB

@@ -14,9 +14,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from server.engine.prefill import last_column_logits, projects_last_column
-from server.engine.protocol import SamplingParams
+from server.engine.run_output import StepClock
 from server.engine.runner import ModelRunner
-from server.engine.step_clock import StepClock
+from server.protocol import SamplingParams
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 

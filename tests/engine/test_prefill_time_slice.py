@@ -98,9 +98,9 @@ def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     """Chunks are cut only while rows wait on a time-sliced prefill, to what ran in the
     time left before (per row of the group), never under 64 columns nor over the
     configured chunk."""
-    from server.engine.protocol import SamplingParams
     from server.engine.runner import MIN_SLICED_CHUNK, ModelRunner
     from server.model_loader import load_model
+    from server.protocol import SamplingParams
     from server.settings import ModelSection
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from server.engine.preparer import Prepared
-from server.engine.protocol import GenerationRequest, Reason, SamplingParams
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
+from server.protocol import (
+    GenerationRequest,
+    Reason,
+    SamplingParams,
+)
+from server.text.prompts import Prepared
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 

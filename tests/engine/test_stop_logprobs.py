@@ -14,8 +14,8 @@ import json
 import httpx
 import pytest
 
-from server.engine.protocol import TokenLogprob
 from server.engine.request_state import StopMatcher
+from server.protocol import TokenLogprob
 from tests.support.servers import LiveServer
 
 

@@ -1,4 +1,4 @@
-"""A token's own bytes (server/engine/token_bytes.py), for chat log-probabilities' ``bytes``.
+"""A token's own bytes (server/text/token_bytes.py), for chat log-probabilities' ``bytes``.
 
 The served case (SmolLM2 splitting emoji over tokens) is in test_real_model.py.
 """
@@ -9,7 +9,10 @@ import json
 
 import pytest
 
-from server.engine.token_bytes import TokenBytes, byte_level_alphabet
+from server.text.token_bytes import (
+    TokenBytes,
+    byte_level_alphabet,
+)
 
 TEXTS = ["plain words", " leading space", "🎉🚀 and 日本語", "naïve café\n\ttabs",
          "\x00\x7f\u00a0\u00ad", "€100 — ok?"]

@@ -106,7 +106,7 @@ def test_generation_config_names_bos_and_eos(spm_folder):
 @pytest.mark.parametrize("text", ["Hello world", "naïve 🎉 数据\n\ttabs"])
 def test_each_tokens_bytes_join_to_the_text(tokenizer, text):
     """Chat logprobs' ``bytes``: "▁" is a space, ``<0xNN>`` pieces are that byte."""
-    from server.engine.token_bytes import TokenBytes
+    from server.text.token_bytes import TokenBytes
 
     token_bytes = TokenBytes(tokenizer)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -118,7 +118,7 @@ def test_each_tokens_bytes_join_to_the_text(tokenizer, text):
 def test_logprob_token_strings_keep_the_pieces_spaces(tokenizer):
     """Each token's string in log-probabilities joins to the text (decode([id]) alone
     strips a SentencePiece piece's leading space)."""
-    from server.engine.token_bytes import TokenBytes
+    from server.text.token_bytes import TokenBytes
 
     token_bytes = TokenBytes(tokenizer)
     ids = tokenizer.encode("Hello big world", add_special_tokens=False)
@@ -129,8 +129,8 @@ def test_logprob_token_strings_keep_the_pieces_spaces(tokenizer):
 def test_chats_start_with_bos_once_as_llama_cpp_renders_them(tokenizer):
     """The vocabulary adds BOS to every text; a template without ``{{ bos_token }}``
     would leave chats without it (llama.cpp adds it to the rendered chat)."""
-    from server.engine.chat_render import render_ids
-    from server.engine.protocol import ChatPrompt
+    from server.protocol import ChatPrompt
+    from server.text.chat_render import render_ids
 
     chat = ChatPrompt(({"role": "user", "content": "Hello"},))
     ids = render_ids(tokenizer, chat)

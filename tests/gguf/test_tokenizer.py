@@ -120,7 +120,7 @@ def test_tokenize_options_on_a_tokenizer_that_adds_a_bos(synth_tokenizer):
     """/tokenize's add_special and parse_special reach the tokenizer (the BOS is id 0)."""
     from types import SimpleNamespace
 
-    from server.engine.intake import tokenize_prompt
+    from server.text.prompts import tokenize_prompt
 
     loaded = SimpleNamespace(tokenizer=synth_tokenizer)
     text = "<|im_start|>hello"

@@ -15,10 +15,11 @@ import time
 
 import pytest
 
-from server.engine.protocol import EventChannel, TokenEvent
+from server.channel import EventChannel
 from server.http.client_watch import SCOPE_KEY, ClientWatch, client_watch
 from server.http.routes import call
 from server.http.stall_timer import StallTimer
+from server.protocol import TokenEvent
 from tests.support.fakes import FakeEngine
 from tests.support.servers import make_settings, run_server
 

@@ -18,8 +18,11 @@ import json
 import httpx
 import pytest
 
-from server.engine.constraints import GrammarCache, compile_json_schema
 from server.schema_depth import MAX_SCHEMA_DEPTH
+from server.text.schemas import (
+    GrammarCache,
+    compile_json_schema,
+)
 from tests.http.test_security import assert_openai_error
 from tests.support.servers import LiveServer, make_settings, run_server
 

@@ -14,7 +14,10 @@ import time
 import httpx
 import pytest
 
-from server.engine.prompt_bound import _is_lossless, max_bytes_per_token
+from server.text.bounds import (
+    _is_lossless,
+    max_bytes_per_token,
+)
 from tests.http.test_security import assert_openai_error
 from tests.support.servers import LiveServer, make_settings, run_server
 
@@ -127,7 +130,7 @@ def test_an_unexpected_error_while_preparing_is_answered(small_server, monkeypat
     def broken(loaded, params):
         raise RuntimeError("a bug in a check")
 
-    monkeypatch.setattr("server.engine.preparer.check_token_params", broken)
+    monkeypatch.setattr("server.text.prompts.check_token_params", broken)
     resp = httpx.post(small_server.base_url + "/v1/completions", timeout=20,
                       json={"prompt": "hello", "max_tokens": 2})
     err = assert_openai_error(resp, 500, "generation_failed")

@@ -26,10 +26,14 @@ import httpx
 import openai
 import pytest
 
-from server.engine.chat_render import render_ids
-from server.engine.protocol import ChatPrompt
-from server.engine.think_tags import ThinkTags, opens_thinking, think_tags
 from server.http.routes.reasoning import ReasoningSplit, Thinking
+from server.protocol import ChatPrompt
+from server.text.chat_render import render_ids
+from server.text.think_tags import (
+    ThinkTags,
+    opens_thinking,
+    think_tags,
+)
 from tests.support.fakes import FakeEngine
 from tests.support.servers import LiveServer, make_settings, run_server
 

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine.protocol import Finished, FinishReason, TokenEvent, Usage
 from server.http.errors import APIError
 from server.http.routes.sse import (
     MAX_FRAMES_PER_SEND,
@@ -25,6 +24,12 @@ from server.http.routes.sse import (
     FrameTemplate,
     sse,
     sse_stream,
+)
+from server.protocol import (
+    Finished,
+    FinishReason,
+    TokenEvent,
+    Usage,
 )
 
 

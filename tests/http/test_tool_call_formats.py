@@ -20,11 +20,11 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from server.engine.chat_render import tool_call_format
 from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.routes.tool_formats import served_format
 from server.http.schemas.tools import tool_plan
 from server.settings import ConfigError
+from server.text.chat_render import tool_call_format
 from tests.http.test_tool_calls import ADD, WEATHER
 from tests.support.fakes import FakeEngine
 from tests.support.servers import make_settings, run_server

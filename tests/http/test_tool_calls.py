@@ -18,12 +18,16 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 
-from server.engine.chat_render import render_ids, template_takes_tools, tools_block
-from server.engine.protocol import ChatPrompt
 from server.http.app import create_app
 from server.http.errors import InvalidRequestError
 from server.http.routes.tool_calls import ToolStream, parse_calls
 from server.http.schemas.tools import tool_plan
+from server.protocol import ChatPrompt
+from server.text.chat_render import (
+    render_ids,
+    template_takes_tools,
+    tools_block,
+)
 from tests.support.fakes import FakeEngine
 from tests.support.openai_shapes import CHAT, chat, chat_stream
 from tests.support.servers import LiveServer, make_settings

@@ -10,8 +10,8 @@ import concurrent.futures
 from types import SimpleNamespace
 from typing import Any
 
-from server.engine.chat_render import tool_call_format
-from server.engine.protocol import (
+from server.metrics import ServerMetrics
+from server.protocol import (
     Admitted,
     ChatPrompt,
     Failed,
@@ -23,8 +23,11 @@ from server.engine.protocol import (
     TokenEvent,
     Usage,
 )
-from server.engine.think_tags import opens_thinking, think_tags
-from server.metrics import ServerMetrics
+from server.text.chat_render import tool_call_format
+from server.text.think_tags import (
+    opens_thinking,
+    think_tags,
+)
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 

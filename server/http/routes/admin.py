@@ -8,10 +8,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.engine.protocol import ShrinkRefused
 from server.http.auth import require_admin
 from server.http.errors import ConflictError, UnavailableError
 from server.metrics import request_blocks_in_use
+from server.protocol import ShrinkRefused
 
 HISTORY_SHOWN = 16
 RANKS_TIMEOUT_S = 10.0  # longest wait for every rank's pool figures (/admin/pool)

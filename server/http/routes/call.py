@@ -17,9 +17,11 @@ from typing import Any
 
 from fastapi import Request
 
-from server.engine.protocol import (
+from server.channel import EventChannel
+from server.http.client_watch import client_watch
+from server.http.errors import UnavailableError, engine_error
+from server.protocol import (
     Admitted,
-    EventChannel,
     Failed,
     Finished,
     GenerationRequest,
@@ -27,8 +29,6 @@ from server.engine.protocol import (
     SamplingParams,
     TokenEvent,
 )
-from server.http.client_watch import client_watch
-from server.http.errors import UnavailableError, engine_error
 
 # How long a waiting route hears nothing before it checks that the engine still runs
 # (its client leaving wakes it at once). Only a safety net: an engine that stops on
@@ -74,7 +74,7 @@ class GenerationCall:
         request_id: The id returned to the client.
         prompt_param: How an error about the prompt names it (``prompt[2]`` in a batch).
         options: The request's ``score``, ``cache_salt`` and ``choices``
-            (:class:`~server.engine.protocol.GenerationRequest`).
+            (:class:`~server.protocol.GenerationRequest`).
     """
 
     def __init__(self, http_request: Request, engine: Any, prompt: Any,

@@ -11,14 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import (
-    TOOL_CALL_CLOSE,
-    ChatPrompt,
-    ChoiceGroup,
-    Finished,
-    SamplingParams,
-    TokenEvent,
-)
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.conversation import messages_fit
@@ -43,6 +35,14 @@ from server.http.schemas.refusals import refuse_unsupported
 from server.http.schemas.template_kwargs import TemplateKwargs
 from server.http.schemas.tools import ToolPlan, tool_plan
 from server.http.unknown_fields import unknown_fields_of
+from server.protocol import (
+    TOOL_CALL_CLOSE,
+    ChatPrompt,
+    ChoiceGroup,
+    Finished,
+    SamplingParams,
+    TokenEvent,
+)
 
 router = APIRouter()
 

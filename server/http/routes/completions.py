@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import ChoiceGroup, Finished, SamplingParams, TokenEvent
 from server.http.errors import CLIENT_CLOSED, APIError, InvalidRequestError
 from server.http.request_log import RequestLog
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
@@ -30,6 +29,12 @@ from server.http.routes.structured import output_constraint
 from server.http.schemas import CompletionRequest
 from server.http.schemas.refusals import refuse_unsupported
 from server.http.unknown_fields import unknown_fields_of
+from server.protocol import (
+    ChoiceGroup,
+    Finished,
+    SamplingParams,
+    TokenEvent,
+)
 
 router = APIRouter()
 

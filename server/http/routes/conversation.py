@@ -1,6 +1,6 @@
 """A conversation that cannot fit is refused before its chat template runs.
 
-:mod:`server.engine.chat_bound` says what proves a conversation too long; this
+:mod:`server.text.bounds` says what proves a conversation too long; this
 module counts a request's messages the way it does and answers the routes that
 render a chat template (chat completions, ``/v1/responses``, ``/tokenize``).
 
@@ -18,9 +18,12 @@ from typing import Any
 
 from fastapi import Request
 
-from server.engine.protocol import ConversationBound, ConversationSize
 from server.http.errors import engine_error
 from server.http.unknown_fields import json_body
+from server.protocol import (
+    ConversationBound,
+    ConversationSize,
+)
 
 # Content parts whose ``text`` the model reads (chat's, and the Responses input's).
 TEXT_PARTS = ("text", "input_text", "output_text")

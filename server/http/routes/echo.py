@@ -1,7 +1,7 @@
 """Completions ``echo``: the prompt as sent and, with ``logprobs``, its tokens' log-probabilities.
 
 Scoring a prompt is a request of the engine's like a generation
-(:mod:`server.engine.scoring`): submitted with ``score`` set and
+(:mod:`server.engine.tasks`): submitted with ``score`` set and
 ``max_tokens`` 0, queued, admitted against the pool, its KV under its own
 owner, its chunks time-sliced with every other prefill, cancelled when the
 client leaves. Its answer carries numbers only; the records (token texts) are
@@ -18,10 +18,15 @@ from typing import Any
 
 from fastapi import Request
 
-from server.engine.protocol import Rejected, SamplingParams, TokenLogprob, TopLogprob
 from server.http.errors import InvalidRequestError, engine_error
 from server.http.routes.call import GenerationCall
 from server.http.routes.fanout import Fanout
+from server.protocol import (
+    Rejected,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """``POST /v1/embeddings``: each input's final hidden states, pooled and normalized.
 
 Every input is an engine request of its own (``GenerationRequest.embed``;
-:mod:`server.engine.embedding`): queued, admitted against the pool, prefilled
+:mod:`server.engine.tasks`): queued, admitted against the pool, prefilled
 in chunks beside running generations, its blocks back as soon as it ends.
 A batch is sent in waves of at most ``batch.max_batch_size`` inputs, so a
 large one (RAG indexers send hundreds) waits its turn instead of overflowing
@@ -17,13 +17,13 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.engine.protocol import SamplingParams
 from server.http.errors import CLIENT_CLOSED, InvalidRequestError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.fanout import Fanout
 from server.http.routes.params import check_model, new_id
 from server.http.schemas.embeddings import EmbeddingRequest
 from server.http.unknown_fields import unknown_fields_of
+from server.protocol import SamplingParams
 
 router = APIRouter()
 

@@ -21,8 +21,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.engine.protocol import ChoiceGroup, Finished, TokenEvent, Usage
 from server.http.routes.call import GenerationCall, Outcome
+from server.protocol import (
+    ChoiceGroup,
+    Finished,
+    TokenEvent,
+    Usage,
+)
 
 _END = object()  # a pump's last item: its call has no more events
 
@@ -156,7 +161,7 @@ class Fanout:
 
 def choice_group(group: ChoiceGroup, calls: list[GenerationCall]) -> list[GenerationCall]:
     """``calls`` (one prompt's choices), their requests made the members of ``group``,
-    which the scheduler admits together or not at all (server.engine.choices)."""
+    which the scheduler admits together or not at all (server.engine.request_state)."""
     group.members = [call.request for call in calls]
     return calls
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.engine.protocol import TokenLogprob, TopLogprob
+from server.protocol import (
+    TokenLogprob,
+    TopLogprob,
+)
 
 
 class LegacyLogprobs:

@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import Request
 
-from server.engine.protocol import SamplingParams
 from server.http.errors import (
     REQUEST_ID_STATE,
     APIError,
@@ -18,6 +17,7 @@ from server.http.errors import (
     quoted,
 )
 from server.http.schemas.common import SamplingFields
+from server.protocol import SamplingParams
 from server.settings import Settings
 
 # A token id key: ASCII digits with an optional minus. str.isdigit() is not enough:

@@ -26,7 +26,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.protocol import ChatPrompt, ThinkTags
+from server.protocol import (
+    ChatPrompt,
+    ThinkTags,
+)
 
 
 class _At(enum.Enum):

@@ -34,7 +34,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.engine.protocol import Finished, FinishReason, SamplingParams, TokenEvent, Usage
 from server.http.errors import CLIENT_CLOSED, APIError
 from server.http.routes.call import ClientGone, GenerationCall, get_engine
 from server.http.routes.chat import (
@@ -60,6 +59,13 @@ from server.http.schemas.responses import (
 )
 from server.http.schemas.tools import ToolPlan, tool_plan
 from server.http.unknown_fields import unknown_fields_of
+from server.protocol import (
+    Finished,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 
 router = APIRouter()
 

@@ -27,10 +27,13 @@ from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from server.engine.protocol import Finished, TokenEvent
 from server.http.errors import APIError
 from server.http.routes.call import ClientGone
 from server.http.routes.fanout import Fanout
+from server.protocol import (
+    Finished,
+    TokenEvent,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from server.engine.protocol import ConstraintError
 from server.http.errors import InvalidRequestError
 from server.http.schemas.tools import ToolPlan
+from server.protocol import ConstraintError
 
 
 async def output_constraint(engine: Any, response_format: dict[str, Any] | None,

@@ -28,7 +28,7 @@ async def health(request: Request) -> JSONResponse:
     ``reason`` while a shrink leaves the pool smaller than at start and unable to hold one
     maximal request.
     503 too while the model's calls keep failing (several in a row, none run since:
-    :mod:`server.engine.call_health`), or while one engine step has run past
+    :mod:`server.engine.run_output`), or while one engine step has run past
     ``limits.engine_stall_timeout_s``, so a supervisor restarts a broken device.
     """
     engine = request.app.state.engine

@@ -21,7 +21,6 @@ from dataclasses import replace
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from server.engine.protocol import Rejected
 from server.http.errors import engine_error
 from server.http.routes.call import get_engine
 from server.http.routes.chat import built_prompt
@@ -30,6 +29,7 @@ from server.http.routes.params import check_model
 from server.http.schemas.template_kwargs import checked_template_kwargs
 from server.http.schemas.tokens import DetokenizeRequest, TokenizeRequest
 from server.http.schemas.tools import tool_plan
+from server.protocol import Rejected
 
 router = APIRouter()
 

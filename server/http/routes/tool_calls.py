@@ -1,7 +1,7 @@
 """Tool calls read back from the model's text: whole answers and streams.
 
 The model writes calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(the convention :mod:`server.engine.chat_render` teaches, and Hermes/Qwen
+(the convention :mod:`server.text.chat_render` teaches, and Hermes/Qwen
 templates use), or as bare JSON, one object or a list (Llama 3.1 style; also
 what a forced call is, since constrained decoding emits exactly that JSON).
 A plan whose ``call_format`` names another syntax (Llama 3 JSON, Mistral,
@@ -18,9 +18,12 @@ import json
 import re
 from typing import Any
 
-from server.engine.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from server.http.routes.tool_formats import SYNTAXES, call_from, tool_call
 from server.http.schemas.tools import ToolPlan
+from server.protocol import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+)
 
 _TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) +
                      r"|\Z)", re.DOTALL)

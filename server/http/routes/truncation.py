@@ -10,7 +10,7 @@ Trying one unit fewer per admission renders the whole conversation once per
 dropped unit: thousands of renders for a long conversation, minutes of a
 prompt worker. So the units that must go are found first without admitting:
 
-1. by the conversation bound (:mod:`server.engine.chat_bound`, no rendering):
+1. by the conversation bound (:mod:`server.text.bounds`, no rendering):
    the oldest units go while the rest cannot possibly fit;
 2. after the first refusal over the context, by a binary search over the
    number of units dropped, on the rendered prompt's token count: the fewest
@@ -27,16 +27,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from server.engine.protocol import (
+from server.http.errors import engine_error
+from server.http.routes.conversation import NOTHING, message_size, served_bound
+from server.http.schemas.chat import ChatMessage
+from server.protocol import (
     ChatPrompt,
     ConversationBound,
     ConversationSize,
     Rejected,
     SamplingParams,
 )
-from server.http.errors import engine_error
-from server.http.routes.conversation import NOTHING, message_size, served_bound
-from server.http.schemas.chat import ChatMessage
 
 # Roles that are never dropped.
 PINNED_ROLES = ("system", "developer")

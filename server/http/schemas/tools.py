@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.protocol import ConstraintError
 from server.http.errors import InvalidRequestError
+from server.protocol import ConstraintError
 from server.schema_depth import check_depth
 
 # OpenAI's rule for function names.

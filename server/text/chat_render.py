@@ -23,7 +23,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.engine.protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatPrompt
+from server.protocol import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ChatPrompt,
+)
 
 _TOOLS_INTRO = (
     "You can call functions to help answer. Each function is described below as JSON, "

@@ -51,9 +51,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from server.engine.protocol import SamplingParams
 from server.engine.run_output import RowHook, RunOutput
 from server.engine.runner import ModelRunner
+from server.protocol import SamplingParams
 
 log = logging.getLogger("veloxquant.server")
 

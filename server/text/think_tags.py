@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.engine.protocol import ThinkTags
+from server.protocol import ThinkTags
 
 # The tags a template written for reasoning models uses when the vocabulary has none.
 TEXT_TAGS = ("<think>", "</think>")

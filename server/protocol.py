@@ -1,12 +1,10 @@
 """What routes hand to the engine and what comes back, as named records.
 
 A route builds a :class:`GenerationRequest` and submits it; the engine
-thread answers through the request's :class:`EventChannel` with, in order,
-one :class:`Admitted` (or one :class:`Rejected`), then :class:`TokenEvent`
-records, then exactly one :class:`Finished` (or :class:`Failed`). The channel
-hops threads with ``loop.call_soon_threadsafe`` so the engine never touches
-the event loop's data structures directly; a decode step's token events go
-over together (:class:`EventBatch`).
+thread answers through the request's channel (server.channel) with, in
+order, one :class:`Admitted` (or one :class:`Rejected`), then
+:class:`TokenEvent` records, then exactly one :class:`Finished` (or
+:class:`Failed`).
 
 Refusals and failures carry a :class:`Reason`; what a reason means to an
 HTTP client (status, ``Retry-After``) is decided by the HTTP layer alone.
@@ -14,16 +12,10 @@ HTTP client (status, ``Retry-After``) is decided by the HTTP layer alone.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import enum
 import threading
-import weakref
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
-
-from server.deadline import Deadline
 
 
 class FinishReason(str, enum.Enum):
@@ -54,7 +46,7 @@ class SamplingParams:
     """Resolved sampling settings of one request (server defaults applied).
 
     ``constraint`` is a compiled grammar the output must follow
-    (:func:`server.engine.constraints.compile_response_format`), shared by
+    (:func:`server.text.schemas.compile_response_format`), shared by
     every request that asks for the same format; None for free text.
 
     ``max_tokens_param`` is the request field ``max_tokens`` came from (chat's
@@ -88,7 +80,7 @@ class SamplingParams:
 
 
 # How a model without a tool-aware chat template is asked to write a tool call
-# (server.engine.chat_render) and how the HTTP side finds it in the text.
+# (server.text.chat_render) and how the HTTP side finds it in the text.
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -116,7 +108,7 @@ class ChatPrompt:
         messages: ``role`` and ``content`` (a string); an assistant message may
             carry ``tool_calls`` (OpenAI's shape) and a tool message ``tool_call_id``.
         tools: OpenAI tool objects offered to the model (rendered by
-            :mod:`server.engine.chat_render`); empty for none.
+            :mod:`server.text.chat_render`); empty for none.
         generation_prompt: End with the template's opening of the assistant's turn
             (always, to generate; ``/tokenize`` may leave it out, as vLLM's does).
         template_kwargs: Extra variables for the template, as (name, value) pairs
@@ -140,7 +132,7 @@ class GenerationRequest:
         channel: Where events for this request go.
         score: Score the prompt's own tokens with this many alternatives a position
             and generate nothing (completions ``echo``; ``params.max_tokens`` is 0);
-            None for a generation. See :mod:`server.engine.scoring`.
+            None for a generation. See :mod:`server.engine.tasks`.
         embed: Pool the prompt's final hidden states (``"mean"`` or ``"last"``) into
             an embedding and generate nothing (``/v1/embeddings``); None otherwise.
         cache_salt: Prefix-cache namespace: its blocks match only prompts sent
@@ -151,7 +143,7 @@ class GenerationRequest:
     request_id: str
     prompt: str | list[int] | ChatPrompt
     params: SamplingParams
-    channel: EventChannel
+    channel: Any  # its server.channel.EventChannel (which carries these records)
     cancelled: threading.Event = field(default_factory=threading.Event)
     score: int | None = None
     embed: str | None = None
@@ -171,7 +163,7 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class ThinkTags:
     """The text that opens and the text that closes a model's think block
-    (:mod:`server.engine.think_tags`)."""
+    (:mod:`server.text.think_tags`)."""
 
     start: str
     end: str
@@ -180,7 +172,7 @@ class ThinkTags:
 @dataclass(eq=False, slots=True)
 class ChoiceGroup:
     """The engine requests of one prompt's ``n`` choices, admitted together or refused
-    together (:mod:`server.engine.choices`).
+    together (:mod:`server.engine.request_state`).
 
     Attributes:
         members: Every choice's request, in choice order.
@@ -282,8 +274,8 @@ class Usage:
 class Finished:
     """The request ended; ``text`` is output held back until the end (stop matching);
     ``result``: a whole-prompt task's (a scoring request's
-    :class:`server.engine.scoring.PromptScores`, an embedding's
-    :class:`server.engine.embedding.PromptEmbedding`)."""
+    :class:`server.engine.tasks.PromptScores`, an embedding's
+    :class:`server.engine.tasks.PromptEmbedding`)."""
 
     reason: FinishReason
     usage: Usage
@@ -368,129 +360,3 @@ class ShrinkRefused(Exception):
     Raised (through the shrink's future) unless the shrink was forced; the
     message gives the numbers and the ways out.
     """
-
-
-class EventChannel:
-    """Thread-to-asyncio channel of one request's events.
-
-    ``put`` is called by the engine thread; ``get`` and ``wait`` are awaited by
-    one reader on the loop that created the channel.
-
-    A deque and one waiter future instead of an ``asyncio.Queue``: a streaming
-    route waits once per token, and a timed wait on a queue needs
-    ``asyncio.wait_for``, which starts a task for every wait (at 64 streams,
-    about a sixth of the event loop's CPU). The timed waits of a channel share
-    one :class:`~server.deadline.Deadline` instead.
-    """
-
-    __slots__ = ("_loop", "_events", "_waiter", "_deadline", "_closed", "__weakref__")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        self._events: collections.deque[Event] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._deadline: Deadline | None = None
-        self._closed = False
-
-    def put(self, event: Event) -> None:
-        """Deliver an event from any thread (no-op once the loop is closed)."""
-        try:
-            self._loop.call_soon_threadsafe(self._push, event)
-        except RuntimeError:
-            # The event loop shut down under us (server stopping): nobody listens.
-            self._closed = True
-
-    def _push(self, event: Event) -> None:
-        self._events.append(event)
-        self.wake()
-
-    def wake(self) -> None:
-        """End the reader's current wait, event or not (loop thread; e.g. its client left)."""
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> Event:
-        """Wait for the next event."""
-        while not self._events:
-            await self._wait_once(None)
-        return self._events.popleft()
-
-    async def wait(self, timeout: float) -> Event | None:
-        """The next event, or ``None`` after ``timeout`` seconds or a :meth:`wake`."""
-        if not self._events:
-            await self._wait_once(timeout)
-        return self._events.popleft() if self._events else None
-
-    async def _wait_once(self, timeout: float | None) -> None:
-        self._waiter = self._loop.create_future()
-        deadline = None
-        if timeout is not None:
-            deadline = self._deadline
-            if deadline is None:  # holding the channel weakly: no cycle for the collector
-                deadline = self._deadline = Deadline(timeout, partial(_wake, weakref.ref(self)))
-            deadline.seconds = timeout
-            deadline.start()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-            if deadline is not None:
-                deadline.stop()
-
-    def get_nowait(self) -> Any:
-        """Return the next event if one is ready, else ``None``."""
-        return self._events.popleft() if self._events else None
-
-    @property
-    def ready(self) -> bool:
-        """Whether an event waits to be read (a read would not wait)."""
-        return bool(self._events)
-
-
-def _wake(channel: weakref.ref[EventChannel]) -> None:
-    live = channel()
-    if live is not None:
-        live.wake()
-
-
-class EventBatch:
-    """Events of many channels, handed over with one ``call_soon_threadsafe`` per loop.
-
-    Why: each ``call_soon_threadsafe`` takes the loop's lock and writes to
-    its wake-up pipe (a system call). The engine thread produces one token
-    event per running request and decode step; sent one by one, 64 of them
-    took the engine thread 821 us a step on this machine, sent together 116
-    us (benchmark_scripts/benchmark_event_batch.py). Each channel still sees
-    its events in the order they were added, and before anything it is sent
-    later.
-    """
-
-    __slots__ = ("_pending",)
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[EventChannel, Event]] = []
-
-    def add(self, channel: EventChannel, event: Event) -> None:
-        """Queue ``event`` for ``channel`` until :meth:`send`."""
-        self._pending.append((channel, event))
-
-    def send(self) -> None:
-        """Hand every queued event to its channel's loop (one call per loop)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[EventChannel, Event]]] = {}
-        for channel, event in pending:
-            by_loop.setdefault(channel._loop, []).append((channel, event))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that loop shut down: nobody listens
-                for channel, _ in items:
-                    channel._closed = True
-
-
-def _deliver(items: list[tuple[EventChannel, Event]]) -> None:
-    for channel, event in items:
-        channel._push(event)
