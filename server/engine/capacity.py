@@ -23,9 +23,12 @@ reservation only asks for the rest.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from server.protocol import ChatPrompt, Reason, Rejected, SamplingParams, ShrinkRefused
+from server.text.prompts import no_room_in_pool
 from veloxquant_mlx.memory import BlockPoolAllocator
 
 
@@ -40,6 +43,18 @@ class Reservation:
         """Blocks over all streams."""
         return sum(self.per_stream.values())
 
+    def less(self, held: dict[str, int]) -> Reservation:
+        """What is left to draw once ``held`` blocks per stream are in the table already
+        (a cached prefix it starts on)."""
+        if not held:
+            return self
+        return Reservation({s: max(n - held.get(s, 0), 0) for s, n in self.per_stream.items()})
+
+
+def maximal_tokens(limit: int, context_length: int | None) -> int:
+    """Tokens of the longest request ``limit`` allows: no request goes past the context."""
+    return limit if context_length is None else min(limit, context_length)
+
 
 class CapacityPlanner:
     """Decides whether a reservation fits the pool now, later, or never.
@@ -47,11 +62,17 @@ class CapacityPlanner:
     Args:
         pool: The shared pool.
         n_layers: KV-cache layers per request.
+        maximal_tokens: The longest request the limits allow, in tokens (None: no
+            such bound, every shrink goes ahead).
     """
 
-    def __init__(self, pool: BlockPoolAllocator, n_layers: int) -> None:
+    def __init__(self, pool: BlockPoolAllocator, n_layers: int,
+                 maximal_tokens: int | None = None) -> None:
         self.pool = pool
         self.n_layers = n_layers
+        # Tokens of the longest request the limits allow (prompt + max_tokens, within the
+        # context): a shrink must leave room for one.
+        self.maximal_tokens = maximal_tokens
         self.block_size = pool.config.block_size
         self.streams = pool.config.streams
 
@@ -153,3 +174,169 @@ class CapacityPlanner:
             for stream, blocks in reservation.per_stream.items():
                 out[stream] += max(blocks - held.get(stream, 0), 0)
         return out
+
+    def fit(self, params: SamplingParams, prompt: str | list[int] | ChatPrompt,
+            n_prompt: int) -> tuple[Reservation, SamplingParams] | Rejected:
+        """A request's reservation and settings if an idle pool could hold it, else why not.
+
+        A request that left ``max_tokens`` out asks for the room there is, as
+        OpenAI's API reads an omitted ``max_tokens``: its default is lowered to
+        what the pool can ever hold beside its prompt (the settings returned),
+        rather than the client being told to lower a field it never sent.
+        """
+        n_tokens = n_prompt + params.max_tokens
+        need = self.reservation(n_tokens)
+        why = self.never_fits(need, n_tokens, params.max_tokens_param)
+        if why is None:
+            return need, params
+        room = self.max_request_tokens() - n_prompt
+        if room >= 1 and not params.max_tokens_defaulted:
+            # The number to send, beside the pool's arithmetic.
+            why += f"; with this prompt, {params.max_tokens_param} can be at most {room}"
+            return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
+        if room >= 1:
+            params = replace(params, max_tokens=min(room, params.max_tokens))
+            return self.reservation(n_prompt + params.max_tokens), params
+        # The prompt alone fills the pool: no max_tokens helps.
+        return no_room_in_pool(prompt, n_prompt, n_prompt + room)
+
+    def starts(self, queue: Iterable[Reservation], slots: int,
+               outstanding: dict[str, int]) -> int:
+        """How many of ``queue`` (in order) the next admission would start.
+
+        Admission is first come first served: it starts requests while there is a
+        batch slot (``slots`` free) and all of them so far fit the pool together, and stops at the
+        first that does not. Prefix-cache hits are not counted, so this can only
+        under-count (a request judged waiting may start).
+        """
+        total: dict[str, int] = {}
+        started = 0
+        for reservation in itertools.islice(queue, slots):  # lazy: a long queue costs nothing
+            for stream, blocks in reservation.per_stream.items():
+                total[stream] = total.get(stream, 0) + blocks
+            if not self.fits_now(Reservation(dict(total)), outstanding):
+                break
+            started += 1
+        return started
+
+    def fit_group(self, total: Reservation, size: int, n_prompt: int,
+                  params: SamplingParams) -> Reservation | Rejected:
+        """``total``, the reservation of ``size`` choices together, or why an idle pool
+        never holds it."""
+        n_tokens = size * (n_prompt + params.max_tokens)
+        why = self.never_fits(total, n_tokens, f"n x {params.max_tokens_param}")
+        if why is None:
+            return total
+        return Rejected(
+            Reason.TOO_LARGE, f"the n={size} choices of a prompt start together or not at all, "
+            f"and together {why}; or lower n", "n")
+
+    # -- resizing -------------------------------------------------------------------
+
+    def maximal_misfit(self, retiring: dict[str, int] | None = None) -> str | None:
+        """Why a maximal request could not fit an otherwise idle pool, or None.
+
+        Args:
+            retiring: Per stream, free blocks a shrink is about to retire
+                (judge the pool as it will be).
+        """
+        n_tokens = self.maximal_tokens
+        if n_tokens is None:
+            return None
+        retiring = retiring or {}
+        need = self.reservation(n_tokens)
+        room = self._room(retiring)
+        if room is None:
+            return None  # the pool grows back without bound
+        after, headroom = room
+        short = [s for s, n in need.per_stream.items() if n > after[s] + headroom]
+        if not short and need.total <= sum(after.values()) + headroom:
+            return None
+        stream = short[0] if short else "all"
+        have = (after[stream] if short else sum(after.values())) + headroom
+        return (f"{n_tokens} tokens need {need.per_stream.get(stream, need.total)} blocks on "
+                f"stream {stream!r}, the pool holds {have} there")
+
+    def _room(self, retiring: dict[str, int]) -> tuple[dict[str, int], int] | None:
+        """Blocks a request could reach per stream once ``retiring`` is retired, and the
+        growth headroom shared by the streams; None when the pool grows without bound."""
+        config = self.pool.config
+        if config.grow_on_exhaustion and config.max_blocks is None:
+            return None
+        headroom = 0
+        total = self.pool.stats.n_blocks - sum(retiring.values())
+        if config.grow_on_exhaustion:
+            headroom = max(config.max_blocks - total, 0)
+        return ({s: self.pool.n_blocks_on(s) - retiring.get(s, 0) for s in config.streams},
+                headroom)
+
+    def _reach(self, retiring: dict[str, int]) -> tuple[int, ...] | None:
+        """Blocks one request could reach: per stream, then all streams together."""
+        room = self._room(retiring)
+        if room is None:
+            return None
+        after, headroom = room
+        return (*(n + headroom for n in after.values()), sum(after.values()) + headroom)
+
+    def shrink(self, stream: str, target_free: int, force: bool,
+               outstanding: dict[str, int]) -> tuple[int, dict[str, int]]:
+        """Retire free blocks down to ``target_free`` per stream; see ``Engine.shrink``.
+
+        Never below ``outstanding``: what running requests reserved and do not hold yet.
+
+        Returns:
+            ``(retired, kept_free)``: blocks retired, and per stream the free blocks
+            left, counting cached blocks no request references (as admission does).
+
+        Raises:
+            ShrinkRefused: It would leave no room for one maximal request and
+                ``force`` is off.
+        """
+        streams = self.pool.config.streams
+        targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
+        # Unreferenced cached blocks count as free: they are evicted, then retired, but only
+        # once the shrink is known to go ahead (a refused one leaves the cache as it was).
+        floors = {s: max(target_free, outstanding.get(s, 0)) for s in targets}
+        retiring = {s: max(self.pool.n_available(s) - floors[s], 0) for s in targets}
+        why = self.maximal_misfit(retiring)
+        # A pool that already cannot hold a maximal request (the default model's, at its
+        # whole context) is refused too when the shrink lowers the longest request it
+        # serves: otherwise an unforced target_free 0 retires all of the default model's pool.
+        already = why is not None and self.maximal_misfit() is not None
+        # Retired blocks that growth can bring back (under max_blocks) lower nothing.
+        lowers = already and any(
+            after < before for after, before in
+            zip(self._reach(retiring) or (), self._reach({}) or (), strict=True))
+        if why is not None and not force and any(retiring.values()) \
+                and (lowers or not already):
+            raise ShrinkRefused(
+                "shrink refused: " + ("the pool already cannot hold one maximal request, and "
+                                      f"retiring {sum(retiring.values())} more blocks lowers "
+                                      "the longest request it can serve"
+                                      if already else
+                                      "the pool could no longer hold one maximal request")
+                + f" (limits.max_prompt_tokens + limits.max_tokens_cap, at most the model's "
+                f"context): {why}; keep more free blocks, lower those limits, or pass "
+                "\"force\": true")
+        # Evict only what the free blocks cannot cover, the retirements and the running
+        # requests' outstanding reservations (their growth takes free blocks, it does not
+        # evict): the rest of the cache stays warm rather than emptying on every shrink.
+        short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
+        if any(n > 0 for n in short.values()):
+            self.pool.prefix_cache.evict(short)
+        retired = sum(self.pool.shrink(s, self.pool.n_free(s) - retiring[s]) for s in targets)
+        return retired, {s: self.pool.n_available(s) for s in targets}
+
+    def degraded(self, start_tokens: int | None) -> str | None:
+        """Why the pool is unwell: shrunk below its starting size (``start_tokens``, the
+        longest request it held then) and too small for a maximal request; else None.
+
+        A pool that never held a maximal request (sized for its load) is not unwell at
+        its start size.
+        """
+        now = self.max_request_tokens()
+        below_start = now is not None and (start_tokens is None or now < start_tokens)
+        why = self.maximal_misfit() if below_start else None
+        return None if why is None else (
+            "the pool, shrunk below its starting size, cannot hold one maximal request "
+            f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}")

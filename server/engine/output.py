@@ -9,12 +9,12 @@ string or ``max_tokens``.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from server.engine.sampling import finite_logprob
 from server.protocol import (
     FinishReason,
     TokenEvent,
@@ -143,8 +143,3 @@ def token_logprob(
                                token_bytes(int(i))) for i, v in pairs)
     return TokenLogprob(token_bytes.text(token_id), finite_logprob(chosen), token_id, top,
                         token_bytes(token_id))
-
-
-def finite_logprob(value: float) -> float:
-    """JSON has no inf/NaN: an impossible token reports -9999.0, as OpenAI's API does."""
-    return float(value) if math.isfinite(value) else -9999.0

@@ -24,8 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from server.engine.sampling import Sampler
-from server.engine.tasks import PromptEmbedding, PromptScores
+from server.engine.prefix import PrefixHit
+from server.engine.sampling import (
+    Sampler,
+    ban,
+    batchable,
+    build_logits_processors,
+    build_sampler,
+    mask_logits,
+    sample_one,
+)
 from server.protocol import SamplingParams
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
@@ -75,6 +83,10 @@ def last_column_logits(model: Any, x: mx.array, cache: list) -> mx.array:
     return model.lm_head(hidden)[:, -1, :]
 
 
+# Smallest chunk of a time-sliced prefill (columns): below it, per-call costs dominate.
+MIN_SLICED_CHUNK = 64
+
+
 @dataclass(slots=True)
 class Row:
     """One request's place in prefill and decode.
@@ -122,8 +134,27 @@ class Row:
     cached_blocks: list[list[Block]] = field(default_factory=list)
     prefix_root: bytes = b""
     fed: list[int] | None = None
-    task: PromptScores | PromptEmbedding | None = None
+    task: Any = None  # a tasks.PromptScores or PromptEmbedding (tasks sits above)
     kv: list[PoolBackedKVCache] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, owner: int, prompt_ids: list[int], params: SamplingParams,
+              prefix: PrefixHit | None, task: Any, kv: list[PoolBackedKVCache]) -> Row:
+        """A request's row, before its prefill: its sampler and processors from
+        ``params``, the cached ``prefix`` it starts on (None: caching off), its KV."""
+        processors = build_logits_processors(params, len(prompt_ids))
+        row = cls(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
+                  greedy=params.temperature == 0.0 and not processors, params=params,
+                  shared=batchable(params), task=task, kv=kv)
+        if prefix is not None:
+            row.prefix_keys, row.cached_blocks = prefix.keys, prefix.blocks()
+            row.prefix_root = prefix.root
+            row.fed = []
+        if processors:
+            row.history = mx.array(prompt_ids)
+        if params.constraint is not None:
+            row.matcher = params.constraint.matcher()
+        return row
 
     def fed_ids(self, block_size: int) -> list[int]:
         """The prompt tokens prefill computes: those after the shared blocks."""
@@ -210,8 +241,71 @@ class PrefillGroup:
             return n * len(self.rows), None
         return n * len(self.rows), last_column_logits(model, x, self.batch.caches)
 
+    def first_tokens(self, logits: mx.array, share: Callable[[mx.array], mx.array]) -> None:
+        """Sample every row's first token, lazily: it is read with the next decode's tokens.
+
+        No evaluation here: reading the tokens now would make the host wait for
+        the device in the middle of a step. The first token becomes the row's
+        decode input, and the decode that feeds it reads it (``pending``). ``share``
+        hands the tokens to the other ranks of a split model (identity alone).
+        """
+        for i, row in enumerate(self.rows):
+            raw = logits[i: i + 1]
+            if row.params is not None and row.params.banned_tokens:
+                banned = mx.array(row.params.banned_tokens, dtype=mx.int32)
+                raw = ban(raw, mx.zeros_like(banned), banned)
+            if row.matcher is None:
+                token, logprobs = sample_one(row, raw)
+            else:  # the grammar's start state: no token needed, its mask is cached
+                words = mx.array(row.matcher.constraint.first_mask()[None])
+                token, _ = sample_one(row, mask_logits(raw, words, mx.array([False])))
+                logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+            row.first, row.pending = share(token.astype(mx.uint32)), True
+            row.logprobs = logprobs[0] if row.want_logprobs else None
+
+    def drop(self, owners: set[int]) -> None:
+        """Remove the rows of ``owners``; a group left empty closes its batch."""
+        keep = [i for i, r in enumerate(self.rows) if r.owner not in owners]
+        if len(keep) < len(self.rows):
+            self.keep(keep)
+            if not keep:
+                self.batch.close()
+
     def keep(self, indices: list[int]) -> None:
         """Keep only rows ``indices``; the others' blocks return to the pool now."""
         self.batch.filter(indices)
         self.rows = [self.rows[i] for i in indices]
         self.prompts = [self.prompts[i] for i in indices]
+
+
+def sliced_chunk(group: PrefillGroup, chunk: int, rate: float | None, seconds: float) -> int:
+    """Columns of ``group``'s next chunk while rows wait for a time-sliced prefill: what
+    runs in ``seconds`` at the measured ``rate`` (prompt tokens a second; a task group
+    keeps its own), a small first chunk to measure it when nothing has been timed yet,
+    never more than the configured ``chunk``."""
+    scoring = group.rows[0].task is not None  # a whole-prompt task's group
+    rate = group.rate if scoring else rate
+    if rate is None:
+        return min(chunk, MIN_SLICED_CHUNK)
+    if scoring:  # the next chunk sits deeper in the prompt, so it runs slower
+        seconds /= 2
+    columns = int(rate * seconds / len(group.rows))
+    return min(chunk, max(MIN_SLICED_CHUNK, columns // 16 * 16))
+
+
+def join_groups(groups: list[PrefillGroup], batch: PagedKVBatch | None,
+                inputs: mx.array | None, write_back: int) -> tuple[PagedKVBatch, mx.array]:
+    """The decode batch and its inputs once prefilled ``groups`` joined it (their first
+    tokens are the rows' first decode inputs); ``batch`` None: the first group is it."""
+    for group in groups:
+        first = mx.concatenate([row.first for row in group.rows])
+        if batch is None:
+            batch, inputs = group.batch, first
+            batch.write_back = write_back
+        else:
+            batch.extend(group.batch)
+            group.batch.close()  # emptied by extend
+            inputs = mx.concatenate([inputs, first])
+        for row in group.rows:
+            row.first = None
+    return batch, inputs

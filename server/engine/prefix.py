@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
@@ -117,14 +118,18 @@ class PromptPrefixes:
         self.min_tail = max(min_tail, 1)
         self.enabled = enabled
 
-    def lookup(self, prompt_ids: Sequence[int], salt: str | None = None) -> PrefixHit:
+    def lookup(self, prompt_ids: Sequence[int], salt: str | None = None,
+               whole_prompt: bool = False) -> PrefixHit:
         """Keys of the prompt and the cached run it may start on (nothing acquired).
+
+        A whole-prompt task (scoring, embedding) computes every position: it finds
+        nothing and publishes nothing.
 
         ``salt`` (a request's ``cache_salt``) starts the chain from a root of its
         own, so its blocks match only prompts sent under the same salt: what one
         client's prompts leave in the cache is invisible to clients without it.
         """
-        if not self.enabled:
+        if not self.enabled or whole_prompt:
             return PrefixHit()
         root = self.root if salt is None else salted_root(self.root, salt)
         keys = chain_hashes(prompt_ids, self.block_size, root)
@@ -182,6 +187,29 @@ class PromptPrefixes:
         parent = prompt_keys[-1] if prompt_keys else root
         keys = chain_hashes(tokens[start * self.block_size:], self.block_size, parent)
         return self.publish(owner, [*prompt_keys, *keys], start, table)
+
+    def publish_rows(self, rows: Sequence[Any], paged: Sequence[Any]) -> int:
+        """Publish each prefilled row's full prompt blocks (``rows[i]``, a prefill Row,
+        stored as ``paged[i]``, its batch row); returns positions published."""
+        return sum(self.publish(row.owner, row.prefix_keys, len(row.cached_blocks), kv.blocks)
+                   for row, kv in zip(rows, paged, strict=True))
+
+    def publish_ending(self, rows: Sequence[Any], batch: Any, owners: set[int]) -> int:
+        """Publish the full blocks (prompt and output) of decode ``rows`` whose owner is in
+        ``owners``: requests finishing now, so no call writes their blocks any more.
+
+        ``batch`` is the decode batch (``batch.rows[i]`` stores ``rows[i]``). Its held
+        columns (``kv_write_back``) are written first, so a step in which requests end
+        with prefix caching on writes them early. A row whose stored tokens do not match
+        prompt plus fed tokens publishes nothing. Returns positions published.
+        """
+        ending = [(row, kv) for row, kv in zip(rows, batch.rows, strict=True)
+                  if row.owner in owners and row.fed]
+        if ending:  # their newest tokens may be held out of the arena: write them first
+            batch.flush()
+        return sum(self.publish_output(row.owner, row.prefix_keys, row.prefix_root,
+                                       row.prompt_ids + row.fed, kv.tokens, kv.blocks)
+                   for row, kv in ending)
 
     def release(self, owner: int) -> None:
         """Drop ``owner``'s references (the request ended)."""

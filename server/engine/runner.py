@@ -12,33 +12,12 @@ first token is sampled (lazily) as soon as its group's prompts are in; the
 group then *joins* the decode batch at the step boundary, the first token is
 its rows' first decode input, and it is read with that decode's tokens, so
 prefill never makes the host wait for the device.
-Each :meth:`ModelRunner.decode` decodes every joined row in ONE model call::
-
-    step k:   feed  inputs (token t_k of each row)  -> logits -> sample t_k+1 (lazy)
-              async_eval(t_k+1)                         # the device starts on step k
-              read  t_k (ready since step k-1)  -> handed back for postprocessing
-    rows that finished leave (remove -> filter): their blocks return to the pool now
-
-Reading ``t_k`` while ``t_k+1`` computes keeps Python's per-token work off
-the model's critical path, as mlx-lm's ``generate_step`` does for one
-stream. A row's KV never exceeds ``prompt + max_tokens`` tokens (the last
-token is fed once before the row is seen to finish), which is what the
-admission reservation covers.
-
-Each row samples with its own settings, as :mod:`server.engine.sampling`
-plans it (one ``argmax`` when every row is greedy; else one compiled graph
-with per-row settings, and seeded or penalised rows alone).
-
-Rows with a grammar (``response_format``, :mod:`server.text.schemas`)
-decode in the same batch as free rows: their logits are masked to what the
-grammar allows before the shared sampling. The mask of a row's next token
-needs its current token on the host, so a batch with such rows reads its
-current tokens *before* sampling (after handing the model call to the
-device, so the masks are computed while the model runs)::
-
-    step k:   feed t_k -> logits; async_eval(logits)        # the device starts the model
-              read t_k; each grammar consumes t_k; fill masks (host, meanwhile)
-              mask logits -> sample t_k+1 (lazy); async_eval(t_k+1)
+Each :meth:`ModelRunner.decode` decodes every joined row in ONE model call,
+reading the tokens of step ``k`` while step ``k+1`` computes, as mlx-lm's
+``generate_step`` does for one stream; rows with a grammar (``response_format``)
+decode in the same call, their logits masked first. Each row samples with its
+own settings (:mod:`server.engine.sampling`). The step's order, with and without
+constrained rows, is drawn in docs/design/batching.md ("Decode").
 """
 
 from __future__ import annotations
@@ -50,18 +29,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from server.engine.prefill import PrefillGroup, Row
+from server.engine.prefill import PrefillGroup, Row, join_groups, sliced_chunk
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled, StepClock, TaskDone
 from server.engine.sampling import (
     SamplingPlan,
     ban,
-    batchable,
-    build_logits_processors,
-    build_sampler,
     constrain,
-    mask_logits,
-    sample_one,
     sample_rows,
 )
 from server.protocol import SamplingParams
@@ -74,7 +48,6 @@ from veloxquant_mlx.memory.pooled_caches import caches_over
 log = logging.getLogger("veloxquant.server")
 # The smallest chunk a time-sliced prefill cuts, also its first (measuring) chunk: below
 # it the per-call cost weighs (a wave of 64-token prompts is never split).
-MIN_SLICED_CHUNK = 64
 
 
 class ModelRunner:
@@ -123,14 +96,10 @@ class ModelRunner:
         # on a model split over ranks, where it hands every rank rank 0's tokens
         # (server.distributed.token_sharer).
         self.share_tokens: Callable[[mx.array], mx.array] = _same
-        # Called right before a decode hands its graph to the device: from there the
-        # engine thread waits without the GIL (the device computes, then the token
-        # read), the moment for the event loop to stream the last step's tokens
-        # (server.engine.steps.EngineSteps).
+        # Before a decode hands its graph to the device (the engine thread then waits
+        # without the GIL: the event loop's moment to stream the last step's tokens).
         self.before_submit: Callable[[], None] = _nothing
-        # Called before each prefill chunk: requests cancelled meanwhile leave there
-        # (server.engine.steps.EngineSteps), so a client that hangs up during a long
-        # prompt stops its prefill at the next chunk, not after the whole step.
+        # Before each prefill chunk: a client that hung up stops its prefill there.
         self.before_chunk: Callable[[], None] = _nothing
         # Prompt tokens a second that recent prefill chunks ran at (None: not measured
         # yet); sizes the chunks of a time-sliced prefill (see prefill()). A scoring
@@ -147,21 +116,8 @@ class ModelRunner:
         its prompt's block keys, when prefix caching is on. ``task``: a whole-prompt
         task (:class:`~server.engine.prefill.Row`), or None to generate.
         """
-        processors = build_logits_processors(params, len(prompt_ids))
-        row = Row(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
-                  greedy=params.temperature == 0.0 and not processors, params=params,
-                  shared=batchable(params))
-        if prefix is not None:
-            row.prefix_keys, row.cached_blocks = prefix.keys, prefix.blocks()
-            row.prefix_root = prefix.root
-            row.fed = []
-        if processors:
-            row.history = mx.array(prompt_ids)
-        if params.constraint is not None:
-            row.matcher = params.constraint.matcher()
-        row.task = task
         # Its KV: the request's block table in the pool's storage, under its owner.
-        row.kv = caches_over(self.arena, owner)
+        row = Row.start(owner, prompt_ids, params, prefix, task, caches_over(self.arena, owner))
         self.prefilling.append(row)
 
     def remove(self, owners: Iterable[int]) -> dict[int, int]:
@@ -178,11 +134,7 @@ class ModelRunner:
         self._solo -= gone
         self.prefilling = [r for r in self.prefilling if r.owner not in gone]
         for group in self._groups():
-            keep = [i for i, r in enumerate(group.rows) if r.owner not in gone]
-            if len(keep) < len(group.rows):
-                group.keep(keep)
-                if not keep:
-                    group.batch.close()
+            group.drop(gone)
         if self.group is not None and not self.group.rows:
             self.group = None
         self.joining = [g for g in self.joining if g.rows]
@@ -213,10 +165,8 @@ class ModelRunner:
         self.inputs = self.inputs[mx.array(keep, dtype=mx.int32)]
 
     def close(self) -> None:
-        """Wait for model work still in flight, e.g. the last decode's lookahead.
-
-        Called when the engine stops, so no MLX work runs while the process exits.
-        """
+        """Wait for model work in flight (the last decode's lookahead): the engine stops,
+        and no MLX work may run while the process exits."""
         mx.synchronize()
 
     # -- prefill -----------------------------------------------------------------
@@ -262,7 +212,7 @@ class ModelRunner:
                 if logits is None and used:  # a chunk before the last has run: timed
                     self._measure(group, used, time.monotonic() - started)
                 elif logits is not None:
-                    self._first_tokens(group, logits)
+                    group.first_tokens(logits, self.share_tokens)
             except Exception as exc:
                 out.call_error = exc
                 self._prefill_failed(group, exc, out)
@@ -290,20 +240,11 @@ class ModelRunner:
         out.tasks_done.append(TaskDone(owner, group.rows[0].task, held))
 
     def _chunk_for(self, group: PrefillGroup, seconds: float | None) -> int:
-        """Columns of the group's next chunk: the configured chunk, or while rows wait
-        for a time-sliced prefill, what runs in ``seconds`` at the measured rate (a
-        small first chunk to measure it, when nothing has been timed yet), never
-        more than the configured chunk."""
+        """Columns of the group's next chunk (:func:`~server.engine.prefill.sliced_chunk`
+        while rows wait for a time-sliced prefill)."""
         if seconds is None or not (self.rows or self.joining):
             return self.chunk
-        scoring = group.rows[0].task is not None  # a whole-prompt task's group
-        rate = group.rate if scoring else self.prefill_rate
-        if rate is None:
-            return min(self.chunk, MIN_SLICED_CHUNK)
-        if scoring:  # the next chunk sits deeper in the prompt, so it runs slower
-            seconds /= 2
-        columns = int(rate * seconds / len(group.rows))
-        return min(self.chunk, max(MIN_SLICED_CHUNK, columns // 16 * 16))
+        return sliced_chunk(group, self.chunk, self.prefill_rate, seconds)
 
     def _measure(self, group: PrefillGroup, tokens: int, elapsed: float) -> None:
         rate = tokens / max(elapsed, 1e-6)
@@ -314,27 +255,12 @@ class ModelRunner:
         self.prefill_rate = rate if old is None else (old + rate) / 2
 
     def publish_outputs(self, owners: set[int]) -> int:
-        """Hand the full blocks of decode rows ``owners`` (prompt and output) to the cache.
-
-        Called as requests finish, before their rows leave: generated tokens
-        then sit in full blocks no call writes any more. A row whose stored
-        tokens do not match prompt plus fed tokens publishes nothing. The
-        batch's held columns (``kv_write_back``) are written first, so with
-        prefix caching a step in which requests end writes them early.
-
-        Returns:
-            Positions published.
-        """
+        """Hand the full blocks of decode rows ``owners`` (prompt and output) to the cache
+        as they finish, before they leave (:meth:`PromptPrefixes.publish_ending`);
+        returns positions published."""
         if self.prefixes is None or self.batch is None:
             return 0
-        ending = [(row, paged) for row, paged in zip(self.rows, self.batch.rows, strict=True)
-                  if row.owner in owners and row.fed]
-        if ending:  # their newest tokens may be held out of the arena: write them first
-            self.batch.flush()
-        return sum(self.prefixes.publish_output(row.owner, row.prefix_keys, row.prefix_root,
-                                                row.prompt_ids + row.fed, paged.tokens,
-                                                paged.blocks)
-                   for row, paged in ending)
+        return self.prefixes.publish_ending(self.rows, self.batch, owners)
 
     def _publish(self, group: PrefillGroup) -> None:
         """Hand the group's computed full prompt blocks to the prefix cache.
@@ -345,9 +271,7 @@ class ModelRunner:
         if self.prefixes is None:
             return
         try:  # an optimisation: a fault here must not fail the prefilled rows
-            for row, paged in zip(group.rows, group.batch.rows, strict=True):
-                self.prefixes.publish(row.owner, row.prefix_keys, len(row.cached_blocks),
-                                      paged.blocks)
+            self.prefixes.publish_rows(group.rows, group.batch.rows)
         except Exception:
             log.exception("caching the prompt blocks of a prefill group failed")
 
@@ -374,27 +298,6 @@ class ModelRunner:
         held = self.remove(owners)
         out.failed += [RowFailure(owner, exc, held[owner]) for owner in owners]
 
-    def _first_tokens(self, group: PrefillGroup, logits: mx.array) -> None:
-        """Sample every row's first token, lazily: it is read with the next decode's tokens.
-
-        No evaluation here: reading the tokens now would make the host wait for
-        the device in the middle of a step. The first token becomes the row's
-        decode input, and the decode that feeds it reads it (``pending``).
-        """
-        for i, row in enumerate(group.rows):
-            raw = logits[i: i + 1]
-            if row.params is not None and row.params.banned_tokens:
-                banned = mx.array(row.params.banned_tokens, dtype=mx.int32)
-                raw = ban(raw, mx.zeros_like(banned), banned)
-            if row.matcher is None:
-                token, logprobs = sample_one(row, raw)
-            else:  # the grammar's start state: no token needed, its mask is cached
-                words = mx.array(row.matcher.constraint.first_mask()[None])
-                token, _ = sample_one(row, mask_logits(raw, words, mx.array([False])))
-                logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-            row.first, row.pending = self.share_tokens(token.astype(mx.uint32)), True
-            row.logprobs = logprobs[0] if row.want_logprobs else None
-
     # -- decode ------------------------------------------------------------------
 
     def decode(self, hook: RowHook | None = None) -> RunOutput:
@@ -420,20 +323,12 @@ class ModelRunner:
 
     def _join(self) -> None:
         """Move prefilled groups into the batch (a step boundary)."""
-        for group in self.joining:
-            first = mx.concatenate([row.first for row in group.rows])
-            if self.batch is None:
-                self.batch, self.inputs = group.batch, first
-                self.batch.write_back = self.kv_write_back
-            else:
-                self.batch.extend(group.batch)
-                group.batch.close()  # emptied by extend
-                self.inputs = mx.concatenate([self.inputs, first])
-            for row in group.rows:
-                row.first = None
-            self.rows += group.rows
+        if self.joining:
+            self.batch, self.inputs = join_groups(self.joining, self.batch, self.inputs,
+                                                  self.kv_write_back)
+            self.rows += [row for group in self.joining for row in group.rows]
             self._plan = None
-        self.joining = []
+            self.joining = []
 
     def _decode_step(self) -> list[Sampled]:
         """One batched model call; returns the tokens that became ready, one per row at most.

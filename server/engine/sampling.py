@@ -13,6 +13,7 @@ share the batch. Here a request with a ``seed`` carries its own key.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -361,3 +362,8 @@ def constrain(plan: SamplingPlan, logits: mx.array,
     """
     refused = list(plan.masks.step(tokens))
     return mask_logits(logits, mx.array(plan.masks.bitmask), plan.free), refused
+
+
+def finite_logprob(value: float) -> float:
+    """JSON has no inf/NaN: an impossible token reports -9999.0, as OpenAI's API does."""
+    return float(value) if math.isfinite(value) else -9999.0

@@ -25,9 +25,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 
-from server.engine.capacity import CapacityPlanner, Reservation
+from server.engine.capacity import CapacityPlanner, Reservation, maximal_tokens
 from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.request_state import (
     ChoiceHolds,
@@ -42,13 +41,11 @@ from server.protocol import (
     GenerationRequest,
     Reason,
     Rejected,
-    ShrinkRefused,
 )
 from server.settings import Settings
 from server.text.prompts import (
     Prepared,
     RequestRejected,
-    no_room_in_pool,
 )
 from veloxquant_mlx.memory import BlockPoolAllocator
 
@@ -78,7 +75,8 @@ class Scheduler:
         # Prefix caching; without one, off: every lookup misses.
         self.prefixes = prefixes or PromptPrefixes(pool.prefix_cache, b"",
                                                    pool.config.block_size, enabled=False)
-        self.planner = CapacityPlanner(pool, loaded.n_layers)
+        self.planner = CapacityPlanner(pool, loaded.n_layers, maximal_tokens(
+            self.limits.max_prompt_tokens + self.limits.max_tokens_cap, loaded.context_length))
         self.waiting: deque[PendingRequest] = deque()
         # The n choices of a prompt, admitted together (server.engine.request_state).
         self.choices = ChoiceHolds(self.reject, self._drop_cancelled,
@@ -156,13 +154,10 @@ class Scheduler:
         total = times(need, size)
         if self._fits_now(total):
             return total
-        n_tokens = size * (len(prompt_ids) + request.params.max_tokens)
-        why = self.planner.never_fits(total, n_tokens, f"n x {request.params.max_tokens_param}")
-        if why is None:
-            return total
-        raise RequestRejected(Rejected(
-            Reason.TOO_LARGE, f"the n={size} choices of a prompt start together or not at all, "
-            f"and together {why}; or lower n", "n"))
+        fitted = self.planner.fit_group(total, size, len(prompt_ids), request.params)
+        if isinstance(fitted, Rejected):
+            raise RequestRejected(fitted)
+        return fitted
 
     def _refit_group(self, entry: PendingRequest, need: Reservation) -> Reservation | Rejected:
         """A waiting group's reservation after a resize, or why it can never fit now."""
@@ -189,29 +184,13 @@ class Scheduler:
 
     def _fit_pool(self, request: GenerationRequest,
                   prompt_ids: list[int]) -> Reservation | Rejected:
-        """The request's reservation if an idle pool could hold it, else why not.
-
-        A request that left ``max_tokens`` out asks for the room there is, as
-        OpenAI's API reads an omitted ``max_tokens``: its default is lowered to
-        what the pool can ever hold beside its prompt (``request.params`` is
-        replaced), rather than the client being told to lower a field it never sent.
-        """
-        params, n_prompt = request.params, len(prompt_ids)
-        n_tokens = n_prompt + params.max_tokens
-        need = self.planner.reservation(n_tokens)
-        why = self.planner.never_fits(need, n_tokens, params.max_tokens_param)
-        if why is None:
-            return need
-        room = self.planner.max_request_tokens() - n_prompt
-        if room >= 1 and not params.max_tokens_defaulted:
-            # The number to send, beside the pool's arithmetic.
-            why += f"; with this prompt, {params.max_tokens_param} can be at most {room}"
-            return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
-        if room >= 1:
-            request.params = replace(params, max_tokens=min(room, params.max_tokens))
-            return self.planner.reservation(n_prompt + request.params.max_tokens)
-        # The prompt alone fills the pool: no max_tokens helps.
-        return no_room_in_pool(request.prompt, n_prompt, n_prompt + room)
+        """The request's reservation if an idle pool could hold it, else why not; an
+        omitted ``max_tokens`` is lowered to fit (:meth:`CapacityPlanner.fit`)."""
+        fitted = self.planner.fit(request.params, request.prompt, len(prompt_ids))
+        if isinstance(fitted, Rejected):
+            return fitted
+        need, request.params = fitted
+        return need
 
     # -- capacity changes ------------------------------------------------------------
 
@@ -238,115 +217,15 @@ class Scheduler:
             pending.reservation = fitted  # smaller, if its omitted max_tokens was lowered
             keep.append(pending)
         self.waiting = keep
-        # Degraded: shrunk below its starting size, and too small for a maximal request.
-        # A pool that never held one (sized for its load) is not unwell at its start size.
-        now = self.planner.max_request_tokens()
-        below_start = now is not None and (self._start_tokens is None
-                                           or now < self._start_tokens)
-        why = self.maximal_request_misfit() if below_start else None
-        self.degraded = None if why is None else (
-            "the pool, shrunk below its starting size, cannot hold one maximal request "
-            f"(limits.max_prompt_tokens + limits.max_tokens_cap): {why}")
-
-    def maximal_request_misfit(self, retiring: dict[str, int] | None = None) -> str | None:
-        """Why a maximal request could not fit an otherwise idle pool, or None.
-
-        Args:
-            retiring: Per stream, free blocks a shrink is about to retire
-                (judge the pool as it will be).
-        """
-        retiring = retiring or {}
-        n_tokens = self.limits.max_prompt_tokens + self.limits.max_tokens_cap
-        if self.loaded.context_length is not None:  # no request goes past the context
-            n_tokens = min(n_tokens, self.loaded.context_length)
-        need = self.planner.reservation(n_tokens)
-        room = self._room(retiring)
-        if room is None:
-            return None  # the pool grows back without bound
-        after, headroom = room
-        short = [s for s, n in need.per_stream.items() if n > after[s] + headroom]
-        if not short and need.total <= sum(after.values()) + headroom:
-            return None
-        stream = short[0] if short else "all"
-        have = (after[stream] if short else sum(after.values())) + headroom
-        return (f"{n_tokens} tokens need {need.per_stream.get(stream, need.total)} blocks on "
-                f"stream {stream!r}, the pool holds {have} there")
-
-    def _room(self, retiring: dict[str, int]) -> tuple[dict[str, int], int] | None:
-        """Blocks a request could reach per stream once ``retiring`` is retired, and the
-        growth headroom shared by the streams; None when the pool grows without bound."""
-        config = self.pool.config
-        if config.grow_on_exhaustion and config.max_blocks is None:
-            return None
-        headroom = 0
-        total = self.pool.stats.n_blocks - sum(retiring.values())
-        if config.grow_on_exhaustion:
-            headroom = max(config.max_blocks - total, 0)
-        return ({s: self.stream_capacity(s) - retiring.get(s, 0) for s in config.streams},
-                headroom)
-
-    def _reach(self, retiring: dict[str, int]) -> tuple[int, ...] | None:
-        """Blocks one request could reach: per stream, then all streams together."""
-        room = self._room(retiring)
-        if room is None:
-            return None
-        after, headroom = room
-        return (*(n + headroom for n in after.values()), sum(after.values()) + headroom)
+        self.degraded = self.planner.degraded(self._start_tokens)
 
     def shrink(self, stream: str, target_free: int, force: bool) -> tuple[int, dict[str, int]]:
-        """Retire free blocks down to ``target_free`` per stream; see ``Engine.shrink``.
-
-        Never below what running requests reserved and do not hold yet.
-
-        Returns:
-            ``(retired, kept_free)``: blocks retired, and per stream the free blocks
-            left, counting cached blocks no request references (as admission does).
-
-        Raises:
-            ShrinkRefused: It would leave no room for one maximal request and
-                ``force`` is off.
-        """
-        streams = self.pool.config.streams
-        targets = streams if stream == "kv" or len(streams) == 1 else (stream,)
-        # Unreferenced cached blocks count as free: they are evicted, then retired, but only
-        # once the shrink is known to go ahead (a refused one leaves the cache as it was).
-        outstanding = self.outstanding()
-        floors = {s: max(target_free, outstanding.get(s, 0)) for s in targets}
-        retiring = {s: max(self.pool.n_available(s) - floors[s], 0) for s in targets}
-        why = self.maximal_request_misfit(retiring)
-        # A pool that already cannot hold a maximal request (the default model's, at its
-        # whole context) is refused too when the shrink lowers the longest request it
-        # serves: otherwise an unforced target_free 0 retires all of the default model's pool.
-        already = why is not None and self.maximal_request_misfit() is not None
-        # Retired blocks that growth can bring back (under max_blocks) lower nothing.
-        lowers = already and any(
-            after < before for after, before in
-            zip(self._reach(retiring) or (), self._reach({}) or (), strict=True))
-        if why is not None and not force and any(retiring.values()) \
-                and (lowers or not already):
-            raise ShrinkRefused(
-                "shrink refused: " + ("the pool already cannot hold one maximal request, and "
-                                      f"retiring {sum(retiring.values())} more blocks lowers "
-                                      "the longest request it can serve"
-                                      if already else
-                                      "the pool could no longer hold one maximal request")
-                + f" (limits.max_prompt_tokens + limits.max_tokens_cap, at most the model's "
-                f"context): {why}; keep more free blocks, lower those limits, or pass "
-                "\"force\": true")
-        # Evict only what the free blocks cannot cover, the retirements and the running
-        # requests' outstanding reservations (their growth takes free blocks, it does not
-        # evict): the rest of the cache stays warm rather than emptying on every shrink.
-        short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
-        if any(n > 0 for n in short.values()):
-            self.pool.prefix_cache.evict(short)
-        retired = sum(self.pool.shrink(s, self.pool.n_free(s) - retiring[s]) for s in targets)
+        """Retire free blocks down to ``target_free`` per stream (see
+        :meth:`CapacityPlanner.shrink`), then re-judge the waiting requests."""
+        retired, kept = self.planner.shrink(stream, target_free, force, self.outstanding())
         if retired:  # nothing retired: capacity, and so /health, stay as they were
             self.capacity_changed()
-        return retired, {s: self.pool.n_available(s) for s in targets}
-
-    def stream_capacity(self, stream: str) -> int:
-        """Blocks ``stream`` manages now: free, held or cached."""
-        return self.pool.n_blocks_on(stream)
+        return retired, kept
 
     # -- expiry and admission ------------------------------------------------------
 
@@ -366,19 +245,18 @@ class Scheduler:
         keep: deque[PendingRequest] = deque()
         for pending in self.waiting:
             waited = now - pending.enqueued_at
-            if pending.request.cancelled.is_set():
+            if pending.request.cancelled.is_set():  # the route cancels every choice together
                 self._drop_cancelled(pending)
-                if pending.group is not None:  # the route cancels every choice together
-                    self.choices.refuse(pending, Rejected(
-                        Reason.CANCELLED_WAITING, "the request was cancelled"), waited)
+                event = Rejected(Reason.CANCELLED_WAITING, "the request was cancelled")
             elif now >= pending.deadline:
                 event = Rejected(Reason.QUEUE_TIMEOUT, "no KV capacity within limits."
                                  f"queue_timeout_s={self.limits.queue_timeout_s}s; retry later")
                 self.reject(pending.request, event, len(pending.prompt_ids), waited)
-                if pending.group is not None:
-                    self.choices.refuse(pending, event, waited)
             else:
                 keep.append(pending)
+                continue
+            if pending.group is not None:
+                self.choices.refuse(pending, event, waited)
         self.waiting = keep
 
     def _drop_cancelled(self, pending: PendingRequest) -> None:
@@ -402,7 +280,7 @@ class Scheduler:
                 i += 1  # others wait: it may not hold them back (limits.max_pool_share)
                 continue
             hit = self._lookup(head)
-            need = _new_blocks(head.reservation, hit)
+            need = head.reservation.less(hit.per_stream())  # its cached prefix is held
             if not self.planner.fits_now(need, outstanding, hit.pinned()):
                 # Nothing but a release, an arrival or a pool resize can make it fit: skip
                 # the per-step re-check over every running request until then.
@@ -425,20 +303,15 @@ class Scheduler:
 
     def _lookup(self, pending: PendingRequest) -> PrefixHit:
         """Its cached prompt prefix (a whole-prompt task computes every position: none)."""
-        if pending.request.whole_prompt:
-            return PrefixHit()
-        return self.prefixes.lookup(pending.prompt_ids, pending.request.cache_salt)
+        request = pending.request
+        return self.prefixes.lookup(pending.prompt_ids, request.cache_salt, request.whole_prompt)
 
     def _over_share(self, reservation: Reservation) -> bool:
         """More of the pool than one request may reserve while others wait."""
         return reservation.total > self.max_pool_share * self.pool.stats.n_blocks
 
     def reset_cache(self) -> int:
-        """Drop every unreferenced cached block (``POST /admin/cache/reset``).
-
-        Returns:
-            Blocks freed.
-        """
+        """Drop every unreferenced cached block (``POST /admin/cache/reset``); blocks freed."""
         freed = self.prefixes.reset()
         self._stuck = None  # free blocks appeared: a stuck head may fit now
         return freed
@@ -462,20 +335,13 @@ class Scheduler:
     def release(self, state: RequestState, held: int = 0) -> int:
         """Retire a running request's owner; the one place a request leaves.
 
-        Its rows must have left the runner already, which gave its blocks
-        back; should that removal have failed half-way, whatever the owner
-        still holds is freed here, so no block outlives the request.
-
-        Args:
-            state: The request.
-            held: Blocks it held when its rows left the runner.
-
-        Returns:
-            The most blocks it held (for its usage record).
+        Its rows left the runner already, which gave its blocks back; should that
+        have failed half-way, what the owner still holds is freed here, so no block
+        outlives the request. ``held``: blocks it held when its rows left. Returns
+        the most blocks it held (for its usage record).
         """
         left = shared = 0
-        try:
-            # cached blocks in its table count as held
+        try:  # cached blocks in its table count as held
             shared = sum(self.pool.prefix_cache.held_blocks(state.owner).values())
             left = self.pool.n_blocks_held(state.owner)
             if left:
@@ -515,26 +381,9 @@ class Scheduler:
         return self.planner.fits_now(need, self.outstanding())
 
     def _starts_next(self, queue: Iterable[Reservation]) -> int:
-        """How many of ``queue`` (in order) the next admission would start.
-
-        Admission is first come first served: it starts requests while there is a
-        batch slot and all of them so far fit the pool together, and stops at the
-        first that does not. Prefix-cache hits are not counted, so this can only
-        under-count (a request judged waiting may start).
-        """
+        """How many of ``queue`` (in order) the next admission would start."""
         slots = max(self.max_batch_size - len(self.running), 0)
-        if not slots:
-            return 0
-        outstanding = self.outstanding()
-        total: dict[str, int] = {}
-        started = 0
-        for reservation in itertools.islice(queue, slots):  # lazy: a long queue costs nothing
-            for stream, blocks in reservation.per_stream.items():
-                total[stream] = total.get(stream, 0) + blocks
-            if not self.planner.fits_now(Reservation(dict(total)), outstanding):
-                break
-            started += 1
-        return started
+        return self.planner.starts(queue, slots, self.outstanding()) if slots else 0
 
     def close(self, event: Rejected) -> None:
         """Refuse every waiting request, and every later one, with ``event`` (logged and
@@ -548,12 +397,3 @@ class Scheduler:
             if pending.group is not None:
                 self.choices.refuse(pending, event, now - pending.enqueued_at)
         self.choices.close(event)
-
-
-def _new_blocks(reservation: Reservation, hit: PrefixHit) -> Reservation:
-    """The blocks a request must still draw: its reservation less its cached prefix."""
-    if not hit.entries:
-        return reservation
-    shared = hit.per_stream()
-    return Reservation({s: max(n - shared.get(s, 0), 0)
-                        for s, n in reservation.per_stream.items()})

@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from server.channel import EventBatch
 from server.engine.kv_memory import memory_snapshot
 from server.engine.request_state import RequestState
 from server.engine.run_output import CallHealth, RunOutput, StepClock
 from server.engine.sampling import reset_random_state
-from server.engine.startup import EngineParts
 from server.engine.tasks import PromptEmbedding, PromptScores
 from server.metrics import ServerMetrics
 from server.protocol import (
@@ -60,7 +60,8 @@ class EngineSteps:
     """Steps over the engine's parts; see the module docstring.
 
     Args:
-        parts: The scheduler, runner, output processor, KV memory and prefixes.
+        parts: The scheduler, runner, output processor, KV memory and prefixes
+            (startup.EngineParts; untyped here, as startup sits above this module).
         max_prefill_tokens: Prompt tokens one step prefills at most.
         metrics: Request metrics.
         clock: Where step time goes (/metrics).
@@ -72,7 +73,7 @@ class EngineSteps:
             :meth:`ModelRunner.prefill`).
     """
 
-    def __init__(self, parts: EngineParts, max_prefill_tokens: int, metrics: ServerMetrics,
+    def __init__(self, parts: Any, max_prefill_tokens: int, metrics: ServerMetrics,
                  clock: StepClock, fault_hook: FaultHook | None = None,
                  events_at_submit: bool = True, max_prefill_s: float = 0.0) -> None:
         self.scheduler, self.runner, self.output = parts.scheduler, parts.runner, parts.output

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.output import finite_logprob
+from server.engine.sampling import finite_logprob
 from server.model_loader import LoadedModel
 from server.protocol import (
     Reason,

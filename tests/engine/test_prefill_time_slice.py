@@ -98,7 +98,8 @@ def test_sliced_chunks_fit_the_slice_at_the_measured_rate(tiny_model_path):
     """Chunks are cut only while rows wait on a time-sliced prefill, to what ran in the
     time left before (per row of the group), never under 64 columns nor over the
     configured chunk."""
-    from server.engine.runner import MIN_SLICED_CHUNK, ModelRunner
+    from server.engine.prefill import MIN_SLICED_CHUNK
+    from server.engine.runner import ModelRunner
     from server.model_loader import load_model
     from server.protocol import SamplingParams
     from server.settings import ModelSection

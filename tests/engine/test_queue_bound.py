@@ -39,7 +39,8 @@ def _scheduler(tokenizer, max_batch: int, max_queue: int, n_blocks: int = 400) -
     settings = make_settings(batch={"max_batch_size": max_batch},
                              limits={"max_queue": max_queue})
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
-    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer)  # what the scheduler reads
+    # what the scheduler reads
+    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None)
     return Scheduler(settings, pool, loaded, ServerMetrics())
 
 
