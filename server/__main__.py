@@ -27,7 +27,7 @@ from server.cli import (
     settings_from_args,
     warn_secret_flags,
 )
-from server.engine.kv_memory import (
+from server.pool_fit import (
     records_problem,  # imports no MLX
 )
 from server.settings import ConfigError, Settings
@@ -106,7 +106,8 @@ def _serve_distributed(settings: Settings) -> int:
     """Rank 0 serves (and starts ranks 1.. here unless ``mlx.launch`` did); the others follow."""
     import subprocess
 
-    from server.engine import distributed, startup
+    from server import distributed
+    from server.engine import startup
     from server.file_limit import import_mlx_lm
 
     import_mlx_lm()

@@ -17,11 +17,9 @@ from typing import Any
 
 from server.engine.kv_memory import (
     KVMemory,
-    arena_problem,
     blocks_for_bytes,
     blocks_for_longest_request,
     build_kv_memory,
-    device_memory_bytes,
     kv_format_of,
     longest_request,
 )
@@ -33,6 +31,10 @@ from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
+from server.pool_fit import (
+    arena_problem,
+    device_memory_bytes,
+)
 from server.settings import LimitsSection, Settings
 from server.text.prompts import PromptPreparer
 from veloxquant_mlx.codes_linear import INT8_MAX_ROWS

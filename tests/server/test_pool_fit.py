@@ -1,6 +1,6 @@
 """A pool that cannot exist on this machine is refused at start-up, not found by the OOM killer.
 
-The checks on numbers (server/engine/kv_memory.py), then real ``python -m server``
+The checks on numbers (server/pool_fit.py), then real ``python -m server``
 start-ups: a pool too large in blocks stops before anything is built, one too large
 in bytes stops at the model load; both exit 2 with the reason and no traceback, as
 does a KV format the model cannot take.
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.kv_memory import (
+from server.pool_fit import (
     arena_problem,
     device_memory_bytes,
     records_problem,
