@@ -1,12 +1,11 @@
 """The generation engine: the one thread that owns the model and all MLX work.
 
-Routes call :meth:`Engine.submit` (thread-safe, non-blocking); the engine
-thread answers through each request's
-:class:`~server.channel.EventChannel`. One loop, one thread::
+Routes call :meth:`Engine.submit` (thread-safe, non-blocking); the engine thread
+answers through each request's :class:`~server.channel.EventChannel`. One loop::
 
     while running:
-        intake   inbox (prompts tokenized by worker threads, server.text.prompts)
-                 -> scheduler.intake (refused, or waiting)
+        intake   inbox (prompts tokenized by worker threads, server.text.prompts, each
+                 as its RequestState) -> scheduler.intake (refused, or waiting)
         step     schedule, prefill, one decode, postprocess (server.engine.steps)
         memory   MLX's memory next to the pool's KV bytes (/metrics)
 
@@ -29,6 +28,7 @@ from typing import Any
 from server.engine.kv_memory import KVMemory
 from server.engine.output import OutputProcessor
 from server.engine.prefix import PromptPrefixes
+from server.engine.request_state import RequestState
 from server.engine.run_output import StepClock
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
@@ -54,7 +54,6 @@ from server.settings import Settings
 from server.text.chat_render import tool_call_format
 from server.text.model_text import ModelText, grammar_cache
 from server.text.prompts import (
-    Prepared,
     PromptPreparer,
 )
 from veloxquant_mlx.memory.prefix_cache import PrefixCache
@@ -95,7 +94,7 @@ class Engine(ModelText):
         self.metrics = metrics or ServerMetrics()
         self._loader = loader
         self.fault_hook = fault_hook
-        self._inbox: queue.SimpleQueue[Prepared | _Command | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[RequestState | _Command | None] = queue.SimpleQueue()
         self._preparer: PromptPreparer | None = None
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -326,11 +325,15 @@ class Engine(ModelText):
             # (a start-up that waited forever would ignore SIGTERM too).
             self._ready.set()
 
+    def _deliver(self, request: GenerationRequest, prompt_ids: list[int]) -> None:
+        """A tokenized request (a worker thread's): its engine record, onto the inbox."""
+        self._inbox.put(RequestState(request, prompt_ids))
+
     def _load(self) -> bool:
         parts = None
         try:
             parts = assemble(self.settings, self.pool, self._loader, self.metrics, self.clock,
-                             self._inbox.put)
+                             self._deliver)
             steps = EngineSteps(parts, self.settings.batch.max_prefill_tokens_per_step,
                                 self.metrics, self.clock, self.fault_hook,
                                 events_at_submit(self.settings),
@@ -358,7 +361,7 @@ class Engine(ModelText):
             if isinstance(item, _Command):
                 self.steps.send_events()  # commands may run model work
                 _run_command(item)
-            elif isinstance(item, Prepared):
+            elif isinstance(item, RequestState):
                 self.scheduler.intake(item)
             try:
                 item = self._inbox.get_nowait()

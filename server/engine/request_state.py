@@ -1,14 +1,17 @@
-"""Per-request records the engine keeps between steps, and the choice groups whose
-``n`` requests are admitted together (:class:`ChoiceHolds`, further down).
+"""The engine's one record of a request, and the choice groups whose ``n`` requests
+are admitted together (:class:`ChoiceHolds`, further down).
 
-A :class:`PendingRequest` waits in the scheduler's queue; once admitted it
-becomes a :class:`RequestState`, which holds everything a request needs
-across steps apart from how the model is driven (the runner keeps its cache
-rows and sampler, keyed by the same owner id).
+A :class:`RequestState` is made when the prompt is tokenized and lives to the
+request's end: it waits in the scheduler's queue, runs, and ends, its
+:class:`Status` saying which. It holds everything a request needs across steps
+apart from how the model is driven (the runner keeps its cache rows and
+sampler, keyed by the same owner id).
 """
 
 from __future__ import annotations
 
+import enum
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,27 +28,32 @@ from server.protocol import (
 )
 
 
-@dataclass(slots=True)
-class PendingRequest:
-    """A tokenized request waiting in the admission queue."""
+class Status(enum.Enum):
+    """Where a request is in its life; the scheduler moves it on."""
 
-    request: GenerationRequest
-    prompt_ids: list[int]
-    reservation: Reservation
-    enqueued_at: float
-    deadline: float
-    group: Any = None  # the ChoiceGroup it stands for (server.engine.request_state), else None
+    WAITING = "waiting"  # tokenized, in the admission queue (or held with its choice group)
+    RUNNING = "running"  # admitted: its owner registered on the pool, its rows in the runner
+    DONE = "done"  # ended or refused; an owner it had is retired, its blocks back
 
 
 @dataclass(slots=True)
 class RequestState:
-    """A running request.
+    """One request inside the engine, from the moment its prompt is tokenized to its end.
+
+    The same record waits in the scheduler's queue, runs (in its running map,
+    keyed by ``owner``), and ends; the runner keeps its rows (sampler, cache
+    views) under the same owner id.
 
     Invariant: while the record is in the scheduler's running map, ``owner``
     is registered on the pool; the scheduler retires the owner (its blocks
     back in the pool) before it drops the record, whatever ended it.
 
     Attributes:
+        reservation: Blocks it may need, per stream (set at intake, smaller once an
+            omitted ``max_tokens`` was lowered to fit).
+        submitted_at: When it reached the scheduler; ``deadline``: when waiting ends.
+        group: The ChoiceGroup it stands for while waiting (its first choice), else None.
+        owner: Its pool owner id, from admission on (0 before).
         detokenizer: The tokenizer's streaming detokenizer of this request.
         stop: Its stop-string matcher.
         eos_ids: Tokens that end generation.
@@ -58,13 +66,16 @@ class RequestState:
     """
 
     request: GenerationRequest
-    owner: int
     prompt_ids: list[int]
-    reservation: Reservation
-    submitted_at: float
-    detokenizer: Any
-    stop: StopMatcher
-    eos_ids: frozenset[int]
+    reservation: Reservation = field(default_factory=lambda: Reservation({}))
+    submitted_at: float = 0.0
+    deadline: float = math.inf
+    group: Any = None
+    status: Status = Status.WAITING
+    owner: int = 0
+    detokenizer: Any = None
+    stop: StopMatcher | None = None
+    eos_ids: frozenset[int] = frozenset()
     generated: int = 0
     first_token_at: float | None = None
     last_token_at: float = 0.0
@@ -75,6 +86,20 @@ class RequestState:
     prefix: Any = None  # its PrefixHit (server.engine.prefix) when prefix caching is on
     cached_tokens: int = 0  # prompt tokens served from cached blocks
     result: Any = None  # a whole-prompt task once done (server.engine.steps.prompt_task)
+
+    def queued(self, reservation: Reservation, now: float, timeout_s: float,
+               group: Any = None) -> RequestState:
+        """Enters the admission queue at ``now`` with ``reservation``; returns itself."""
+        self.reservation, self.submitted_at, self.group = reservation, now, group
+        self.deadline = now + timeout_s
+        return self
+
+    def start(self, owner: int, tokenizer: Any) -> None:
+        """Admitted as ``owner``: it gets what generating needs (detokenizer, stops)."""
+        self.owner, self.status = owner, Status.RUNNING
+        self.detokenizer = tokenizer.detokenizer
+        self.stop = StopMatcher(self.request.params.stop)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -212,8 +237,8 @@ class GroupHold:
 
     per_member: Reservation
     max_tokens: int
-    entry: PendingRequest | None = None
-    arrived: list[PendingRequest] = field(default_factory=list)
+    entry: RequestState | None = None
+    arrived: list[RequestState] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     admitted: bool = False
     refused: Rejected | None = None
@@ -238,31 +263,31 @@ class ChoiceHolds:
         self.reject, self.dropped, self.timeout = reject, dropped, queue_timeout_s
         self.holds: dict[ChoiceGroup, GroupHold] = {}
         # Choices of admitted groups, waiting only for a batch slot (blocks reserved).
-        self.ready: deque[PendingRequest] = deque()
+        self.ready: deque[RequestState] = deque()
 
     def __contains__(self, group: ChoiceGroup) -> bool:
         return group in self.holds
 
     def open(self, group: ChoiceGroup, request: GenerationRequest, per_member: Reservation,
-             entry: PendingRequest | None = None, refused: Rejected | None = None) -> None:
+             entry: RequestState | None = None, refused: Rejected | None = None) -> None:
         """The group's first arrival: queued as ``entry``, or refused (and so the group)."""
         self.holds[group] = GroupHold(per_member, request.params.max_tokens, entry,
                                       seen={id(request)}, refused=refused)
 
-    def join(self, request: GenerationRequest, ids: list[int]) -> None:
+    def join(self, state: RequestState) -> None:
         """A later choice: refused as its group was, or on its way with it."""
+        request = state.request
         hold = self.holds[request.choices]
         hold.seen.add(id(request))
         if hold.refused is not None:
-            self.reject(request, hold.refused, len(ids), 0.0)
+            self.reject(request, hold.refused, len(state.prompt_ids), 0.0)
             return
         if hold.max_tokens < request.params.max_tokens:  # lowered for the group's first
             request.params = replace(request.params, max_tokens=hold.max_tokens)
-        now = time.monotonic()
-        pending = PendingRequest(request, ids, hold.per_member, now, now + self.timeout)
-        (self.ready if hold.admitted else hold.arrived).append(pending)
+        state.queued(hold.per_member, time.monotonic(), self.timeout)
+        (self.ready if hold.admitted else hold.arrived).append(state)
 
-    def admitted(self, entry: PendingRequest) -> None:
+    def admitted(self, entry: RequestState) -> None:
         """The group ``entry`` stands for starts: ``entry`` runs on one choice's
         reservation, the hold keeps the others', arrived choices become ready."""
         hold = self.holds[entry.group]
@@ -270,12 +295,12 @@ class ChoiceHolds:
         self.ready.extend(hold.arrived)
         hold.arrived = []
 
-    def refit(self, entry: PendingRequest, per_member: Reservation) -> None:
+    def refit(self, entry: RequestState, per_member: Reservation) -> None:
         """A waiting group's choices after a resize (``max_tokens`` possibly lowered)."""
         hold = self.holds[entry.group]
         hold.per_member, hold.max_tokens = per_member, entry.request.params.max_tokens
 
-    def refuse(self, entry: PendingRequest, event: Rejected, waited: float) -> None:
+    def refuse(self, entry: RequestState, event: Rejected, waited: float) -> None:
         """The group ``entry`` stands for is refused: its arrived choices too, later ones
         when they come."""
         hold = self.holds.get(entry.group)
@@ -314,6 +339,6 @@ class ChoiceHolds:
         while self.ready:
             pending = self.ready.popleft()
             self.reject(pending.request, event, len(pending.prompt_ids),
-                        now - pending.enqueued_at)
+                        now - pending.submitted_at)
         for hold in self.holds.values():
             hold.refused = event

@@ -28,13 +28,7 @@ from collections.abc import Iterable, Iterator
 
 from server.engine.capacity import CapacityPlanner, Reservation, maximal_tokens
 from server.engine.prefix import PrefixHit, PromptPrefixes
-from server.engine.request_state import (
-    ChoiceHolds,
-    PendingRequest,
-    RequestState,
-    StopMatcher,
-    times,
-)
+from server.engine.request_state import ChoiceHolds, RequestState, Status, times
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.protocol import (
@@ -44,7 +38,6 @@ from server.protocol import (
 )
 from server.settings import Settings
 from server.text.prompts import (
-    Prepared,
     RequestRejected,
 )
 from veloxquant_mlx.memory import BlockPoolAllocator
@@ -77,7 +70,7 @@ class Scheduler:
                                                    pool.config.block_size, enabled=False)
         self.planner = CapacityPlanner(pool, loaded.n_layers, maximal_tokens(
             self.limits.max_prompt_tokens + self.limits.max_tokens_cap, loaded.context_length))
-        self.waiting: deque[PendingRequest] = deque()
+        self.waiting: deque[RequestState] = deque()
         # The n choices of a prompt, admitted together (server.engine.request_state).
         self.choices = ChoiceHolds(self.reject, self._drop_cancelled,
                                    self.limits.queue_timeout_s)
@@ -88,7 +81,7 @@ class Scheduler:
         self._seen_blocks = pool.stats.n_blocks
         self._releases = 0  # requests released so far
         # (releases, candidate, queue length) when the candidate did not fit
-        self._stuck: tuple[int, PendingRequest, int] | None = None
+        self._stuck: tuple[int, RequestState, int] | None = None
         # Why the pool cannot hold one maximal request since a shrink left it smaller than
         # at start (capacity_changed), else None.
         self.degraded: str | None = None
@@ -111,15 +104,16 @@ class Scheduler:
 
     # -- intake --------------------------------------------------------------------
 
-    def intake(self, prepared: Prepared) -> None:
+    def intake(self, state: RequestState) -> None:
         """Queue a tokenized request, or refuse it at once (can never fit, queue full)."""
-        request, prompt_ids = prepared.request, prepared.prompt_ids
+        request, prompt_ids = state.request, state.prompt_ids
         if self.closing is not None:
             self.reject(request, self.closing, len(prompt_ids), 0.0)
+            state.status = Status.DONE
             return
         group = request.choices if request.choices and request.choices.size > 1 else None
         if group is not None and group in self.choices:
-            self.choices.join(request, prompt_ids)
+            self.choices.join(state)
             return
         each = None
         try:
@@ -138,15 +132,14 @@ class Scheduler:
                     "retry later"))
         except RequestRejected as exc:  # refused on arrival: it waited in no queue
             self.reject(request, exc.event, len(prompt_ids), 0.0)
+            state.status = Status.DONE
             if group is not None:
                 self.choices.open(group, request, each or Reservation({}), refused=exc.event)
             return
-        now = time.monotonic()
-        pending = PendingRequest(request, prompt_ids, need, now,
-                                 now + self.limits.queue_timeout_s, group)
+        state.queued(need, time.monotonic(), self.limits.queue_timeout_s, group)
         if group is not None:
-            self.choices.open(group, request, each, pending)
-        self.waiting.append(pending)
+            self.choices.open(group, request, each, state)
+        self.waiting.append(state)
 
     def _check_group(self, request: GenerationRequest, prompt_ids: list[int],
                      need: Reservation, size: int) -> Reservation:
@@ -159,7 +152,7 @@ class Scheduler:
             raise RequestRejected(fitted)
         return fitted
 
-    def _refit_group(self, entry: PendingRequest, need: Reservation) -> Reservation | Rejected:
+    def _refit_group(self, entry: RequestState, need: Reservation) -> Reservation | Rejected:
         """A waiting group's reservation after a resize, or why it can never fit now."""
         self.choices.refit(entry, need)
         try:
@@ -203,14 +196,15 @@ class Scheduler:
         """
         self._seen_blocks = self.pool.stats.n_blocks
         self._stuck = None
-        keep: deque[PendingRequest] = deque()
+        keep: deque[RequestState] = deque()
         for pending in self.waiting:
             fitted = self._fit_pool(pending.request, pending.prompt_ids)
             if pending.group is not None and not isinstance(fitted, Rejected):
                 fitted = self._refit_group(pending, fitted)
             if isinstance(fitted, Rejected):
-                waited = time.monotonic() - pending.enqueued_at
+                waited = time.monotonic() - pending.submitted_at
                 self.reject(pending.request, fitted, len(pending.prompt_ids), waited)
+                pending.status = Status.DONE
                 if pending.group is not None:
                     self.choices.refuse(pending, fitted, waited)
                 continue
@@ -242,9 +236,9 @@ class Scheduler:
         if not self.waiting:
             return
         now = time.monotonic()
-        keep: deque[PendingRequest] = deque()
+        keep: deque[RequestState] = deque()
         for pending in self.waiting:
-            waited = now - pending.enqueued_at
+            waited = now - pending.submitted_at
             if pending.request.cancelled.is_set():  # the route cancels every choice together
                 self._drop_cancelled(pending)
                 event = Rejected(Reason.CANCELLED_WAITING, "the request was cancelled")
@@ -255,13 +249,14 @@ class Scheduler:
             else:
                 keep.append(pending)
                 continue
+            pending.status = Status.DONE
             if pending.group is not None:
                 self.choices.refuse(pending, event, waited)
         self.waiting = keep
 
-    def _drop_cancelled(self, pending: PendingRequest) -> None:
+    def _drop_cancelled(self, pending: RequestState) -> None:
         self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request,
-                              len(pending.prompt_ids), time.monotonic() - pending.enqueued_at)
+                              len(pending.prompt_ids), time.monotonic() - pending.submitted_at)
 
     def admit(self) -> Iterator[RequestState]:
         """Move waiting requests to running, first come first served, while they fit.
@@ -301,7 +296,7 @@ class Scheduler:
             pending = self.choices.ready.popleft()
             yield self._register(pending, self._lookup(pending))
 
-    def _lookup(self, pending: PendingRequest) -> PrefixHit:
+    def _lookup(self, pending: RequestState) -> PrefixHit:
         """Its cached prompt prefix (a whole-prompt task computes every position: none)."""
         request = pending.request
         return self.prefixes.lookup(pending.prompt_ids, request.cache_salt, request.whole_prompt)
@@ -316,14 +311,9 @@ class Scheduler:
         self._stuck = None  # free blocks appeared: a stuck head may fit now
         return freed
 
-    def _register(self, pending: PendingRequest, hit: PrefixHit) -> RequestState:
-        request, tokenizer = pending.request, self.loaded.tokenizer
-        state = RequestState(
-            request=request, owner=next(self._owners), prompt_ids=pending.prompt_ids,
-            reservation=pending.reservation, submitted_at=pending.enqueued_at,
-            detokenizer=tokenizer.detokenizer, stop=StopMatcher(request.params.stop),
-            eos_ids=frozenset(tokenizer.eos_token_ids),
-        )
+    def _register(self, state: RequestState, hit: PrefixHit) -> RequestState:
+        """``state`` runs: a fresh owner id, registered on the pool; its prefix referenced."""
+        state.start(next(self._owners), self.loaded.tokenizer)
         with self._lock:
             self.running[state.owner] = state
         self.pool.register_owner(state.owner)
@@ -350,6 +340,7 @@ class Scheduler:
                 self.pool.release_owner(state.owner)
         finally:
             self.prefixes.release(state.owner)  # its cached blocks may become evictable
+            state.status = Status.DONE
             with self._lock:
                 self.running.pop(state.owner, None)
             self._releases += 1  # blocks came back: a stuck head may fit now
@@ -392,8 +383,9 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting:
             pending = self.waiting.popleft()
+            pending.status = Status.DONE
             self.reject(pending.request, event, len(pending.prompt_ids),
-                        now - pending.enqueued_at)
+                        now - pending.submitted_at)
             if pending.group is not None:
-                self.choices.refuse(pending, event, now - pending.enqueued_at)
+                self.choices.refuse(pending, event, now - pending.submitted_at)
         self.choices.close(event)

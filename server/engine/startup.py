@@ -193,8 +193,9 @@ class EngineParts:
 
 def assemble(settings: Settings, pool: BlockPoolAllocator,
              loader: Callable[[Any], LoadedModel], metrics: ServerMetrics, clock: StepClock,
-             deliver: Callable[[Any], None]) -> EngineParts:
-    """Load the model and build the parts around it; ``deliver`` takes prepared prompts.
+             deliver: Callable[[Any, list[int]], None]) -> EngineParts:
+    """Load the model and build the parts around it; ``deliver`` takes each tokenized
+    request and its prompt ids (from the preparer's worker threads).
 
     ``pool`` is used as is unless ``pool.kv_memory`` sizes a new one. With
     ``distributed.ranks > 1`` this is rank 0: it joins the group, shards the

@@ -9,7 +9,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
@@ -162,7 +162,7 @@ def utf8(prompt: str) -> bytes:
 #
 #     route -> Engine.submit -> PromptPreparer.submit   (event loop; never blocks)
 #           -> worker thread: byte-count pre-check, tokenize, per-request checks
-#           -> refused (Rejected on the request's channel)  or  Prepared -> engine inbox
+#           -> refused (Rejected on the request's channel)  or  (request, ids) -> engine inbox
 #
 # Hugging Face fast tokenizers release the GIL while they encode, so the
 # engine thread keeps stepping meanwhile. The number of prompts accepted for
@@ -177,14 +177,6 @@ log = logging.getLogger("veloxquant.server")
 WORKERS = 2
 
 
-@dataclass(slots=True)
-class Prepared:
-    """A request whose prompt is tokenized and within the per-request limits."""
-
-    request: GenerationRequest
-    prompt_ids: list[int]
-
-
 class PromptPreparer:
     """Tokenizes and checks submitted requests on worker threads.
 
@@ -192,13 +184,15 @@ class PromptPreparer:
         loaded: The loaded model (tokenizer, vocabulary).
         limits: ``max_prompt_tokens`` and the queue bound (``max_queue``).
         metrics: Where refusals are recorded.
-        deliver: Called on a worker thread with each :class:`Prepared` request
-            (the engine puts it on its inbox).
+        deliver: Called on a worker thread with each request whose prompt is
+            tokenized and within the per-request limits, and its prompt ids (the
+            engine makes its record of the request and puts it on its inbox).
         max_batch_size: Requests the engine runs at once (``batch.max_batch_size``).
     """
 
     def __init__(self, loaded: LoadedModel, limits: LimitsSection, metrics: ServerMetrics,
-                 deliver: Callable[[Prepared], None], max_batch_size: int = 0,
+                 deliver: Callable[[GenerationRequest, list[int]], None],
+                 max_batch_size: int = 0,
                  pool_tokens: Callable[[], int | None] = lambda: None) -> None:
         self.loaded = loaded
         # The most tokens the KV pool can hold for one request (None: no bound), so that a
@@ -252,7 +246,7 @@ class PromptPreparer:
             check_token_params(self.loaded, request.params)
             request.params = ban_end_tokens(self.loaded, request.params)
             self.fit_context(request, len(ids))
-            self.deliver(Prepared(request, ids))
+            self.deliver(request, ids)
         except RequestRejected as exc:
             self.reject(request, exc.event, exc.prompt_tokens)
         except Exception as exc:  # a bug here must still answer the request, never hang it

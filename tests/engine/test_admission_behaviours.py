@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.prefix import PromptPrefixes
+from server.engine.request_state import RequestState
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
 from server.protocol import (
@@ -27,7 +28,6 @@ from server.protocol import (
     Rejected,
     SamplingParams,
 )
-from server.text.prompts import Prepared
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -105,7 +105,7 @@ def _arrive(scheduler: Scheduler, rid: str, prompt: list[int], max_tokens: int =
             defaulted: bool = False) -> GenerationRequest:
     params = SamplingParams(max_tokens=max_tokens, max_tokens_defaulted=defaulted)
     request = GenerationRequest(rid, prompt, params, _Events())
-    scheduler.intake(Prepared(request, prompt))
+    scheduler.intake(RequestState(request, prompt))
     return request
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from server.engine.request_state import ChoiceGroup
+from server.engine.request_state import ChoiceGroup, RequestState
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
 from server.protocol import (
@@ -22,7 +22,6 @@ from server.protocol import (
     Reason,
     SamplingParams,
 )
-from server.text.prompts import Prepared
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -61,7 +60,7 @@ def _group(n: int, max_tokens: int = 13) -> ChoiceGroup:
 
 def _arrive(scheduler: Scheduler, *requests: GenerationRequest) -> None:
     for request in requests:
-        scheduler.intake(Prepared(request, list(PROMPT)))
+        scheduler.intake(RequestState(request, list(PROMPT)))
 
 
 def _admit(scheduler: Scheduler) -> list[str]:

@@ -52,7 +52,7 @@ class SteppedEngine:
         self.received[name] = []
         params = SamplingParams(max_tokens=max_tokens, logit_bias=NO_EOS)
         self.engine.submit(GenerationRequest(name, f"{name} once upon a time", params, channel))
-        self.engine._intake(timeout=10.0)  # the prompt worker's Prepared
+        self.engine._intake(timeout=10.0)  # the prompt worker's tokenized request
 
     def step(self) -> None:
         self.engine.steps.step()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from server.engine.request_state import RequestState
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
 from server.protocol import (
@@ -20,7 +21,6 @@ from server.protocol import (
     Reason,
     SamplingParams,
 )
-from server.text.prompts import Prepared
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -49,7 +49,7 @@ def _burst(scheduler: Scheduler, n: int, max_tokens: int = 13) -> list[Generatio
     requests = [GenerationRequest(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=max_tokens),
                                   _Events()) for i in range(n)]
     for request in requests:
-        scheduler.intake(Prepared(request, [5, 6, 7]))
+        scheduler.intake(RequestState(request, [5, 6, 7]))
     return requests
 
 
