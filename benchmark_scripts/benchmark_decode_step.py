@@ -42,14 +42,26 @@ sys.path.insert(0, str(ROOT / "benchmark_scripts"))
 DEFAULT_OUT = ROOT / "figures" / "decode_step" / "results.json"
 
 
+def _first_of(modules: tuple[str, ...], name: str):
+    """``name`` from the first of ``modules`` this checkout has."""
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ModuleNotFoundError, AttributeError):
+            continue
+    raise ImportError(f"{name} is in none of {modules}")
+
+
 def child(model_name: str, rows: int, steps: int) -> dict:
     """Measure in this process, on the checkout its ``PYTHONPATH`` (and cwd) names."""
     import server
-    from server.engine.run_output import StepClock
     from server.engine.runner import ModelRunner
     from server.model_loader import load_model
-    from server.protocol import SamplingParams
     from server.settings import load_settings
+
+    # Where a checkout keeps the step clock and the request records (they moved).
+    StepClock = _first_of(("server.engine.run_output", "server.engine.step_clock"), "StepClock")
+    SamplingParams = _first_of(("server.protocol", "server.engine.protocol"), "SamplingParams")
     from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
     from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
