@@ -70,6 +70,18 @@ def check_invariants(pool: BlockPoolAllocator, cache: PrefixCache, live: set[int
     assert cache.cached_blocks == len(cached_ids)
 
 
+def ended_chain(pool: BlockPoolAllocator, cache: PrefixCache, positions: int):
+    """Owner 1 computes and publishes ``positions`` full blocks, then ends: its keys and
+    its table (every position now cached and evictable)."""
+    keys = chain_hashes(list(range(positions * BS)), BS, ROOT)
+    tab = table(pool, 1, positions)
+    for j, key in enumerate(keys):
+        cache.publish(1, key, position(tab, j))
+    cache.release(1)
+    pool.free_all(1)
+    return keys, tab
+
+
 def test_keys_chain_and_depend_on_model_and_format():
     tokens = list(range(11))
     keys = chain_hashes(tokens, BS, ROOT)
@@ -147,12 +159,7 @@ def test_repeat_hits_whole_chain_and_partial_prefix_hits_its_head():
 
 def test_release_makes_entries_evictable_and_eviction_goes_tail_first():
     pool, cache = make()
-    keys = chain_hashes(list(range(12)), BS, ROOT)
-    tab = table(pool, 1, 3)
-    for j, key in enumerate(keys):
-        cache.publish(1, key, position(tab, j))
-    cache.release(1)
-    pool.free_all(1)
+    keys, tab = ended_chain(pool, cache, 3)
     assert cache.evictable("k") == 3 and cache.evictable("v") == 3
     free_k = pool.n_free("k")
     assert cache.evict({"k": 1}) == 2  # one position: its k and its v block
@@ -204,12 +211,7 @@ def test_one_cache_per_pool_and_cached_blocks_are_nobodys():
 def test_allocation_evicts_unreferenced_blocks_before_it_refuses():
     """Evictable blocks are counted once: as available, and taken by allocation."""
     pool, cache = make(n_blocks=8)  # 4 k + 4 v
-    keys = chain_hashes(list(range(12)), BS, ROOT)
-    tab = table(pool, 1, 3)
-    for j, key in enumerate(keys):
-        cache.publish(1, key, position(tab, j))
-    cache.release(1)
-    pool.free_all(1)
+    keys, tab = ended_chain(pool, cache, 3)
     assert pool.n_free("k") == 1 and cache.evictable("k") == 3
     assert pool.n_available("k") == 4 and pool.n_available("kv") == 8
     frees = pool.stats.n_frees
