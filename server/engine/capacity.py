@@ -24,11 +24,11 @@ reservation only asks for the rest.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from server.protocol import ChatPrompt, Reason, Rejected, SamplingParams, ShrinkRefused
-from server.text.prompts import no_room_in_pool
+from server.text.prompts import no_room, no_room_in_pool
 from veloxquant_mlx.memory import BlockPoolAllocator
 
 
@@ -174,6 +174,36 @@ class CapacityPlanner:
             for stream, blocks in reservation.per_stream.items():
                 out[stream] += max(blocks - held.get(stream, 0), 0)
         return out
+
+    def fit_context(self, params: SamplingParams, prompt: str | list[int] | ChatPrompt,
+                    n_prompt: int, context: int | None,
+                    context_phrase: Callable[[], str]) -> SamplingParams | Rejected:
+        """Keep prompt + ``max_tokens`` within the model's ``context`` length.
+
+        An omitted ``max_tokens`` is lowered to the room the context leaves (the
+        settings returned); one the client sent that goes past it is refused, as
+        OpenAI refuses it, instead of generating past the positions the model knows.
+        The advice never names more than the pool could hold either.
+        """
+        if context is None or n_prompt + params.max_tokens <= context:
+            return params
+        room = context - n_prompt
+        if params.max_tokens_defaulted and room >= 1:
+            return replace(params, max_tokens=room)
+        if room < 1 or params.max_tokens_defaulted:
+            return no_room(prompt, n_prompt, context_phrase())
+        pool = self.max_request_tokens()
+        if pool is not None and n_prompt >= pool:  # the pool would refuse the prompt next
+            return no_room_in_pool(prompt, n_prompt, pool)
+        field = params.max_tokens_param
+        fits = room if pool is None else min(room, pool - n_prompt)
+        why = "" if fits == room else f" (the KV pool holds at most {pool} tokens a request)"
+        return Rejected(
+            Reason.TOO_LARGE,
+            f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
+            f"{n_prompt + params.max_tokens} tokens, over {context_phrase()}; lower {field} "
+            f"to at most {fits}{why}, or shorten the "
+            f"{'messages' if isinstance(prompt, ChatPrompt) else 'prompt'}", field)
 
     def fit(self, params: SamplingParams, prompt: str | list[int] | ChatPrompt,
             n_prompt: int) -> tuple[Reservation, SamplingParams] | Rejected:

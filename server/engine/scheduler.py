@@ -167,6 +167,12 @@ class Scheduler:
         request.channel.put(event)
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
+        """Its reservation; its limits resolved here, once: the context, then the pool."""
+        fitted = self.planner.fit_context(request.params, request.prompt, len(prompt_ids),
+                                          self.loaded.context_length, self._context_phrase)
+        if isinstance(fitted, Rejected):
+            raise RequestRejected(fitted)
+        request.params = fitted
         need = self.planner.reservation(len(prompt_ids) + request.params.max_tokens)
         if self._fits_now(need):
             return need
@@ -174,6 +180,9 @@ class Scheduler:
         if isinstance(fitted, Rejected):
             raise RequestRejected(fitted)
         return fitted
+
+    def _context_phrase(self) -> str:
+        return self.loaded.context_phrase()
 
     def _fit_pool(self, request: GenerationRequest,
                   prompt_ids: list[int]) -> Reservation | Rejected:

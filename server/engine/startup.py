@@ -242,8 +242,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     parts = EngineParts(loaded, pool, kv, prefixes, scheduler, runner,
                         OutputProcessor(loaded.tokenizer),
                         PromptPreparer(loaded, settings.limits, metrics, deliver,
-                                       settings.batch.max_batch_size,
-                                       scheduler.planner.max_request_tokens))
+                                       settings.batch.max_batch_size))
     # The one start-up line that says what the server computes with.
     log.info("model %s loaded (%d layers; context %s tokens; %s); backend: %s; decode: %s",
              loaded.name, loaded.n_layers, loaded.context_length or "unbounded",

@@ -192,12 +192,8 @@ class PromptPreparer:
 
     def __init__(self, loaded: LoadedModel, limits: LimitsSection, metrics: ServerMetrics,
                  deliver: Callable[[GenerationRequest, list[int]], None],
-                 max_batch_size: int = 0,
-                 pool_tokens: Callable[[], int | None] = lambda: None) -> None:
+                 max_batch_size: int = 0) -> None:
         self.loaded = loaded
-        # The most tokens the KV pool can hold for one request (None: no bound), so that a
-        # refusal over the context gives advice the pool's own check will not overrule.
-        self.pool_tokens = pool_tokens
         self.max_prompt_tokens = limits.max_prompt_tokens
         # Requests being prepared at once, beyond which new ones are refused: what an idle
         # server takes from one burst (a batch that starts, then the waiting queue's bound),
@@ -245,7 +241,6 @@ class PromptPreparer:
             ids = self.prompt_ids(request)
             check_token_params(self.loaded, request.params)
             request.params = ban_end_tokens(self.loaded, request.params)
-            self.fit_context(request, len(ids))
             self.deliver(request, ids)
         except RequestRejected as exc:
             self.reject(request, exc.event, exc.prompt_tokens)
@@ -283,40 +278,6 @@ class PromptPreparer:
                                  f"shorten the {'messages' if chat else 'prompt'}",
                                  "messages" if chat else "prompt", len(ids))
         return ids
-
-    def fit_context(self, request: GenerationRequest, n_prompt: int) -> None:
-        """Keep prompt + ``max_tokens`` within the model's context length.
-
-        An omitted ``max_tokens`` is lowered to the room the context leaves
-        (``request.params`` replaced); one the client sent that goes past it is refused,
-        as OpenAI refuses it, instead of generating past the positions the model knows.
-
-        Raises:
-            RequestRejected: Over the context (400 ``context_length_exceeded``).
-        """
-        context = self.loaded.context_length
-        params = request.params
-        if context is None or n_prompt + params.max_tokens <= context:
-            return
-        room = context - n_prompt
-        if params.max_tokens_defaulted and room >= 1:
-            request.params = replace(params, max_tokens=room)
-            return
-        if room < 1 or params.max_tokens_defaulted:
-            raise RequestRejected(no_room(request.prompt, n_prompt,
-                                          self.loaded.context_phrase()), n_prompt)
-        pool = self.pool_tokens()
-        if pool is not None and n_prompt >= pool:  # the pool would refuse the prompt next
-            raise RequestRejected(no_room_in_pool(request.prompt, n_prompt, pool), n_prompt)
-        field = params.max_tokens_param
-        fits = room if pool is None else min(room, pool - n_prompt)
-        why = "" if fits == room else f" (the KV pool holds at most {pool} tokens a request)"
-        raise self._too_long(
-            f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
-            f"{n_prompt + params.max_tokens} tokens, over {self.loaded.context_phrase()}; "
-            f"lower {field} to at most {fits}{why}, or shorten "
-            f"the {'messages' if isinstance(request.prompt, ChatPrompt) else 'prompt'}",
-            field, n_prompt)
 
     @staticmethod
     def _too_long(message: str, param: str = "prompt",
