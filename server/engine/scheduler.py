@@ -3,7 +3,8 @@
 Runs on the engine thread. It is the one owner of a request's lifetime:
 
     submit -> preparer  tokenize, prompt limits (worker threads, server.text.prompts)
-           -> intake()  fits the pool at all? queue bound  -> refused (Rejected) or waiting
+           -> intake()  max_tokens resolved (context, then pool: the one place), fits the
+                        pool at all? queue bound  -> refused (Rejected) or waiting
     waiting -> expire()  cancelled or past limits.queue_timeout_s -> dropped / Rejected;
                          can never fit after the pool shrank -> Rejected (capacity_changed)
     waiting -> admit()   first come first served, while the batch has room and
@@ -168,8 +169,9 @@ class Scheduler:
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
         """Its reservation; its limits resolved here, once: the context, then the pool."""
+        loaded = self.loaded
         fitted = self.planner.fit_context(request.params, request.prompt, len(prompt_ids),
-                                          self.loaded.context_length, self._context_phrase)
+                                          loaded.context_length, lambda: loaded.context_phrase())
         if isinstance(fitted, Rejected):
             raise RequestRejected(fitted)
         request.params = fitted
@@ -180,9 +182,6 @@ class Scheduler:
         if isinstance(fitted, Rejected):
             raise RequestRejected(fitted)
         return fitted
-
-    def _context_phrase(self) -> str:
-        return self.loaded.context_phrase()
 
     def _fit_pool(self, request: GenerationRequest,
                   prompt_ids: list[int]) -> Reservation | Rejected:
