@@ -41,6 +41,7 @@ from server.settings import (
     parse_text,
 )
 from server.settings_sections import KV_FORMAT_NAMES
+from veloxquant_mlx.memory.pool_config import PER_REQUEST_METHODS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,9 +70,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 # vLLM's --kv-cache-dtype values as the pool's KV formats: "auto" keeps the model's dtype,
 # as vLLM's does; its fp8 kinds store a byte a value, which here are affine 8-bit codes.
+# The library's compression methods pass through, for the settings to say why not.
 KV_CACHE_DTYPES: dict[str, str] = {
     "auto": "native", "fp8": "q8", "fp8_e4m3": "q8", "fp8_e5m2": "q8",
-    **{name: name for name in KV_FORMAT_NAMES},
+    **{name: name for name in (*KV_FORMAT_NAMES, *PER_REQUEST_METHODS)},
 }
 # Flags whose values are another server's names for the key's values.
 VALUE_MAPS: dict[str, dict[str, str]] = {"--kv-cache-dtype": KV_CACHE_DTYPES}
@@ -312,8 +314,9 @@ def _flag_value(section: str, key: str, given: FlagValue) -> Any:
     if names is None:
         return parse_text(section, key, given.value, given.flag)
     if given.value not in names:
+        offered = [name for name, value in names.items() if value not in PER_REQUEST_METHODS]
         raise ConfigError(f"config key '{section}.{key}' (from {given.flag}): "
-                          f"{given.value!r} is not one of {', '.join(names)}")
+                          f"{given.value!r} is not one of {', '.join(offered)}")
     return names[given.value]
 
 

@@ -13,6 +13,8 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from veloxquant_mlx.memory.pool_config import pool_format_problem
+
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 ModelDtype = Literal["auto", "native", "float32", "float16", "bfloat16"]
 ModelPreset = Literal["smollm2", "tiny", "small"]
@@ -319,11 +321,22 @@ class KVSection(_Section):
     8/4-bit codes, per ``group_size`` values of a head (it must divide the
     model's head_dim) a float16 scale and a zero point (q8, one byte) or a
     float16 bias (q4). The same ``pool.kv_memory`` then holds ~1.9x / ~3.6x
-    the tokens of float16 KV at group_size 64.
+    the tokens of float16 KV at group_size 64. The library's KV compression
+    methods (kivi, qjl, polar, spectral, turboquant_*) run per request, not in
+    the batched pool: naming one here stops start-up with its reason.
     """
 
     format: KVFormatName = "native"
     group_size: int = 64
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _check_format(cls, name: object) -> object:
+        # A compression method's name gets why it is not served, not a bare list of choices.
+        problem = pool_format_problem(name) if isinstance(name, str) else None
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
     @field_validator("group_size")
     @classmethod

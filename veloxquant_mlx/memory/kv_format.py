@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from veloxquant_mlx.exceptions import KVFormatError
+from veloxquant_mlx.memory.pool_config import pool_format_problem
 
 KV_FORMATS: dict[str, int | None] = {"native": None, "q8": 8, "q4": 4}
 """Format name -> bits per stored number (None: the compute dtype)."""
@@ -59,9 +60,9 @@ class KVFormat:
     group_size: int = 64
 
     def __post_init__(self) -> None:
-        if self.name not in KV_FORMATS:
-            raise KVFormatError(f"unknown KV format {self.name!r}; choose one of "
-                                f"{', '.join(KV_FORMATS)}")
+        problem = pool_format_problem(self.name)
+        if problem is not None:
+            raise KVFormatError(problem)
         if self.group_size not in GROUP_SIZES:
             raise KVFormatError(f"KV group_size {self.group_size} is not supported; choose "
                                 f"one of {', '.join(map(str, GROUP_SIZES))}")

@@ -13,6 +13,38 @@ from typing import Final
 from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
 
 HISTORY_LEN: Final = 256
+
+POOL_KV_FORMATS: Final = ("native", "q8", "q4")
+"""How the shared pool can store keys and values (``kv_format.KVFormat``)."""
+
+PER_REQUEST_METHODS: Final = {
+    "kivi": "quantizes keys per channel over a window of recent tokens, so a block's keys "
+            "change after they are written, and blocks read by a batch must hold final bytes",
+    "turboquant_prod": "scores keys with an estimator on the query's random projection "
+                       "(QJL), not by attention over decoded keys",
+    "qjl": "scores keys with an estimator on the query's random projection, not by "
+           "attention over decoded keys",
+    "spectral": "stores coefficients in a basis fitted to the request's own first tokens, "
+                "which a block shared by a batch does not carry",
+    "turboquant_mse": "encodes each vector alone, so it could be a pool format, but the "
+                      "pool has no decoder for it yet",
+    "polar": "encodes each vector alone, so it could be a pool format, but the pool has no "
+             "decoder for it yet",
+}
+"""The KV compression methods of ``veloxquant_mlx.cache``, which run per request
+(``PooledKVCache``), and why each is not a format of the batched pool."""
+
+
+def pool_format_problem(name: str) -> str | None:
+    """Why ``name`` is not a KV format the pool stores, or None when it is."""
+    if name in POOL_KV_FORMATS:
+        return None
+    why = PER_REQUEST_METHODS.get(name)
+    if why is None:
+        return f"unknown KV format {name!r}; choose one of {', '.join(POOL_KV_FORMATS)}"
+    return (f"{name!r} is a KV compression method that runs per request (veloxquant_mlx."
+            f"cache, through PooledKVCache), not a format of the batched pool: it {why}; "
+            f"the pool stores {', '.join(POOL_KV_FORMATS)}")
 SPLIT_STREAMS: Final = ("k", "v")
 SHARED_STREAM: Final = "kv"
 
