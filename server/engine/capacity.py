@@ -349,8 +349,8 @@ class CapacityPlanner:
                 f"context): {why}; keep more free blocks, lower those limits, or pass "
                 "\"force\": true")
         # Evict only what the free blocks cannot cover, the retirements and the running
-        # requests' outstanding reservations (their growth takes free blocks, it does not
-        # evict): the rest of the cache stays warm rather than emptying on every shrink.
+        # requests' outstanding reservations (so the free list the shrink leaves holds
+        # them): the rest of the cache stays warm rather than emptying on every shrink.
         short = {s: retiring[s] + outstanding.get(s, 0) - self.pool.n_free(s) for s in targets}
         if any(n > 0 for n in short.values()):
             self.pool.prefix_cache.evict(short)

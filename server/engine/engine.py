@@ -53,9 +53,7 @@ from server.protocol import (
 from server.settings import Settings
 from server.text.chat_render import tool_call_format
 from server.text.model_text import ModelText, grammar_cache
-from server.text.prompts import (
-    PromptPreparer,
-)
+from server.text.prompts import PromptPreparer
 from veloxquant_mlx.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger("veloxquant.server")

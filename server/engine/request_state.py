@@ -253,7 +253,8 @@ class ChoiceHolds:
     """Every choice group the scheduler has seen, and the choices ready to start.
 
     Args:
-        reject: Refuses a request that never ran (the scheduler's ``reject``).
+        reject: Refuses a request that never ran, given its record (the scheduler's
+            ``reject``: the record is done).
         dropped: Counts a waiting request whose client left (nothing is sent to it).
         queue_timeout_s: How long a choice may wait (``limits.queue_timeout_s``).
     """
@@ -280,7 +281,7 @@ class ChoiceHolds:
         hold = self.holds[request.choices]
         hold.seen.add(id(request))
         if hold.refused is not None:
-            self.reject(request, hold.refused, len(state.prompt_ids), 0.0)
+            self.reject(state, hold.refused, 0.0)
             return
         if hold.max_tokens < request.params.max_tokens:  # lowered for the group's first
             request.params = replace(request.params, max_tokens=hold.max_tokens)
@@ -307,7 +308,7 @@ class ChoiceHolds:
         if hold is None:
             return
         for pending in hold.arrived:
-            self.reject(pending.request, event, len(pending.prompt_ids), waited)
+            self.reject(pending, event, waited)
         hold.entry, hold.arrived, hold.refused = None, [], event
 
     def expire(self) -> None:
@@ -338,7 +339,6 @@ class ChoiceHolds:
         now = time.monotonic()
         while self.ready:
             pending = self.ready.popleft()
-            self.reject(pending.request, event, len(pending.prompt_ids),
-                        now - pending.submitted_at)
+            self.reject(pending, event, now - pending.submitted_at)
         for hold in self.holds.values():
             hold.refused = event

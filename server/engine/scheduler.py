@@ -38,9 +38,7 @@ from server.protocol import (
     Rejected,
 )
 from server.settings import Settings
-from server.text.prompts import (
-    RequestRejected,
-)
+from server.text.prompts import RequestRejected
 from veloxquant_mlx.memory import BlockPoolAllocator
 
 
@@ -109,8 +107,7 @@ class Scheduler:
         """Queue a tokenized request, or refuse it at once (can never fit, queue full)."""
         request, prompt_ids = state.request, state.prompt_ids
         if self.closing is not None:
-            self.reject(request, self.closing, len(prompt_ids), 0.0)
-            state.status = Status.DONE
+            self.reject(state, self.closing, 0.0)
             return
         group = request.choices if request.choices and request.choices.size > 1 else None
         if group is not None and group in self.choices:
@@ -132,8 +129,7 @@ class Scheduler:
                     f"a batch slot or KV capacity (limits.max_queue={self.limits.max_queue}); "
                     "retry later"))
         except RequestRejected as exc:  # refused on arrival: it waited in no queue
-            self.reject(request, exc.event, len(prompt_ids), 0.0)
-            state.status = Status.DONE
+            self.reject(state, exc.event, 0.0)
             if group is not None:
                 self.choices.open(group, request, each or Reservation({}), refused=exc.event)
             return
@@ -161,11 +157,11 @@ class Scheduler:
         except RequestRejected as exc:
             return exc.event
 
-    def reject(self, request: GenerationRequest, event: Rejected,
-               prompt_tokens: int | None = None, waited_s: float | None = None) -> None:
-        """Refuse a request that never ran (its prompt's size and wait, where known, logged)."""
-        self.metrics.rejected(event.reason, request, prompt_tokens, waited_s)
-        request.channel.put(event)
+    def reject(self, state: RequestState, event: Rejected, waited_s: float) -> None:
+        """Refuse a request that never ran: it is done (its prompt's size and wait logged)."""
+        state.status = Status.DONE
+        self.metrics.rejected(event.reason, state.request, len(state.prompt_ids), waited_s)
+        state.request.channel.put(event)
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
         """Its reservation; its limits resolved here, once: the context, then the pool."""
@@ -211,8 +207,7 @@ class Scheduler:
                 fitted = self._refit_group(pending, fitted)
             if isinstance(fitted, Rejected):
                 waited = time.monotonic() - pending.submitted_at
-                self.reject(pending.request, fitted, len(pending.prompt_ids), waited)
-                pending.status = Status.DONE
+                self.reject(pending, fitted, waited)
                 if pending.group is not None:
                     self.choices.refuse(pending, fitted, waited)
                 continue
@@ -253,16 +248,17 @@ class Scheduler:
             elif now >= pending.deadline:
                 event = Rejected(Reason.QUEUE_TIMEOUT, "no KV capacity within limits."
                                  f"queue_timeout_s={self.limits.queue_timeout_s}s; retry later")
-                self.reject(pending.request, event, len(pending.prompt_ids), waited)
+                self.reject(pending, event, waited)
             else:
                 keep.append(pending)
                 continue
-            pending.status = Status.DONE
             if pending.group is not None:
                 self.choices.refuse(pending, event, waited)
         self.waiting = keep
 
     def _drop_cancelled(self, pending: RequestState) -> None:
+        """A waiting request whose client left: done, counted, nothing sent."""
+        pending.status = Status.DONE
         self.metrics.rejected(Reason.CANCELLED_WAITING, pending.request,
                               len(pending.prompt_ids), time.monotonic() - pending.submitted_at)
 
@@ -391,9 +387,7 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting:
             pending = self.waiting.popleft()
-            pending.status = Status.DONE
-            self.reject(pending.request, event, len(pending.prompt_ids),
-                        now - pending.submitted_at)
+            self.reject(pending, event, now - pending.submitted_at)
             if pending.group is not None:
                 self.choices.refuse(pending, event, now - pending.submitted_at)
         self.choices.close(event)

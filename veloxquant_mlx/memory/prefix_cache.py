@@ -159,15 +159,11 @@ class PrefixCache:
     def acquire(self, owner: int, entries: Sequence[CachedBlock]) -> None:
         """``owner`` references ``entries`` (they stop being evictable)."""
         with self.pool._lock:
-            held = self._held.setdefault(owner, [])
-            counts = self._held_counts.setdefault(owner, Counter())
             for entry in entries:
                 if entry.refs == 0:
                     del self._lru[entry.key]
                     self._evictable.subtract(entry.per_stream)
-                entry.refs += 1
-                held.append(entry)
-                counts.update(entry.per_stream)
+                self._reference(owner, entry)
 
     def record_query(self, prompt_tokens: int, hit_tokens: int) -> None:
         """Count one admitted prompt and how much of it came from the cache."""
@@ -192,14 +188,18 @@ class PrefixCache:
             if key in self._entries:
                 return False
             self.pool._into_cache(owner, blocks)
-            entry = CachedBlock(key, list(blocks), dict(Counter(b.stream for b in blocks)),
-                                refs=1)
+            entry = CachedBlock(key, list(blocks), dict(Counter(b.stream for b in blocks)))
             self._entries[key] = entry
-            self._held.setdefault(owner, []).append(entry)
-            self._held_counts.setdefault(owner, Counter()).update(entry.per_stream)
+            self._reference(owner, entry)
             self._cached += len(blocks)
             self.counters.published_blocks += len(blocks)
             return True
+
+    def _reference(self, owner: int, entry: CachedBlock) -> None:
+        """``owner`` holds one more reference to ``entry`` (lock held; not in the LRU)."""
+        entry.refs += 1
+        self._held.setdefault(owner, []).append(entry)
+        self._held_counts.setdefault(owner, Counter()).update(entry.per_stream)
 
     def release(self, owner: int) -> None:
         """Drop every reference ``owner`` holds; entries nobody references become evictable.
