@@ -1,7 +1,8 @@
 """KV formats on the real default model (SmolLM2-135M-Instruct): quality, bytes, speed.
 
 Ours: ``[kv] format`` = native (float32 on this CPU), q8 and q4 (affine codes,
-float16 scale and bias per 64 values). Peer: llama.cpp's ``llama-server`` on
+float16 scale and bias per 64 values), turboquant_mse and polar (the compression
+methods the pool stores: rotated 4-bit codes and a norm; polar angle codes). Peer: llama.cpp's ``llama-server`` on
 the same GGUF with ``-ctk/-ctv`` f16 (its default), q8_0 and q4_0 (flash
 attention on: llama.cpp needs it for a quantized V cache). Per format:
 
@@ -65,7 +66,7 @@ from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "kv_formats" / "results.json"
-OUR_FORMATS = ("native", "q8", "q4")
+OUR_FORMATS = ("native", "q8", "q4", "turboquant_mse", "polar")
 LLAMA_TYPES = ("f16", "q8_0", "q4_0")
 # llama.cpp block types: bytes per 32 values (q8_0: 32 int8 + fp16 scale; q4_0: 16 + 2).
 LLAMA_BYTES_PER_32 = {"f16": 64, "q8_0": 34, "q4_0": 18}

@@ -1,7 +1,8 @@
 """Quantized KV in a live server: ``[kv] format`` end to end.
 
 Real uvicorn on 127.0.0.1, the real engine and the offline tiny model (head_dim
-32, so ``group_size = 32``), the official ``openai`` client. For q8 and q4:
+32, so ``group_size = 32``), the official ``openai`` client. For q8, q4 and the two
+compression methods the pool stores (turboquant_mse, polar):
 the pool is sized in bytes of the format, ``/admin/pool`` and ``/v1/models``
 report it, usage counts tokens as for native, every block a request holds
 carries the one format of the arena, and under the hostile mix of lengths
@@ -25,9 +26,12 @@ from tests.engine.test_kv_memory import _scenario
 from tests.support.servers import ADMIN_TOKEN, LiveServer, make_settings, run_server
 
 # tiny: 16 tokens x 2 heads x (codes + per 32 values: q8 a zero point and a float16 scale,
-# q4 a float16 scale and bias)
-BYTES_PER_BLOCK = {"native": 16 * 2 * 32 * 4, "q8": 16 * 2 * (32 + 3), "q4": 16 * 2 * (16 + 4)}
-TAGS = {"native": "fp32", "q8": "q8g32", "q4": "q4g32"}
+# q4 a float16 scale and bias; turboquant_mse 4-bit codes and a float16 norm; polar
+# 8 + 2 + 1 + 1 bytes of angle codes and two float16 radii)
+BYTES_PER_BLOCK = {"native": 16 * 2 * 32 * 4, "q8": 16 * 2 * (32 + 3), "q4": 16 * 2 * (16 + 4),
+                   "turboquant_mse": 16 * 2 * (16 + 2), "polar": 16 * 2 * (12 + 4)}
+TAGS = {"native": "fp32", "q8": "q8g32", "q4": "q4g32", "turboquant_mse": "tq4",
+        "polar": "polar4"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
@@ -38,7 +42,7 @@ def _settings(tiny_model_path, fmt: str):
                          limits={"max_prompt_tokens": 1024, "max_tokens_cap": 256})
 
 
-@pytest.fixture(scope="module", params=["q8", "q4"])
+@pytest.fixture(scope="module", params=["q8", "q4", "turboquant_mse", "polar"])
 def quantized_server(request, tiny_model_path):
     with run_server(_settings(tiny_model_path, request.param)) as server:
         assert server.engine.wait_ready(120), server.engine.load_error
@@ -46,7 +50,8 @@ def quantized_server(request, tiny_model_path):
 
 
 def test_bad_format_is_a_config_error_naming_the_choices():
-    with pytest.raises(ConfigError, match="kv.format.*'native', 'q8' or 'q4'"):
+    with pytest.raises(ConfigError, match="kv.format.*'native', 'q8', 'q4', 'turboquant_mse' "
+                                          "or 'polar'"):
         make_settings(env={"VELOXQUANT_KV_FORMAT": "fp8"})
     with pytest.raises(ConfigError, match="kv.group_size"):
         make_settings(kv={"format": "q4", "group_size": 16})
@@ -58,7 +63,8 @@ def test_pool_bytes_and_reports_follow_the_format(quantized_server):
     view = httpx.get(server.base_url + "/admin/pool", headers=ADMIN).json()
     assert (view["kv_format"], view["kv_format_tag"]) == (fmt, TAGS[fmt])
     assert view["kv_bytes_per_block"] == per_block
-    # The same 4 MiB buys 3.7x (q8) / 6.4x (q4) the float32 blocks.
+    # The same 4 MiB buys 3.7x (q8), 6.4x (q4), 7.1x (turboquant_mse), 8x (polar) the
+    # float32 blocks.
     assert view["config"]["n_blocks"] == 4 * 2**20 // per_block
     meta = httpx.get(server.base_url + "/v1/models").json()["data"][0]["meta"]
     assert meta == {"kv_format": fmt, "kv_format_tag": TAGS[fmt], "kv_bytes_per_block": per_block}

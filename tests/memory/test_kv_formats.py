@@ -146,7 +146,7 @@ def test_every_block_of_a_request_has_the_arena_format(model):
     other.release()
 
 
-@pytest.mark.parametrize("name", ["native", "q8", "q4"])
+@pytest.mark.parametrize("name", ["native", "q8", "q4", "turboquant_mse", "polar"])
 def test_memory_above_idle_stays_within_blocks_plus_workspace(model, name):
     _joins_and_leaves(model, _arena(model, KVFormat(name, 32), n_blocks=4096),
                       random.Random(11), 25, join_p=0.5)

@@ -1,8 +1,9 @@
 """``[kv] format`` offers what the batched pool stores; a compression method says why not.
 
-The library's KV compression methods run per request (``PooledKVCache``); naming one as
-the server's format is refused at start-up with the method's reason, not offered and not
-answered with a bare list of choices.
+Two of the library's KV compression methods (turboquant_mse, polar) are pool formats too;
+the others run per request only (``PooledKVCache``): naming one as the server's format is
+refused at start-up with the method's reason, not offered and not answered with a bare
+list of choices.
 """
 
 from __future__ import annotations
@@ -18,15 +19,21 @@ from tests.support.servers import make_settings
 from veloxquant_mlx.cache import KVCacheFactory
 from veloxquant_mlx.exceptions import KVFormatError
 from veloxquant_mlx.memory.kv_format import KV_FORMATS, KVFormat
-from veloxquant_mlx.memory.pool_config import PER_REQUEST_METHODS, POOL_KV_FORMATS
+from veloxquant_mlx.memory.pool_config import (
+    PER_REQUEST_METHODS,
+    POOL_CODED_METHODS,
+    POOL_KV_FORMATS,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_method_of_the_family_is_placed():
     """A method registered in veloxquant_mlx.cache is a pool format or has its reason."""
-    assert set(KVCacheFactory.available_methods()) == set(PER_REQUEST_METHODS)
+    methods = set(KVCacheFactory.available_methods())
+    assert methods == set(PER_REQUEST_METHODS) | set(POOL_CODED_METHODS)
     assert tuple(KV_FORMATS) == POOL_KV_FORMATS
+    assert set(POOL_CODED_METHODS) <= set(POOL_KV_FORMATS)
     assert not set(PER_REQUEST_METHODS) & set(POOL_KV_FORMATS)
 
 
@@ -37,7 +44,7 @@ def test_a_method_as_the_servers_format_is_refused_with_its_reason(method):
     message = str(caught.value)
     assert "kv.format" in message and "runs per request" in message
     assert PER_REQUEST_METHODS[method] in message
-    assert "native, q8, q4" in message
+    assert "native, q8, q4, turboquant_mse, polar" in message
     with pytest.raises(KVFormatError, match="runs per request"):
         KVFormat(method)
 

@@ -53,6 +53,10 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
     if codes.ndim != 2:
         raise ValueError(f"pack_bits expects a 2-D (rows, codes) array, got shape {codes.shape}")
     n, c = codes.shape
+    if bits == 4 and c % 2 == 0:
+        # The same bytes as the bit planes below, in two operations: nibbles, low first.
+        nibbles = codes.astype(mx.uint8)
+        return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
     shifts = mx.arange(bits, dtype=mx.uint8)
     planes = (codes.astype(mx.uint8)[..., None] >> shifts) & 1
     stream = planes.reshape(n, c * bits)
@@ -78,6 +82,10 @@ def unpack_bits(packed: mx.array, bits: int, n_codes: int) -> mx.array:
     """
     _check_bits(bits)
     n = packed.shape[0]
+    if bits == 4:
+        # Read on every attention step by the pool's 4-bit formats: two operations,
+        # not a plane per bit.
+        return mx.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1)[:, :n_codes]
     planes = (packed[..., None] >> mx.arange(8, dtype=mx.uint8)) & 1
     stream = planes.reshape(n, -1)[:, : n_codes * bits].reshape(n, n_codes, bits)
     weights = mx.left_shift(mx.array(1, dtype=mx.uint8), mx.arange(bits, dtype=mx.uint8))

@@ -32,6 +32,23 @@ from veloxquant_mlx.cache.projections import random_gaussian, random_orthogonal
 _TINY = 1e-12
 
 
+def sphere_codebook(dim: int, bits: int) -> tuple[mx.array, mx.array]:
+    """The ``bits``-bit Lloyd-Max centroids and boundaries of one coordinate of a
+    random unit vector in ``R^dim``, as float32 arrays."""
+    book = sphere_coordinate_codebook(dim, bits)
+    return (mx.array(book.centroids.astype("float32")),
+            mx.array(book.boundaries.astype("float32")))
+
+
+def sphere_codes(x: mx.array, rotation: mx.array,
+                 boundaries: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Code the rows of ``x`` (``n, dim``): ``(codes, norms, y)``, where ``y`` is the
+    rotated unit vector whose coordinates the codes quantize."""
+    norms = mx.sqrt((x * x).sum(axis=-1))
+    y = (x / mx.maximum(norms, _TINY)[:, None]) @ rotation.T
+    return (y[..., None] > boundaries).sum(axis=-1), norms, y
+
+
 class RotatedStream:
     """One stream (keys or values) of rotated Lloyd-Max codes plus norms."""
 
@@ -39,9 +56,7 @@ class RotatedStream:
         self.rotation = rotation
         self.dim = rotation.shape[0]
         self.bits = bits
-        book = sphere_coordinate_codebook(self.dim, bits)
-        self.centroids = mx.array(book.centroids.astype("float32"))
-        self.boundaries = mx.array(book.boundaries.astype("float32"))
+        self.centroids, self.boundaries = sphere_codebook(self.dim, bits)
         self.codes = ChunkList()
         self.norms = ChunkList()
 
@@ -55,9 +70,7 @@ class RotatedStream:
 
     def encode(self, x: mx.array) -> mx.array:
         """Store ``x``; return the rotated unit-norm residual ``y - c[idx]``."""
-        norms = mx.sqrt((x * x).sum(axis=-1))
-        y = (x / mx.maximum(norms, _TINY)[:, None]) @ self.rotation.T
-        idx = (y[..., None] > self.boundaries).sum(axis=-1)
+        idx, norms, y = sphere_codes(x, self.rotation, self.boundaries)
         self.codes.append(pack_bits(idx, self.bits))
         self.norms.append(norms.astype(mx.float16))
         return y - self.centroids[idx]
@@ -154,3 +167,43 @@ class TurboQuantProdCache(TurboQuantMSECache):
 
     def _rotated_keys(self) -> mx.array:
         return self._keys.decode_rotated() + self._qjl_rotated()
+
+
+class TurboQuantPoolCodec:
+    """turboquant_mse as a format of the batched pool: each vector coded alone.
+
+    Per head and token a block holds the packed ``bits``-bit codes of the
+    rotated unit vector (uint8) and its float16 norm, and decodes to the
+    original basis, as the pool's attention reads keys and values. Same seed,
+    same codes as :class:`TurboQuantMSECache`.
+    """
+
+    def __init__(self, dim: int, bits: int = 4, seed: int = 0) -> None:
+        if dim < 3:
+            raise ValueError(f"turboquant_mse needs head_dim >= 3, got {dim}")
+        self.dim, self.bits = dim, bits
+        self.rotation = random_orthogonal(dim, seed)
+        self.centroids, self.boundaries = sphere_codebook(dim, bits)
+
+    @property
+    def code_width(self) -> int:
+        return packed_row_bytes(self.dim, self.bits)
+
+    @property
+    def param_width(self) -> int:
+        return 1
+
+    def encode(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """``x`` (``..., dim``) as ``(uint8 codes, float16 norms)`` with the same lead."""
+        lead = x.shape[:-1]
+        idx, norms, _ = sphere_codes(x.astype(mx.float32).reshape(-1, self.dim),
+                                     self.rotation, self.boundaries)
+        codes = pack_bits(idx, self.bits).reshape(*lead, self.code_width)
+        return codes, norms.astype(mx.float16).reshape(*lead, 1)
+
+    def decode(self, codes: mx.array, params: mx.array, dtype: mx.Dtype) -> mx.array:
+        """Turn :meth:`encode`'s output (any lead) back into ``dtype`` values."""
+        lead = codes.shape[:-1]
+        idx = unpack_bits(codes.reshape(-1, self.code_width), self.bits, self.dim)
+        y = self.centroids[idx.astype(mx.uint32)] * params.reshape(-1, 1).astype(mx.float32)
+        return (y @ self.rotation).astype(dtype).reshape(*lead, self.dim)

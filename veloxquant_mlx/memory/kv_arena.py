@@ -8,7 +8,8 @@ is exactly the blocks it holds, whatever the mix of lengths in a batch::
              block id b -> slots [b * block_size, (b + 1) * block_size)
              id n_ids   -> the trash block (padding columns are written there)
 
-    quantized formats (q8, q4; see kv_format.py) keep two arrays of the same slots:
+    coded formats (q8, q4, turboquant_mse, polar; see kv_format.py) keep two
+    arrays of the same slots:
     codes  (H_kv, slots, code_width) uint8       params (H_kv, slots, param_width) float16
 
 A pool block keeps its meaning of the single-request cache: ``block_size``
@@ -43,7 +44,7 @@ class KVLayout:
         n_kv_heads: KV heads per layer.
         head_dim: Dimension of each head (keys and values alike).
         dtype: The dtype keys and values are computed in.
-        kv_format: How blocks store them (the compute dtype, or q8/q4 codes).
+        kv_format: How blocks store them (the compute dtype, or codes).
     """
 
     n_layers: int
@@ -121,9 +122,10 @@ def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens
     longest, ``ceil(max_tokens / block_size)`` blocks each, and the copy that
     appends the call's own columns to them (so twice that), plus the trash
     block. Layers run one after another, so one layer's gather is live at a
-    time. A quantized format gathers its codes and params, then decodes them
-    (a cast, a multiply, an add: up to three decoded copies alive at once)
-    before the append, so it counts the gathered blocks as stored plus three
+    time. A coded format gathers its codes and params, then decodes them
+    (q8/q4: a cast, a multiply, an add; turboquant_mse and polar: a table
+    lookup, a scale, a rotation; up to three decoded copies alive at once,
+    as tests/e2e/test_kv_formats.py measures) before the append, so it counts the gathered blocks as stored plus three
     decoded copies. A decode batch that holds ``write_back`` columns out of
     the arena adds those and the copies that write them (:func:`held_bytes`).
     """
@@ -199,7 +201,7 @@ class KVArena:
 
     @property
     def quantized(self) -> bool:
-        """Whether blocks hold q8/q4 codes (``data`` is then ``(codes, params)``)."""
+        """Whether blocks hold codes (``data`` is then ``(codes, params)``)."""
         return self.layout.kv_format.quantized
 
     @property
@@ -240,7 +242,7 @@ class KVArena:
                  for blocks in self._block_views()]
         if not self.quantized:
             return takes[0]
-        return self.layout.kv_format.decode(*takes, self.layout.dtype)
+        return self.layout.kv_format.decode(*takes, self.layout.dtype, self.layout.head_dim)
 
     def _block_views(self) -> tuple[mx.array, ...]:
         """Each storage array as ``(H_kv, ids + 1, block_size, -1)``, one view per write.

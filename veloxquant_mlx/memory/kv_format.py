@@ -10,6 +10,12 @@ a layer's gathered blocks turn back into the compute dtype for attention::
     q4       D 4-bit codes, two a byte (low nibble first), and   D / 2 + 4 x D / group_size
              per group a float16 scale and bias:
              value = code x scale + bias   (mx.quantize's affine scheme)
+    turboquant_mse                                             D / 2 + 2
+             the unit vector rotated by a seeded orthogonal R, each
+             coordinate a 4-bit Lloyd-Max code, and a float16 norm:
+             value = norm x centroid[code] @ R
+    polar    PolarQuant's 4/2/2/2 angle codes of each block of    D x 23 / 64 + D / 8
+             16 rotated coordinates and a float16 radius a block
 
 Both are affine; they differ in how the bias is kept. q8 widens each group's
 range to hold 0 so its bias is an integer zero point (one byte, not two): at
@@ -20,6 +26,13 @@ one sign, for one byte in 36. Scales are
 float16 whatever the compute dtype: float32 ones would cost a 4-bit token of
 head_dim 64 40 bytes instead of 36 (3.2x instead of 3.6x fewer than float16).
 
+The last two are compression methods of ``veloxquant_mlx.cache`` (TurboQuant,
+PolarQuant) that code each vector alone, so a block is final once written and
+a batch can read it: their pool codecs (``TurboQuantPoolCodec``,
+``PolarPoolCodec``) share the per-request caches' constants and code a vector
+the same way. They decode to the original basis, which costs a D x D matmul
+per gathered vector where q8/q4 pay a multiply-add.
+
 Codes are plain bytes rather than mx.quantize's uint32 words, so decoding is
 a cast and one multiply-add: on this CPU a layer's gather plus decode took
 0.6-1.3 ms against 9-10 ms through ``mx.dequantize`` with float16 scales (16
@@ -29,14 +42,42 @@ rows of 128 tokens, SmolLM2's shapes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.polar import PolarPoolCodec
+from veloxquant_mlx.cache.turboquant import TurboQuantPoolCodec
 from veloxquant_mlx.exceptions import KVFormatError
 from veloxquant_mlx.memory.pool_config import pool_format_problem
 
-KV_FORMATS: dict[str, int | None] = {"native": None, "q8": 8, "q4": 4}
+KV_FORMATS: dict[str, int | None] = {"native": None, "q8": 8, "q4": 4,
+                                     "turboquant_mse": 4, "polar": 4}
 """Format name -> bits per stored number (None: the compute dtype)."""
+
+
+class VectorCodec(Protocol):
+    """A compression method's face to the pool: one head's vectors in, codes out."""
+
+    code_width: int
+    param_width: int
+
+    def encode(self, x: mx.array) -> tuple[mx.array, mx.array]: ...
+
+    def decode(self, codes: mx.array, params: mx.array, dtype: mx.Dtype) -> mx.array: ...
+
+
+_METHOD_CODECS = {"turboquant_mse": (TurboQuantPoolCodec, "tq"), "polar": (PolarPoolCodec, "polar")}
+"""The pool formats that are compression methods: their codec and tag prefix."""
+
+
+@lru_cache(maxsize=16)
+def method_codec(name: str, head_dim: int) -> VectorCodec:
+    """The codec of method format ``name`` at ``head_dim`` (one per process: its
+    rotation and codebook are built once and shared by every layer)."""
+    codec, _ = _METHOD_CODECS[name]
+    return codec(head_dim, KV_FORMATS[name])
 
 GROUP_SIZES = (32, 64, 128)
 """Group sizes ``mx.quantize`` accepts."""
@@ -49,8 +90,9 @@ class KVFormat:
     """One storage format for the pool's keys and values.
 
     Args:
-        name: ``"native"``, ``"q8"`` or ``"q4"``.
-        group_size: Values sharing one scale and bias (quantized formats).
+        name: ``"native"``, ``"q8"``, ``"q4"``, ``"turboquant_mse"`` or ``"polar"``.
+        group_size: Values sharing one scale and bias (q8 and q4; the
+            compression methods code whole vectors and ignore it).
 
     Raises:
         KVFormatError: Unknown name or unsupported group size.
@@ -85,14 +127,27 @@ class KVFormat:
         """
         if not self.quantized:
             return _DTYPE_TAG.get(dtype, str(dtype).removeprefix("mlx.core."))
+        if self.name in _METHOD_CODECS:
+            return f"{_METHOD_CODECS[self.name][1]}{self.bits}"
         return f"{self.name}g{self.group_size}"
+
+    def codec(self, head_dim: int) -> VectorCodec | None:
+        """The compression method's codec at ``head_dim``; None for native, q8 and q4."""
+        return method_codec(self.name, head_dim) if self.name in _METHOD_CODECS else None
 
     def check(self, head_dim: int) -> None:
         """Refuse a head_dim the groups do not divide.
 
         Raises:
-            KVFormatError: ``head_dim`` is not a multiple of ``group_size``.
+            KVFormatError: ``head_dim`` is not a multiple of ``group_size``, or
+                not a shape the compression method codes.
         """
+        if self.name in _METHOD_CODECS:
+            try:
+                self.codec(head_dim)
+            except ValueError as exc:
+                raise KVFormatError(f"KV format {self.name}: {exc}") from None
+            return
         if self.quantized and head_dim % self.group_size:
             fits = [g for g in GROUP_SIZES if head_dim % g == 0]
             raise KVFormatError(f"KV format {self.name} with group_size {self.group_size} "
@@ -101,12 +156,18 @@ class KVFormat:
 
     def code_width(self, head_dim: int) -> int:
         """uint8 entries per head and token: the codes (q8: then one zero point a group)."""
+        codec = self.codec(head_dim)
+        if codec is not None:
+            return codec.code_width
         if self.bits == 8:
             return head_dim + head_dim // self.group_size
         return head_dim * (self.bits or 0) // 8
 
     def param_width(self, head_dim: int) -> int:
         """float16 entries per head and token: q8 a scale a group, q4 scales then biases."""
+        codec = self.codec(head_dim)
+        if codec is not None:
+            return codec.param_width
         groups = head_dim // self.group_size
         return groups if self.bits == 8 else 2 * groups
 
@@ -124,6 +185,9 @@ class KVFormat:
         will read; the scale is rounded up so that the group's range still
         fits the top code.
         """
+        codec = self.codec(x.shape[-1])
+        if codec is not None:
+            return codec.encode(x)
         levels = (1 << self.bits) - 1
         lead, dim = x.shape[:-1], x.shape[-1]
         groups = x.astype(mx.float32).reshape(*lead, dim // self.group_size, self.group_size)
@@ -146,8 +210,16 @@ class KVFormat:
         params = mx.concatenate([scale[..., 0], bias[..., 0]], axis=-1)
         return codes, params.astype(mx.float16)
 
-    def decode(self, codes: mx.array, params: mx.array, dtype: mx.Dtype) -> mx.array:
-        """Turn ``encode``'s output (any leading shape) back into ``dtype`` values."""
+    def decode(self, codes: mx.array, params: mx.array, dtype: mx.Dtype,
+               head_dim: int | None = None) -> mx.array:
+        """Turn ``encode``'s output (any leading shape) back into ``dtype`` values.
+
+        ``head_dim`` is needed by the compression methods' formats only.
+        """
+        if self.name in _METHOD_CODECS:
+            if head_dim is None:
+                raise KVFormatError(f"decoding KV format {self.name} needs the head_dim")
+            return method_codec(self.name, head_dim).decode(codes, params, dtype)
         lead, g = params.shape[:-1], self.group_size
         if self.bits == 8:
             groups = params.shape[-1]

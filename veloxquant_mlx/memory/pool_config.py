@@ -14,8 +14,12 @@ from veloxquant_mlx.exceptions import PoolArgumentError, PoolArgumentTypeError
 
 HISTORY_LEN: Final = 256
 
-POOL_KV_FORMATS: Final = ("native", "q8", "q4")
+POOL_KV_FORMATS: Final = ("native", "q8", "q4", "turboquant_mse", "polar")
 """How the shared pool can store keys and values (``kv_format.KVFormat``)."""
+
+POOL_CODED_METHODS: Final = ("turboquant_mse", "polar")
+"""The compression methods of ``veloxquant_mlx.cache`` that are also pool formats:
+they code each vector alone, so a block's bytes are final once written."""
 
 PER_REQUEST_METHODS: Final = {
     "kivi": "quantizes keys per channel over a window of recent tokens, so a block's keys "
@@ -26,12 +30,8 @@ PER_REQUEST_METHODS: Final = {
            "attention over decoded keys",
     "spectral": "stores coefficients in a basis fitted to the request's own first tokens, "
                 "which a block shared by a batch does not carry",
-    "turboquant_mse": "encodes each vector alone, so it could be a pool format, but the "
-                      "pool has no decoder for it yet",
-    "polar": "encodes each vector alone, so it could be a pool format, but the pool has no "
-             "decoder for it yet",
 }
-"""The KV compression methods of ``veloxquant_mlx.cache``, which run per request
+"""The KV compression methods of ``veloxquant_mlx.cache`` that run only per request
 (``PooledKVCache``), and why each is not a format of the batched pool."""
 
 
