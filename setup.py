@@ -1,6 +1,6 @@
 """Optional native builds: the allocator's hot path, and the single-row sgemm forward.
 
-The block pool's bookkeeping (records.py, block_pool.py) is plain, fully
+The block pool's bookkeeping (records.py, free_stacks.py, block_pool.py) is plain, fully
 typed Python. When mypyc and a C compiler are available at install time it is
 compiled to a C extension, which roughly halves the per-call cost; if either
 is missing or the build fails, the pure-Python modules are used unchanged.
@@ -22,7 +22,8 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE_MODULES = ["veloxquant_mlx/memory/records.py", "veloxquant_mlx/memory/block_pool.py"]
+NATIVE_MODULES = ["veloxquant_mlx/memory/records.py", "veloxquant_mlx/memory/free_stacks.py",
+                  "veloxquant_mlx/memory/block_pool.py"]
 # Beside each compiled module: the SHA-256 of the source it was built from, so an
 # import can tell a stale build from a fresh one (pip does not keep a wheel's file
 # times, so comparing mtimes would call every wheel install stale).

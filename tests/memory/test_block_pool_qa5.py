@@ -67,10 +67,10 @@ def test_growth_that_cannot_fit_in_memory_is_refused_at_once():
 
 @pytest.mark.skipif(memory.NATIVE_ALLOCATOR, reason="patches a module global of the source")
 def test_growth_running_out_of_memory_part_way_leaves_no_orphan_blocks(monkeypatch):
-    from veloxquant_mlx.memory import block_pool
+    from veloxquant_mlx.memory import free_stacks
 
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=4, grow_on_exhaustion=True))
-    real, made = block_pool.Block, []
+    real, made = free_stacks.Block, []
 
     def block_until_memory_runs_out(*args):
         if len(made) == 5:
@@ -78,7 +78,7 @@ def test_growth_running_out_of_memory_part_way_leaves_no_orphan_blocks(monkeypat
         made.append(real(*args))
         return made[-1]
 
-    monkeypatch.setattr(block_pool, "Block", block_until_memory_runs_out)
+    monkeypatch.setattr(free_stacks, "Block", block_until_memory_runs_out)
     with pytest.raises(BlockPoolExhaustedError, match="ran out of memory"):
         pool.allocate("k", 16 * 12, owner=1)
     assert len(pool._blocks) == 4 and pool._next_id == 4

@@ -31,7 +31,7 @@ def _load_allocator_source_if_needed() -> None:
     loaded instead (with a warning). VELOXQUANT_PURE_PYTHON=1 forces it.
     """
     here = Path(__file__).parent
-    names = ("records", "block_pool")  # records first: block_pool imports it
+    names = ("records", "free_stacks", "block_pool")  # in import order
     stale = [ext.name for name in names for ext in here.glob(f"{name}.*.so")
              if _built_from_other_source(ext, here / f"{name}.py")]
     if stale:
