@@ -47,7 +47,8 @@ from benchmark_revisions import checkout_revision  # noqa: E402
 from benchmark_server import free_port, wait_up  # noqa: E402
 from server_load import RequestResult, run_requests, stream_completion  # noqa: E402
 
-from veloxquant_mlx.cpu_backend import OPT_OUT_ENV, child_env  # noqa: E402
+from veloxquant_mlx.blas_finder import OPT_OUT_ENV  # noqa: E402
+from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
 from veloxquant_mlx.offline_model import iter_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,12 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from veloxquant_mlx.cpu_backend import (
-    active_blas,
-    child_env,
-    find_optimized_blas,
-    load_optimized_blas,
-)
+from veloxquant_mlx.blas_finder import find_optimized_blas
+from veloxquant_mlx.blas_status import active_blas
+from veloxquant_mlx.cpu_backend import child_env, load_optimized_blas
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "figures" / "cpu_backend" / "results.json"

@@ -2,9 +2,10 @@
 
 Ours: ``[kv] format`` = native (float32 on this CPU), q8 and q4 (affine codes,
 float16 scale and bias per 64 values), turboquant_mse and polar (the compression
-methods the pool stores: rotated 4-bit codes and a norm; polar angle codes). Peer: llama.cpp's ``llama-server`` on
-the same GGUF with ``-ctk/-ctv`` f16 (its default), q8_0 and q4_0 (flash
-attention on: llama.cpp needs it for a quantized V cache). Per format:
+methods the pool stores: rotated 4-bit codes and a norm; polar angle codes).
+Peer: llama.cpp's ``llama-server`` on the same GGUF with ``-ctk/-ctv`` f16 (its
+default), q8_0 and q4_0 (flash attention on: llama.cpp needs it for a quantized
+V cache). Per format:
 
 - perplexity on the fixed English text of the real-model tests, teacher-forced
   one token per model call through the paged KV of that format

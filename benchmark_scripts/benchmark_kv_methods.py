@@ -260,7 +260,7 @@ def main() -> None:
     load_optimized_blas(True)
     import mlx.core as mx
 
-    from veloxquant_mlx.cpu_backend import describe_backend
+    from veloxquant_mlx.blas_status import describe_backend
 
     results = {"meta": {"backend": describe_backend(), "python": platform.python_version(),
                         "machine": platform.machine(), "mlx": mx.__version__,

@@ -42,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from veloxquant_mlx.cpu_backend import describe_backend, load_optimized_blas  # noqa: E402
+from veloxquant_mlx.blas_status import describe_backend  # noqa: E402
+from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "block_pool" / "pool_backed_kvcache_results.json"
 PROMPT_TEXT = (

@@ -48,9 +48,9 @@ from mixed_load import mixed_rounds, run_mixed  # noqa: E402
 from replica_set import default_signals  # noqa: E402
 from server_load import run_requests, summarize  # noqa: E402
 
+from veloxquant_mlx.blas_finder import OPT_OUT_ENV  # noqa: E402
 from veloxquant_mlx.cpu_backend import (  # noqa: E402
     LOAD_FIRST,
-    OPT_OUT_ENV,
     child_env,
     module_command,
 )
@@ -83,7 +83,7 @@ print(json.dumps({"generation_tps_median": statistics.median(r[0] for r in runs)
                   "model_dtype": str(model.layers[0].self_attn.q_proj.weight.dtype)}))
 """
 
-_BACKEND = LOAD_FIRST + ("from veloxquant_mlx.cpu_backend import describe_backend; "
+_BACKEND = LOAD_FIRST + ("from veloxquant_mlx.blas_status import describe_backend; "
                          "import mlx.core; print(describe_backend('float32'))")
 
 

@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from veloxquant_mlx.cpu_backend import active_blas, load_optimized_blas  # noqa: E402
+from veloxquant_mlx.blas_status import active_blas  # noqa: E402
+from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
 
 DEFAULT_OUT = ROOT / "figures" / "write_back" / "results.json"
 

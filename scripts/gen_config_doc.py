@@ -4,8 +4,8 @@
 Every row comes from the code the server runs: the sections and their fields
 (``server.settings.SECTIONS``), each field's flags as the command line builds them
 (``server.cli.build_parser``, aliases included), its environment variable
-(``server.cli.env_name``), its default, and its description (the field's own, else its
-one-line comment in the packaged default config, ``server.cli.default_comments``).
+(``server.config_text.env_name``), its default, and its description (the field's own, else its
+one-line comment in the packaged default config, ``server.config_text.default_comments``).
 The output is deterministic: the same code gives the same bytes.
 
 Usage::
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the source tree's server importable
     sys.path.insert(0, str(ROOT))
 
-from server import cli  # noqa: E402
+from server import cli, config_text  # noqa: E402
 from server.env_names import NON_SETTING_ENV  # noqa: E402
 from server.settings import SECRET_ENV, SECTIONS  # noqa: E402
 
@@ -154,9 +154,9 @@ def setting_rows(section: str, flags: dict[str, list[str]], comments: dict[str, 
         if dotted in notes:
             parts.append(notes[dotted])
         what = "; ".join(part.rstrip(".;") for part in parts if part)
-        default = cli.toml_value(field.get_default(call_default_factory=True))
+        default = config_text.toml_value(field.get_default(call_default_factory=True))
         rows.append(f"| `{dotted}` | {', '.join(code(flag) for flag in flags[dotted])} "
-                    f"| {code(cli.env_name(dotted))} | {code(default)} | {cell(what)} |")
+                    f"| {code(config_text.env_name(dotted))} | {code(default)} | {cell(what)} |")
     return rows
 
 
@@ -164,7 +164,7 @@ def secret_rows(flags: dict[str, list[str]], metavars: dict[str, str]) -> list[s
     rows = ["| Secret | Flags | Environment | Description |", "| --- | --- | --- | --- |"]
     for name in SECRET_ENV:
         given = ", ".join(code(f"{flag} {metavars[flag]}") for flag in flags[name])
-        rows.append(f"| `{name}` | {given} | {code(cli.env_name(name))} "
+        rows.append(f"| `{name}` | {given} | {code(config_text.env_name(name))} "
                     f"| {cell(SECRET_PURPOSE.get(name, ''))} |")
     return rows
 
@@ -174,7 +174,7 @@ def render() -> str:
     parser = cli.build_parser()
     flags = flags_by_setting(parser)
     metavars = metavars_by_flag(parser)
-    comments = cli.default_comments()
+    comments = config_text.default_comments()
     out = [INTRO]
     out += ["## Sections", ""]
     out += [f"- [`[{section}]`](#{section})" for section in SECTIONS]

@@ -7,7 +7,8 @@ its ``--no-`` form (``--no-cache.prefix-caching``) and a list takes several valu
 comma list, as its environment variable does. The flags are generated from the model, so
 a new setting has one without a line here; its help is the key's one-line comment in the
 packaged default config. The names other servers use are aliases of the same flag
-(:data:`ALIASES`).
+(:data:`ALIASES`). How a setting is worded (its environment variable, its value as TOML,
+its comment) is :mod:`server.config_text`'s, shared with the generated configuration page.
 
 A flag's text is parsed and validated as the key's environment variable would be
 (:func:`server.settings.parse_text`), and a bad value names the key and the flag as typed:
@@ -17,22 +18,18 @@ A flag's text is parsed and validated as the key's environment variable would be
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
+from server.config_text import default_comments, env_name, package_version, toml_value
 from server.env_names import EnvError, clean_secret
 from server.settings import (
-    DEFAULT_CONFIG_PATH,
-    ENV_PREFIX,
     SECRET_ENV,
     SECTIONS,
     ConfigError,
@@ -230,53 +227,6 @@ def _choices(annotation: Any) -> list[str]:
     return [choice for part in parts for choice in part] if parts and all(parts) else []
 
 
-def env_name(dotted: str) -> str:
-    """The environment variable of a setting (``server.port`` -> ``VELOXQUANT_SERVER_PORT``)."""
-    return SECRET_ENV.get(dotted) or f"{ENV_PREFIX}{dotted.replace('.', '_')}".upper()
-
-
-def default_comments() -> dict[str, str]:
-    """Each key's one-line comment in the packaged default config, by dotted name."""
-    comments: dict[str, str] = {}
-    section = ""
-    for line in DEFAULT_CONFIG_PATH.read_text(encoding="utf-8").splitlines():
-        header = re.fullmatch(r"\[(\w+)\]\s*", line)
-        if header:
-            section = header[1]
-            continue
-        found = _key_comment(line)
-        if found is not None and section:
-            comments[f"{section}.{found[0]}"] = found[1]
-    return comments
-
-
-def _key_comment(line: str) -> tuple[str, str] | None:
-    """``key = value  # comment`` as (key, comment): the comment starts at the first ``#``
-    before which the line is whole TOML (a ``#`` inside a string belongs to the value)."""
-    match = re.match(r"(\w+)\s*=", line)
-    if match is None:
-        return None
-    for at in (i for i, char in enumerate(line) if char == "#"):
-        try:
-            tomllib.loads(line[:at])
-        except tomllib.TOMLDecodeError:
-            continue
-        return match[1], line[at + 1:].strip()
-    return None
-
-
-def package_version() -> str:
-    """The installed package's version, else the source tree's pyproject.toml's."""
-    try:
-        return version("veloxquant-mlx")
-    except PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        try:
-            return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
-        except (OSError, KeyError, tomllib.TOMLDecodeError):
-            return "unknown"
-
-
 def given_flags(args: argparse.Namespace) -> dict[str, FlagValue]:
     """The settings the command line sets, by dotted name (secrets by their own)."""
     return {dest: value for dest, value in vars(args).items() if isinstance(value, FlagValue)}
@@ -393,14 +343,3 @@ def _file_keys(config: str | None) -> set[str]:
     data = tomllib.loads(Path(config).read_text(encoding="utf-8"))
     return {f"{section}.{key}" for section, table in data.items() if isinstance(table, dict)
             for key in table}
-
-
-def toml_value(value: Any) -> str:
-    """``value`` as TOML writes it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    return json.dumps(value if isinstance(value, str) else str(value), ensure_ascii=False)

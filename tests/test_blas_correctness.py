@@ -28,11 +28,12 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx import cpu_backend as cb
+from veloxquant_mlx.blas_finder import find_optimized_blas
 
 LOGIT_ATOL = 1e-4
 LOGIT_RTOL = 1e-4
 
-LIB = cb.find_optimized_blas()
+LIB = find_optimized_blas()
 pytestmark = pytest.mark.skipif(
     LIB is None, reason="no optimized BLAS installed (pip install scipy-openblas32)",
 )
@@ -43,7 +44,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from veloxquant_mlx.cpu_backend import active_blas
+from veloxquant_mlx.blas_status import active_blas
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, build_pooled_caches
 
 model_path, out = sys.argv[1], sys.argv[2]

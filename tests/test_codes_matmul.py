@@ -532,7 +532,7 @@ def test_products_over_float32_above_rows_are_float32_exact():
     """Past ``float32_above`` rows the product is float32 x times the dequantized weights
     (the BLAS, tiles of rows): no int8 rounding, so it matches the float product to float
     rounding; at or under the bound it keeps int8 activations."""
-    from veloxquant_mlx.cpu_backend import active_blas
+    from veloxquant_mlx.blas_status import active_blas
 
     if not load().float32_available():
         pytest.skip(f"no cblas_sgemm loaded in this process ({active_blas()})")

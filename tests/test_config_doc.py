@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser, env_name
+from server.cli import build_parser
+from server.config_text import env_name
 from server.settings import SECRET_ENV, SECTIONS, Settings
 from tests.script_module import load_script
 

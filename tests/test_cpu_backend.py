@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from tests.test_quant_weights import _has_avx2_fma
+from veloxquant_mlx import blas_finder, blas_status
 from veloxquant_mlx import cpu_backend as cb
 from veloxquant_mlx.mlx_device import MlxBuild
 
 ROOT = Path(__file__).resolve().parents[1]
-FORWARD = cb.find_sgemv_forward()
-WHEEL = cb.wheel_blas()
-SYSTEM = cb.system_blas()
+FORWARD = blas_finder.find_sgemv_forward()
+WHEEL = blas_finder.wheel_blas()
+SYSTEM = blas_finder.system_blas()
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the loader is Linux-only")
 requires_wheel = pytest.mark.skipif(
     WHEEL is None or FORWARD is None,
@@ -56,7 +57,7 @@ def _report(done: subprocess.CompletedProcess) -> dict:
 SERVES_MLX = """
     import json, os, sys
     import numpy as np
-    from veloxquant_mlx import cpu_backend as cb
+    from veloxquant_mlx import blas_status, cpu_backend as cb
     pid = os.getpid()
     first = cb.load_optimized_blas()
     again = cb.load_optimized_blas()  # reports, loads nothing twice
@@ -65,10 +66,10 @@ SERVES_MLX = """
     a = rng.standard_normal((1, 576), np.float32)
     b = rng.standard_normal((1536, 576), np.float32)
     c = rng.standard_normal((96, 576), np.float32)
-    before = cb.forward_calls()
+    before = blas_status.forward_calls()
     one_row = np.array(mx.array(a) @ mx.array(b).T)
     rows = np.array(mx.array(c) @ mx.array(b).T)
-    calls = cb.forward_calls() - before
+    calls = blas_status.forward_calls() - before
     want = lambda x: x.astype(np.float64) @ b.T.astype(np.float64)
     print(json.dumps({
         "loaded": str(first.path), "again": str(again.path), "forward": str(first.forward),
@@ -76,7 +77,7 @@ SERVES_MLX = """
         "error": max(float(np.abs(one_row - want(a)).max()), float(np.abs(rows - want(c)).max())),
         "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
         "same_pid": os.getpid() == pid, "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "describe": cb.describe_backend("float32"),
+        "describe": blas_status.describe_backend("float32"),
     }))
 """
 
@@ -114,14 +115,14 @@ ENTRY = """
         setattr(os, name, no_exec)
     print("start", os.getpid(), flush=True)
     import server.__main__ as entry
-    from veloxquant_mlx import cpu_backend as cb
+    from veloxquant_mlx import blas_status
 
     def report(settings):
         import mlx.core as mx
-        before = cb.forward_calls()
+        before = blas_status.forward_calls()
         mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
-        print(json.dumps({"pid": os.getpid(), "loaded": str(cb.active_blas().path),
-                          "calls": cb.forward_calls() - before}))
+        print(json.dumps({"pid": os.getpid(), "loaded": str(blas_status.active_blas().path),
+                          "calls": blas_status.forward_calls() - before}))
         return 0
 
     entry._serve = report
@@ -151,7 +152,7 @@ def test_the_forward_computes_what_sgemm_computes(which: str) -> None:
     env = cb.child_env(preload=True)
     if "pass-through" in which:
         env[cb.FORWARD_OPT_OUT_ENV] = "1"
-    code = f"from veloxquant_mlx.cpu_backend import BlasLibrary\n" \
+    code = f"from veloxquant_mlx.blas_finder import BlasLibrary\n" \
            f"lib = BlasLibrary({str(lib.path)!r}, {lib.prefix!r})\n" + FORWARD_CHECK
     report = _report(_child(code, env=env))
     assert report["loaded"] == str(lib.path)
@@ -216,15 +217,15 @@ print(json.dumps({"loaded": str(active.path), "routes": active.routes, "ctypes":
 FALLBACK = """
     import json, sys
     from pathlib import Path
-    from veloxquant_mlx import cpu_backend as cb
+    from veloxquant_mlx import blas_finder, blas_status, cpu_backend as cb
     if sys.argv[1] == "--system":
-        candidates = [cb.system_blas([sys.argv[2]])]
+        candidates = [blas_finder.system_blas([sys.argv[2]])]
     else:
-        candidates = [cb.BlasLibrary(Path(p)) for p in sys.argv[1:]]
+        candidates = [blas_finder.BlasLibrary(Path(p)) for p in sys.argv[1:]]
     loaded = cb.load_optimized_blas(candidates=candidates)
     import mlx.core as mx
     mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
-    print(json.dumps({"loaded": loaded is not None, "describe": cb.describe_backend()}))
+    print(json.dumps({"loaded": loaded is not None, "describe": blas_status.describe_backend()}))
 """
 
 
@@ -312,8 +313,8 @@ def test_a_blas_that_crashes_is_caught_by_the_probe(tmp_path: Path) -> None:
 def test_after_mlx_is_imported_nothing_loads_and_one_line_says_why() -> None:
     done = _child("""
         import mlx.core
-        from veloxquant_mlx import cpu_backend as cb
-        print(cb.load_optimized_blas() is None, cb.active_blas().loaded)
+        from veloxquant_mlx import blas_status, cpu_backend as cb
+        print(cb.load_optimized_blas() is None, blas_status.active_blas().loaded)
     """)
     assert done.stdout.split() == ["True", "False"], done.stderr
     assert "MLX is already imported" in done.stderr and "Traceback" not in done.stderr
@@ -325,11 +326,11 @@ def test_after_mlx_is_imported_nothing_loads_and_one_line_says_why() -> None:
 def test_the_opt_outs_leave_mlx_on_its_bundled_blas(how: str) -> None:
     env = cb.child_env(preload=how != "env")
     done = _child(f"""
-        from veloxquant_mlx import cpu_backend as cb
+        from veloxquant_mlx import blas_status, cpu_backend as cb
         print(cb.load_optimized_blas({how != "setting"}))
         import mlx.core as mx
         mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
-        print(cb.describe_backend())
+        print(blas_status.describe_backend())
     """, env=env)
     first, describe = done.stdout.strip().splitlines()
     assert first == "None" and "bundled reference BLAS" in describe, done.stderr
@@ -343,14 +344,14 @@ def test_nothing_loads_for_a_gpu_or_off_linux(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(cb, "gpu_expected", lambda: False)
     monkeypatch.setattr(cb.sys, "platform", "darwin")
     assert cb.load_optimized_blas(True) is None
-    assert cb.find_optimized_blas() is None and cb.find_sgemv_forward() is None
+    assert blas_finder.find_optimized_blas() is None and blas_finder.find_sgemv_forward() is None
 
 
 def test_the_wheel_is_tried_first_and_only_with_the_forward() -> None:
     if sys.platform != "linux":
         pytest.skip("the loader is Linux-only")
-    with_forward = cb.blas_candidates(with_forward=True)
-    without = cb.blas_candidates(with_forward=False)
+    with_forward = blas_finder.blas_candidates(with_forward=True)
+    without = blas_finder.blas_candidates(with_forward=False)
     assert all(lib.prefix == "" for lib in without)  # prefixed names need the forward
     if WHEEL is not None:
         assert with_forward[0] == WHEEL and WHEEL.symbol("cblas_sgemm") == "scipy_cblas_sgemm"
@@ -361,30 +362,30 @@ def test_the_wheel_is_tried_first_and_only_with_the_forward() -> None:
 def test_a_chosen_blas_library_is_the_only_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
     if sys.platform != "linux":
         pytest.skip("the loader is Linux-only")
-    monkeypatch.setenv(cb.CHOICE_ENV, "/opt/blas/libopenblas.so.0")
-    assert cb.blas_candidates(with_forward=False) == [cb.BlasLibrary(
+    monkeypatch.setenv(blas_finder.CHOICE_ENV, "/opt/blas/libopenblas.so.0")
+    assert blas_finder.blas_candidates(with_forward=False) == [blas_finder.BlasLibrary(
         Path("/opt/blas/libopenblas.so.0"))]
-    monkeypatch.setenv(cb.CHOICE_ENV, "/opt/w/libscipy_openblas.so")
-    assert cb.blas_candidates(with_forward=True) == [cb.BlasLibrary(
-        Path("/opt/w/libscipy_openblas.so"), cb.WHEEL_PREFIX)]
-    assert cb.blas_candidates(with_forward=False) == []  # prefixed names need the forward
+    monkeypatch.setenv(blas_finder.CHOICE_ENV, "/opt/w/libscipy_openblas.so")
+    assert blas_finder.blas_candidates(with_forward=True) == [blas_finder.BlasLibrary(
+        Path("/opt/w/libscipy_openblas.so"), blas_finder.WHEEL_PREFIX)]
+    assert blas_finder.blas_candidates(with_forward=False) == []  # prefixed names need the forward
 
 
 @pytest.mark.skipif(SYSTEM is None, reason="no distribution OpenBLAS installed")
 @pytest.mark.slow
 def test_a_chosen_distribution_blas_serves_mlx() -> None:
-    env = dict(cb.child_env(preload=True), **{cb.CHOICE_ENV: str(SYSTEM.path)})
+    env = dict(cb.child_env(preload=True), **{blas_finder.CHOICE_ENV: str(SYSTEM.path)})
     report = _report(_child(SERVES_MLX, env=env))
     assert report["loaded"] == str(SYSTEM.path) and report["mapped"]
     assert report["calls"] >= 2 and report["error"] < 1e-3
 
 
 def test_child_env_only_sets_or_clears_the_opt_out() -> None:
-    base = {cb.OPT_OUT_ENV: "1", "KEEP": "k", "LD_PRELOAD": "/other.so"}
+    base = {blas_finder.OPT_OUT_ENV: "1", "KEEP": "k", "LD_PRELOAD": "/other.so"}
     on = cb.child_env(preload=True, base=base)
     assert on == {"KEEP": "k", "LD_PRELOAD": "/other.so"}
     off = cb.child_env(preload=False, base={"KEEP": "k"})
-    assert off == {"KEEP": "k", cb.OPT_OUT_ENV: "1"}
+    assert off == {"KEEP": "k", blas_finder.OPT_OUT_ENV: "1"}
 
 
 def test_describe_backend_names_the_cpu_and_its_blas() -> None:
@@ -392,14 +393,14 @@ def test_describe_backend_names_the_cpu_and_its_blas() -> None:
 
     if mx.default_device().type == mx.DeviceType.gpu:
         pytest.skip("the default device here is a GPU")
-    line = cb.describe_backend("float32")
-    device = cb.describe_device(mx, mx.default_device())
+    line = blas_status.describe_backend("float32")
+    device = blas_status.describe_device(mx, mx.default_device())
     assert line.startswith(f"MLX {mx.__version__} on {device}; BLAS: ")
     assert line.endswith("; dtype float32")
     name = mx.device_info(mx.cpu).get("device_name")
     assert line.startswith(f"MLX {mx.__version__} on cpu ({name}); " if name else
                            f"MLX {mx.__version__} on cpu; ")
-    assert ("BLAS: optimized (loaded " in line) == cb.active_blas().loaded
+    assert ("BLAS: optimized (loaded " in line) == blas_status.active_blas().loaded
 
 
 def test_describe_backend_says_how_to_unshadow_the_cuda_build(
@@ -408,8 +409,8 @@ def test_describe_backend_says_how_to_unshadow_the_cuda_build(
 
     if mx.default_device().type == mx.DeviceType.gpu:
         pytest.skip("the default device here is a GPU")
-    monkeypatch.setattr(cb, "mlx_build",
+    monkeypatch.setattr(blas_status, "mlx_build",
                         lambda: MlxBuild(cuda=False, cuda_wheel="mlx-cuda-13"))
-    line = cb.describe_backend()
+    line = blas_status.describe_backend()
     assert ("mlx-cuda-13 is installed but mlx-cpu's libmlx.so replaced its own; for the GPU "
             f"run: pip install --force-reinstall --no-deps mlx-cuda-13=={mx.__version__}") in line

@@ -33,8 +33,8 @@ On a GPU nothing is loaded: matmuls run on cuBLAS or Metal there. macOS means Me
 Linux, MLX's CUDA build is recognised without importing MLX
 (:func:`veloxquant_mlx.mlx_device.mlx_build`).
 
-Process-level environment variables (the only environment this module reads; they govern
-the process, not server configuration):
+Process-level environment variables (the only environment this module and
+:mod:`~veloxquant_mlx.blas_finder` read; they govern the process, not server configuration):
 
 * ``VELOXQUANT_NO_BLAS_PRELOAD=1`` -- load no optimized BLAS (same as ``enabled=False``).
 * ``VELOXQUANT_BLAS_LIBRARY=PATH`` -- try this OpenBLAS only, instead of the wheel's and then
@@ -47,49 +47,42 @@ the process, not server configuration):
   already set. OpenBLAS's idle worker threads otherwise busy-wait for 2**28 cycles
   (~0.1 s) after every call; between the many small matmuls of a decode step they steal
   the core MLX needs (on 2 cores, decode ran ~15-50% slower with the default).
+
+Finding the candidates is :mod:`veloxquant_mlx.blas_finder`'s job, and saying which BLAS
+serves MLX once loaded (:func:`~veloxquant_mlx.blas_status.active_blas`, the start-up line
+:func:`~veloxquant_mlx.blas_status.describe_backend`) :mod:`veloxquant_mlx.blas_status`'s;
+like this module, neither imports MLX on import.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import os
-import platform
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from veloxquant_mlx.mlx_device import describe_device, gpu_expected, mlx_build
+from veloxquant_mlx.blas_finder import (
+    OPT_OUT_ENV,
+    BlasLibrary,
+    blas_candidates,
+    find_sgemv_forward,
+    preload_opted_out,
+)
+from veloxquant_mlx.blas_status import ActiveBlas, active_blas
+from veloxquant_mlx.mlx_device import gpu_expected
 
 log = logging.getLogger(__name__)
 
-OPT_OUT_ENV = "VELOXQUANT_NO_BLAS_PRELOAD"
-CHOICE_ENV = "VELOXQUANT_BLAS_LIBRARY"
 FORWARD_OPT_OUT_ENV = "VELOXQUANT_NO_SGEMV_FORWARD"
-FORWARD_STEM = "_sgemv_forward"
 # log2 of the cycles an idle OpenBLAS thread spins before sleeping (OpenBLAS's minimum).
 THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 THREAD_TIMEOUT = "4"
-# The PyPI wheel of OpenBLAS with 32-bit integers, every symbol prefixed with "scipy_".
-WHEEL_MODULE = "scipy_openblas32"
-WHEEL_PREFIX = "scipy_"
 # First lines of a child Python that runs MLX on the optimized BLAS, as the server does
 # (``child_env`` decides whether it loads anything).
 LOAD_FIRST = "from veloxquant_mlx.cpu_backend import load_optimized_blas\nload_optimized_blas()\n"
-
-# Distribution OpenBLAS builds, best first. Debian's ``libblas.so.3`` under
-# ``openblas-pthread`` is OpenBLAS exporting the plain BLAS/CBLAS names MLX calls.
-_CANDIDATES = (
-    "/usr/lib/{triplet}/openblas-pthread/libblas.so.3",
-    "/usr/lib/{triplet}/openblas-openmp/libblas.so.3",
-    "/usr/lib/{triplet}/libopenblas.so.0",
-    "/usr/lib64/libopenblasp.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
 
 # Runs in the probe child: loads a candidate as the parent would, then checks it (see
 # _probe_child). ``-I -S`` keeps user site-packages and PYTHONPATH out of the probe.
@@ -101,147 +94,9 @@ sys.exit(_probe_child(sys.argv[2:]))
 """
 
 
-@dataclass(frozen=True, slots=True)
-class BlasLibrary:
-    """An optimized BLAS to load under MLX.
-
-    Attributes:
-        path: The shared library.
-        prefix: What its CBLAS names start with: ``"scipy_"`` for the wheel's, ``""`` for a
-            distribution's (``cblas_sgemm``).
-    """
-
-    path: Path
-    prefix: str = ""
-
-    def symbol(self, name: str) -> str:
-        """This library's name for the CBLAS function ``name`` (e.g. ``cblas_sgemm``)."""
-        return self.prefix + name
-
-
-@dataclass(frozen=True, slots=True)
-class ActiveBlas:
-    """The BLAS that MLX's ``cblas_sgemm`` calls resolve to in this process.
-
-    Attributes:
-        path: The BLAS library serving ``cblas_sgemm`` (behind the forward when that is in
-            front), or None when none is loaded yet.
-        loaded: True when it comes from the global scope (:func:`load_optimized_blas`),
-            i.e. it overrides the copy bundled with MLX.
-        config: OpenBLAS's ``openblas_get_config()`` string when available.
-        threads: OpenBLAS's thread count when available.
-        forward: The forward library in front of it, when there is one.
-        routes: Whether the forward serves one-row products and quantized codes itself
-            (False under ``VELOXQUANT_NO_SGEMV_FORWARD``: it only passes calls on).
-    """
-
-    path: Path | None
-    loaded: bool
-    config: str | None = None
-    threads: int | None = None
-    forward: Path | None = None
-    routes: bool = False
-
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [
-        ("dli_fname", ctypes.c_char_p),
-        ("dli_fbase", ctypes.c_void_p),
-        ("dli_sname", ctypes.c_char_p),
-        ("dli_saddr", ctypes.c_void_p),
-    ]
-
-
-def wheel_blas() -> BlasLibrary | None:
-    """The ``scipy-openblas32`` wheel's OpenBLAS, found without importing the wheel.
-
-    Importing ``scipy_openblas32`` loads its library as a side effect; this only looks.
-
-    Returns:
-        The library, or None when the wheel is not installed (one this user may not read
-        is returned: loading it says why it cannot be used).
-    """
-    try:
-        spec = importlib.util.find_spec(WHEEL_MODULE)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        try:
-            found = sorted((Path(folder) / "lib").glob("libscipy_openblas*.so*"))
-        except OSError:
-            continue
-        if found:
-            return BlasLibrary(found[0], WHEEL_PREFIX)
-    return None
-
-
-def system_blas(patterns: Sequence[str] = _CANDIDATES) -> BlasLibrary | None:
-    """The first distribution OpenBLAS there (``scripts/install_blas.sh`` installs one).
-
-    Args:
-        patterns: Where to look, best first; ``{triplet}`` is e.g. ``x86_64-linux-gnu``.
-
-    Returns:
-        The library, or None when none is installed. One this user may not read (or may
-        not even look for) is returned too: loading it then says why it cannot be used.
-    """
-    triplet = f"{platform.machine()}-linux-gnu"
-    for pattern in patterns:
-        path = Path(pattern.format(triplet=triplet))
-        try:
-            if path.is_file():
-                return BlasLibrary(path)
-        except PermissionError:  # a folder on the way that this user may not search
-            return BlasLibrary(path)
-    return None
-
-
-def find_sgemv_forward() -> Path | None:
-    """Return the built forward library (see the module docstring), if any.
-
-    Returns:
-        ``veloxquant_mlx/_sgemv_forward*.so``; None off Linux or when the install did not
-        build it (no C compiler).
-    """
-    if sys.platform != "linux":
-        return None
-    built = sorted(Path(__file__).resolve().parent.glob(f"{FORWARD_STEM}*.so"))
-    return built[0] if built else None
-
-
-def blas_candidates(with_forward: bool) -> list[BlasLibrary]:
-    """The optimized BLAS libraries to try, best first (Linux).
-
-    Args:
-        with_forward: Whether the forward is there to put in front: the wheel's prefixed
-            names serve MLX only through it.
-    """
-    if sys.platform != "linux":
-        return []
-    chosen = os.environ.get(CHOICE_ENV, "")
-    if chosen:
-        path = Path(chosen)
-        prefix = WHEEL_PREFIX if path.name.startswith("lib" + WHEEL_PREFIX) else ""
-        return [BlasLibrary(path, prefix)] if with_forward or not prefix else []
-    found = [wheel_blas() if with_forward else None, system_blas()]
-    return [lib for lib in found if lib is not None]
-
-
-def find_optimized_blas() -> Path | None:
-    """The library :func:`load_optimized_blas` tries first, without loading it."""
-    candidates = blas_candidates(find_sgemv_forward() is not None)
-    return candidates[0].path if candidates else None
-
-
 def _forward_routes() -> bool:
     """False when ``VELOXQUANT_NO_SGEMV_FORWARD`` asks the forward only to pass calls on."""
     return os.environ.get(FORWARD_OPT_OUT_ENV, "") in ("", "0")
-
-
-def _opted_out(enabled: bool) -> bool:
-    return not enabled or os.environ.get(OPT_OUT_ENV, "") not in ("", "0")
 
 
 def load_optimized_blas(enabled: bool = True,
@@ -260,12 +115,13 @@ def load_optimized_blas(enabled: bool = True,
 
     Args:
         enabled: The ``cpu.optimized_blas`` setting.
-        candidates: The libraries to try, best first; by default :func:`blas_candidates`.
+        candidates: The libraries to try, best first; by default
+            :func:`~veloxquant_mlx.blas_finder.blas_candidates`.
 
     Returns:
         What serves MLX's float32 matmuls now, or None when nothing was loaded.
     """
-    if sys.platform != "linux" or _opted_out(enabled) or gpu_expected():
+    if sys.platform != "linux" or preload_opted_out(enabled) or gpu_expected():
         return None
     current = active_blas()
     if current.loaded:
@@ -385,89 +241,6 @@ def _check_sgemm() -> str | None:
     return None
 
 
-def _global_symbol_path(name: str) -> Path | None:
-    """Path of the object that provides ``name`` in the global scope, if any."""
-    handle = ctypes.CDLL(None)
-    try:
-        func = getattr(handle, name)
-    except AttributeError:
-        return None
-    return _address_path(ctypes.cast(func, ctypes.c_void_p).value)
-
-
-def _address_path(address: int | None) -> Path | None:
-    """Path of the loaded object holding ``address``, if any."""
-    if not address:
-        return None
-    info = _DlInfo()
-    if not ctypes.CDLL(None).dladdr(ctypes.c_void_p(address), ctypes.byref(info)):
-        return None
-    return Path(os.fsdecode(info.dli_fname)) if info.dli_fname else None
-
-
-def _mapped_bundled_blas() -> Path | None:
-    """The BLAS mapped into this process from MLX's wheel (``mlx_cpu.libs``), if any."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            for line in maps:
-                name = line.rsplit(maxsplit=1)[-1]
-                if "mlx_cpu.libs" in name and "/libblas" in name:
-                    return Path(name)
-    except OSError:
-        pass
-    return None
-
-
-def forward_calls() -> int | None:
-    """How many ``cblas_sgemm`` calls reached the forward in this process (None: absent)."""
-    handle = ctypes.CDLL(None)
-    if not hasattr(handle, "vq_blas_calls"):
-        return None
-    handle.vq_blas_calls.restype = ctypes.c_long
-    return int(handle.vq_blas_calls())
-
-
-def active_blas() -> ActiveBlas:
-    """Report which BLAS serves ``cblas_sgemm`` to MLX in this process (Linux).
-
-    Returns:
-        The loaded library when one provides ``cblas_sgemm`` globally (named behind the
-        forward when that is in front); otherwise the bundled one if MLX is loaded (path
-        None before that).
-    """
-    if sys.platform != "linux":
-        return ActiveBlas(path=None, loaded=False)
-    serving = _global_symbol_path("cblas_sgemm")
-    if serving is None:
-        return ActiveBlas(path=_mapped_bundled_blas(), loaded=False)
-    handle = ctypes.CDLL(None)
-    forward, routes = None, False
-    if serving.name.startswith(FORWARD_STEM) and hasattr(handle, "vq_blas_bound"):
-        handle.vq_blas_bound.restype = ctypes.c_void_p
-        forward, routes = serving, bool(handle.vq_forward_routes())
-        serving = _address_path(handle.vq_blas_bound()) or serving
-    config, threads = _openblas_info(serving)
-    return ActiveBlas(path=serving, loaded=True, config=config, threads=threads,
-                      forward=forward, routes=routes)
-
-
-def _openblas_info(path: Path) -> tuple[str | None, int | None]:
-    """OpenBLAS's configuration string and thread count, from the loaded ``path``."""
-    try:
-        lib = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return None, None
-    config = threads = None
-    for prefix in (WHEEL_PREFIX, ""):
-        if hasattr(lib, f"{prefix}openblas_get_config"):
-            get_config = getattr(lib, f"{prefix}openblas_get_config")
-            get_config.restype = ctypes.c_char_p
-            config = get_config().decode(errors="replace").strip()
-            threads = int(getattr(lib, f"{prefix}openblas_get_num_threads")())
-            break
-    return config, threads
-
-
 def child_env(preload: bool, base: dict[str, str] | None = None) -> dict[str, str]:
     """Build an environment for a child Python that runs MLX with or without the BLAS.
 
@@ -497,69 +270,3 @@ def module_command(module: str, *args: str) -> list[str]:
     """
     run = f"import runpy\nrunpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
     return [sys.executable, "-c", LOAD_FIRST + run, *args]
-
-
-def describe_backend(dtype: str | None = None) -> str:
-    """One start-up log line: MLX version, the device, the BLAS behind a CPU and the dtype.
-
-    Imports ``mlx.core``, so call it after :func:`load_optimized_blas`.
-
-    Args:
-        dtype: The compute dtype of the loaded model, if known (e.g. ``"float32"``).
-
-    Returns:
-        For example ``"MLX 0.32.4 on gpu (CUDA: NVIDIA H200, 140 GiB); dtype bfloat16"``, or
-        ``"MLX 0.32.4 on cpu (AMD EPYC); BLAS: optimized (loaded
-        .../scipy_openblas32/lib/libscipy_openblas.so; OpenBLAS 0.3.34 ..., 2 threads;
-        one-row products as sgemv); dtype float32"``.
-    """
-    import mlx.core as mx
-
-    device = mx.default_device()
-    parts = [f"MLX {mx.__version__} on {describe_device(mx, device)}"]
-    if device.type != mx.DeviceType.gpu:
-        parts.append(_describe_cpu_blas())
-        shadowed = mlx_build().shadowed
-        if shadowed:
-            # pip wrote mlx-cpu's libmlx.so over the CUDA one (see mlx_device's docstring).
-            parts.append(f"{shadowed} is installed but mlx-cpu's libmlx.so replaced its own; "
-                         f"for the GPU run: pip install --force-reinstall --no-deps "
-                         f"{shadowed}=={mx.__version__}")
-    if dtype:
-        parts.append(f"dtype {dtype}")
-    return "; ".join(parts)
-
-
-def _prompt_kernels() -> bool:
-    """Whether the forward also serves prompt attention and SwiGLU (AVX2)."""
-    from veloxquant_mlx import native_swiglu
-    from veloxquant_mlx.memory import native_attention
-
-    return native_attention.kernel() is not None and native_swiglu.kernel() is not None
-
-
-def _describe_cpu_blas() -> str:
-    """Which BLAS serves MLX's CPU float32 matmuls, with the fix when it is the slow one."""
-    if sys.platform == "darwin":
-        return "BLAS: Accelerate"
-    blas = active_blas()
-    if not blas.loaded:
-        return f"BLAS: MLX's bundled reference BLAS ({blas.path}); {_bundled_hint()}"
-    extra = [s for s in (blas.config, f"{blas.threads} threads" if blas.threads else "") if s]
-    if blas.routes:
-        extra.append("one-row products as sgemv")
-        if _prompt_kernels():
-            extra.append("prompt attention and SwiGLU in C")
-    return f"BLAS: optimized (loaded {'; '.join([str(blas.path), *extra])})"
-
-
-def _bundled_hint() -> str:
-    """What would put MLX on an optimized BLAS here."""
-    if _opted_out(True):
-        return f"{OPT_OUT_ENV} is set"
-    if wheel_blas() is None:
-        return f"pip install {WHEEL_MODULE.replace('_', '-')} for ~30x faster float32 matmuls"
-    if find_sgemv_forward() is None:
-        return ("the BLAS forward (veloxquant_mlx/sgemv_forward.c) is not built: reinstall "
-                "with a C compiler for ~30x faster float32 matmuls")
-    return "installed but not loaded here: turned off, or see the warning before this line"

@@ -37,8 +37,8 @@ from server.pool_fit import (
 )
 from server.settings import LimitsSection, Settings
 from server.text.prompts import PromptPreparer
+from veloxquant_mlx.blas_status import describe_backend
 from veloxquant_mlx.codes_linear import INT8_MAX_ROWS
-from veloxquant_mlx.cpu_backend import describe_backend
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_arena import KVLayout, probe_kv_layout
 
@@ -218,11 +218,7 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
         shard_loaded(loaded, group)
     layout = probe_kv_layout(loaded.model, kv_format_of(settings))
     pool, kv = plan_kv(settings, layout, pool, loaded.context_length)
-    # A hit leaves the int8 row range behind it (PromptPrefixes' min_tail).
-    codes_rows = INT8_MAX_ROWS if loaded.codes_layers else 0
-    prefixes = PromptPrefixes(pool.prefix_cache, cache_root(loaded.name, kv.arena),
-                              pool.config.block_size, min_tail=codes_rows + 1,
-                              enabled=settings.cache.prefix_caching)
+    prefixes = _prompt_prefixes(settings, loaded, pool, kv)
     scheduler = Scheduler(settings, pool, loaded, metrics, prefixes)
     _refuse_a_pool_that_holds_no_request(scheduler, pool)
     _warn_if_default_requests_never_fit(scheduler, settings.limits.default_max_tokens)
@@ -243,7 +239,24 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
                         OutputProcessor(loaded.tokenizer),
                         PromptPreparer(loaded, settings.limits, metrics, deliver,
                                        settings.batch.max_batch_size))
-    # The one start-up line that says what the server computes with.
+    _log_what_serves(loaded, compiled, kv, pool, layout)
+    return parts
+
+
+def _prompt_prefixes(settings: Settings, loaded: LoadedModel, pool: BlockPoolAllocator,
+                     kv: KVMemory) -> PromptPrefixes:
+    """Prefix caching over the pool's cached blocks, keyed to this model and KV arena."""
+    # A hit leaves the int8 row range behind it (PromptPrefixes' min_tail).
+    codes_rows = INT8_MAX_ROWS if loaded.codes_layers else 0
+    return PromptPrefixes(pool.prefix_cache, cache_root(loaded.name, kv.arena),
+                          pool.config.block_size, min_tail=codes_rows + 1,
+                          enabled=settings.cache.prefix_caching)
+
+
+def _log_what_serves(loaded: LoadedModel, compiled: int, kv: KVMemory,
+                     pool: BlockPoolAllocator, layout: KVLayout) -> None:
+    """The start-up lines that say what the server computes with: the model, the backend
+    and the decode path; then the KV pool (blocks, bytes per block, workspace)."""
     log.info("model %s loaded (%d layers; context %s tokens; %s); backend: %s; decode: %s",
              loaded.name, loaded.n_layers, loaded.context_length or "unbounded",
              loaded.weights or "weights as stored",
@@ -251,7 +264,6 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
              f"{compiled} of {loaded.n_layers} blocks compiled" if compiled
              else "blocks as mlx-lm runs them")
     log.info("%s", describe_kv(kv, pool, layout))
-    return parts
 
 
 def release_thread_streams() -> None:

@@ -28,7 +28,8 @@ from server.http.errors import (
 from server.http.guards import DrainState, Guards
 from server.http.routes import admin, chat, completions, embeddings, responses, system, tokens
 from server.http.unknown_fields import UnknownFields
-from server.metrics import EngineCollector, PoolCollector, ServerMetrics, VllmNames
+from server.metrics import ServerMetrics, VllmNames
+from server.metrics_collectors import EngineCollector, PoolCollector
 from server.settings import Settings
 
 

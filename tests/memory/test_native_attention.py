@@ -22,11 +22,12 @@ import pytest
 
 from tests.test_quant_weights import _has_avx2_fma
 from veloxquant_mlx import cpu_backend as cb
+from veloxquant_mlx.blas_finder import find_optimized_blas, find_sgemv_forward
 from veloxquant_mlx.memory import native_attention
 
 ROOT = Path(__file__).resolve().parents[2]
-LIB = cb.find_optimized_blas()
-FORWARD = cb.find_sgemv_forward()
+LIB = find_optimized_blas()
+FORWARD = find_sgemv_forward()
 needs_forward = pytest.mark.skipif(
     LIB is None or FORWARD is None or not _has_avx2_fma(),
     reason="needs OpenBLAS (scipy-openblas32 or a distribution's), the BLAS forward that "
@@ -126,7 +127,7 @@ PREFILL_CHECK = textwrap.dedent(
         want = model(mx.array([ids]), cache=cache)[0, -1]
         errors.append(float(mx.abs(last[i, -1] - want).max() / mx.abs(want).max()))
     batch.close()
-    from veloxquant_mlx.cpu_backend import describe_backend
+    from veloxquant_mlx.blas_status import describe_backend
     print(json.dumps({"kernel": native_attention.kernel() is not None, "calls": calls,
                       "described": "prompt attention and SwiGLU in C" in describe_backend(),
                       "errors": errors, "free": pool.blocks_held_by_owner() == {}}))

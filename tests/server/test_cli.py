@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 import server.__main__ as entry
-from server.cli import build_parser, default_comments, parse_args, settings_from_args
+from server.cli import build_parser, parse_args, settings_from_args
+from server.config_text import default_comments
 from server.settings import SECTIONS, ConfigError, Settings
 from tests.support.servers import run_server
 
@@ -156,7 +157,8 @@ def test_an_unknown_kv_cache_dtype_names_the_choices() -> None:
     with pytest.raises(ConfigError) as info:
         settings("--kv-cache-dtype", "fp4")
     assert str(info.value) == ("config key 'kv.format' (from --kv-cache-dtype): 'fp4' is not "
-                               "one of auto, fp8, fp8_e4m3, fp8_e5m2, native, q8, q4")
+                               "one of auto, fp8, fp8_e4m3, fp8_e5m2, native, q8, q4, "
+                               "turboquant_mse, polar")
 
 
 def test_an_unreadable_or_empty_secret_file_is_named(tmp_path: Path) -> None:

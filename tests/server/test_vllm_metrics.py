@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import kv_usage_ratio
+from server.metrics_collectors import kv_usage_ratio
 from tests.server.test_observability_config import metric_names
 from tests.support.servers import LiveServer, make_settings, run_server
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig

@@ -125,9 +125,10 @@ def workspace_bytes(layout: KVLayout, block_size: int, max_rows: int, max_tokens
     time. A coded format gathers its codes and params, then decodes them
     (q8/q4: a cast, a multiply, an add; turboquant_mse and polar: a table
     lookup, a scale, a rotation; up to three decoded copies alive at once,
-    as tests/e2e/test_kv_formats.py measures) before the append, so it counts the gathered blocks as stored plus three
-    decoded copies. A decode batch that holds ``write_back`` columns out of
-    the arena adds those and the copies that write them (:func:`held_bytes`).
+    as tests/e2e/test_kv_formats.py measures) before the append, so it counts
+    the gathered blocks as stored plus three decoded copies. A decode batch
+    that holds ``write_back`` columns out of the arena adds those and the
+    copies that write them (:func:`held_bytes`).
     """
     gathered = 2 * max_rows * -(-max_tokens // block_size)  # blocks, keys and values
     stored, dense = layout.bytes_per_block(block_size), layout.dense_bytes_per_block(block_size)

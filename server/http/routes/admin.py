@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.http.auth import require_admin
 from server.http.errors import ConflictError, UnavailableError
-from server.metrics import request_blocks_in_use
+from server.metrics_collectors import request_blocks_in_use
 from server.protocol import ShrinkRefused
 
 HISTORY_SHOWN = 16
