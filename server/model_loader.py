@@ -66,12 +66,10 @@ class LoadedModel:
     context_configured: bool = False  # set by limits.max_context_tokens, not the model
     served_names: tuple[str, ...] = ()  # every name a request may use, ``name`` first
 
-    def context_phrase(self) -> str:
-        """The context bound as refusals state it, naming where it comes from."""
-        if self.context_configured:
-            return f"the served context of {self.context_length} tokens (limits.max_context_tokens)"
-        return (f"the model's context of {self.context_length} tokens "
-                "(the model's max_position_embeddings)")
+    def context_figures(self) -> dict[str, Any]:
+        """The context bound as a refusal carries it: its size, and whether it is
+        configured (``limits.max_context_tokens``) or the model's own."""
+        return {"context": self.context_length, "context_configured": self.context_configured}
 
 
 def resolve_model_path(section: ModelSection) -> Path:

@@ -6,8 +6,9 @@ order, one :class:`Admitted` (or one :class:`Rejected`), then
 :class:`TokenEvent` records, then exactly one :class:`Finished` (or
 :class:`Failed`).
 
-Refusals and failures carry a :class:`Reason`; what a reason means to an
-HTTP client (status, ``Retry-After``) is decided by the HTTP layer alone.
+Refusals and failures carry a :class:`~server.refusal.Reason`; what a reason
+means to an HTTP client (status, ``Retry-After``), and how a refusal's figures
+read (server.refusal), is decided by the HTTP layer alone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.refusal import Reason, Rejected, Why
+
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped generating."""
@@ -25,20 +28,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # the client went away or gave up (never sent to a client)
     ERROR = "error"  # it failed (see the Reason of its Failed event)
-
-
-class Reason(str, enum.Enum):
-    """Why the engine refused, dropped or failed a request (the value is the error code)."""
-
-    EMPTY_PROMPT = "empty_prompt"  # the prompt tokenizes to nothing
-    INVALID_PROMPT = "invalid_prompt"  # cannot be tokenized, or ids outside the vocabulary
-    INVALID_VALUE = "invalid_value"  # a sampling value the model cannot take (logit_bias id)
-    TOO_LARGE = "context_length_exceeded"  # over the prompt limit, or could never fit the pool
-    QUEUE_FULL = "queue_full"  # no capacity now and the waiting queue is at its bound
-    QUEUE_TIMEOUT = "queue_timeout"  # waited past limits.queue_timeout_s
-    CANCELLED_WAITING = "cancelled_waiting"  # the client left while the request waited
-    SHUTTING_DOWN = "shutting_down"  # the engine is stopping
-    MODEL_ERROR = "generation_failed"  # the model raised while running this request
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,21 +210,6 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
-class Rejected:
-    """The request was refused before running (size, queue full, wait timeout, stopping).
-
-    Attributes:
-        reason: Why.
-        message: What went wrong and how to fix it.
-        param: The request field at fault, if any.
-    """
-
-    reason: Reason
-    message: str
-    param: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """New output text (possibly empty while a stop string is being matched).
 
@@ -341,17 +315,14 @@ class ConversationBound:
     def refusal(self, size: ConversationSize, field: str) -> Rejected | None:
         """The 400 for a conversation of ``size`` that cannot fit, naming ``field``
         (``messages``, ``input``); None when it may fit."""
-        limit = f"limits.max_prompt_tokens={self.max_prompt_tokens}"
+        limit = self.max_prompt_tokens
         if self.max_messages is not None and size.messages > self.max_messages:
-            why = (f"the conversation has {size.messages} messages, more than {limit} tokens "
-                   "can hold: every message takes at least one token of the chat template")
-        elif self.max_chars is not None and size.chars > self.max_chars:
-            why = (f"the conversation has {size.chars} characters of message text, more "
-                   f"than {limit} tokens can hold (one token covers at most "
-                   f"{self.chars_per_token} characters)")
-        else:
-            return None
-        return Rejected(Reason.TOO_LARGE, f"{why}; shorten the {field}", field)
+            return Rejected(Why.CONVERSATION_MESSAGES,
+                            {"messages": size.messages, "limit": limit}, field)
+        if self.max_chars is not None and size.chars > self.max_chars:
+            return Rejected(Why.CONVERSATION_CHARS, {"chars": size.chars, "limit": limit,
+                                                     "per_token": self.chars_per_token}, field)
+        return None
 
 
 class ShrinkRefused(Exception):

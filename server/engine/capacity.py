@@ -24,11 +24,13 @@ reservation only asks for the rest.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
-from server.protocol import ChatPrompt, Reason, Rejected, SamplingParams, ShrinkRefused
-from server.text.prompts import no_room, no_room_in_pool
+from server.protocol import ChatPrompt, SamplingParams, ShrinkRefused
+from server.refusal import PoolMisfit, Rejected, Why
+from server.text.prompts import no_room_in_pool, prompt_field
 from veloxquant_mlx.memory import BlockPoolAllocator
 
 
@@ -97,12 +99,8 @@ class CapacityPlanner:
         """Blocks each stream manages now (free, held, cached)."""
         return {s: self.pool.n_blocks_on(s) for s in self.streams}
 
-    def never_fits(self, need: Reservation, n_tokens: int,
-                   field: str = "max_tokens") -> str | None:
-        """Explain why ``need`` cannot fit even an empty pool, or return None.
-
-        ``field`` is the request field the message tells the client to lower.
-        """
+    def never_fits(self, need: Reservation, n_tokens: int) -> PoolMisfit | None:
+        """Why ``need`` (for ``n_tokens``) cannot fit even an empty pool, or None."""
         headroom = self._growth_headroom()
         if headroom is None:
             return None
@@ -112,16 +110,8 @@ class CapacityPlanner:
             return None
         stream, blocks = next(iter(short.items())) if short else ("all", need.total)
         have = capacity.get(stream, sum(capacity.values())) + headroom
-        most = self._max_tokens(capacity, headroom)
-        fix = (f"lower {field} or shorten the prompt to fit {most} tokens in total, or "
-               if most > 0 else "the pool holds no request now (shrunk by /admin/shrink?); ")
-        return (
-            f"prompt plus {field} ({n_tokens} tokens) needs {blocks} KV blocks on stream "
-            f"{stream!r} ({self.n_layers} layers x ceil({n_tokens}/{self.block_size})"
-            f"{' x 2 (k and v)' if len(self.streams) == 1 else ''}), but the pool holds at most "
-            f"{have} there; {fix}raise pool.n_blocks "
-            "(or pool.max_blocks with pool.grow_on_exhaustion)"
-        )
+        return PoolMisfit(n_tokens, blocks, stream, have, self._max_tokens(capacity, headroom),
+                          self.n_layers, self.block_size, len(self.streams) == 1)
 
     def max_request_tokens(self) -> int | None:
         """The most tokens (prompt + max_tokens) one request could reserve in an idle pool.
@@ -176,34 +166,31 @@ class CapacityPlanner:
         return out
 
     def fit_context(self, params: SamplingParams, prompt: str | list[int] | ChatPrompt,
-                    n_prompt: int, context: int | None,
-                    context_phrase: Callable[[], str]) -> SamplingParams | Rejected:
+                    n_prompt: int, context: dict[str, Any]) -> SamplingParams | Rejected:
         """Keep prompt + ``max_tokens`` within the model's ``context`` length.
 
         An omitted ``max_tokens`` is lowered to the room the context leaves (the
         settings returned); one the client sent that goes past it is refused, as
         OpenAI refuses it, instead of generating past the positions the model knows.
-        The advice never names more than the pool could hold either.
+        The advice never names more than the pool could hold either. ``context``:
+        the model's :meth:`~server.model_loader.LoadedModel.context_figures`.
         """
-        if context is None or n_prompt + params.max_tokens <= context:
+        length = context["context"]
+        if length is None or n_prompt + params.max_tokens <= length:
             return params
-        room = context - n_prompt
+        room = length - n_prompt
         if params.max_tokens_defaulted and room >= 1:
             return replace(params, max_tokens=room)
         if room < 1 or params.max_tokens_defaulted:
-            return no_room(prompt, n_prompt, context_phrase())
+            return Rejected(Why.NO_ROOM_IN_CONTEXT, {"tokens": n_prompt, **context},
+                            prompt_field(prompt))
         pool = self.max_request_tokens()
         if pool is not None and n_prompt >= pool:  # the pool would refuse the prompt next
             return no_room_in_pool(prompt, n_prompt, pool)
-        field = params.max_tokens_param
         fits = room if pool is None else min(room, pool - n_prompt)
-        why = "" if fits == room else f" (the KV pool holds at most {pool} tokens a request)"
-        return Rejected(
-            Reason.TOO_LARGE,
-            f"the prompt's {n_prompt} tokens plus {field}={params.max_tokens} come to "
-            f"{n_prompt + params.max_tokens} tokens, over {context_phrase()}; lower {field} "
-            f"to at most {fits}{why}, or shorten the "
-            f"{'messages' if isinstance(prompt, ChatPrompt) else 'prompt'}", field)
+        return Rejected(Why.OVER_CONTEXT, {
+            "tokens": n_prompt, "max_tokens": params.max_tokens, "fits": fits, "pool": pool,
+            "prompt_field": prompt_field(prompt), **context}, params.max_tokens_param)
 
     def fit(self, params: SamplingParams, prompt: str | list[int] | ChatPrompt,
             n_prompt: int) -> tuple[Reservation, SamplingParams] | Rejected:
@@ -216,14 +203,14 @@ class CapacityPlanner:
         """
         n_tokens = n_prompt + params.max_tokens
         need = self.reservation(n_tokens)
-        why = self.never_fits(need, n_tokens, params.max_tokens_param)
-        if why is None:
+        misfit = self.never_fits(need, n_tokens)
+        if misfit is None:
             return need, params
         room = self.max_request_tokens() - n_prompt
         if room >= 1 and not params.max_tokens_defaulted:
             # The number to send, beside the pool's arithmetic.
-            why += f"; with this prompt, {params.max_tokens_param} can be at most {room}"
-            return Rejected(Reason.TOO_LARGE, why, params.max_tokens_param)
+            return Rejected(Why.NEVER_FITS_POOL, {"misfit": misfit, "room": room},
+                            params.max_tokens_param)
         if room >= 1:
             params = replace(params, max_tokens=min(room, params.max_tokens))
             return self.reservation(n_prompt + params.max_tokens), params
@@ -254,12 +241,11 @@ class CapacityPlanner:
         """``total``, the reservation of ``size`` choices together, or why an idle pool
         never holds it."""
         n_tokens = size * (n_prompt + params.max_tokens)
-        why = self.never_fits(total, n_tokens, f"n x {params.max_tokens_param}")
-        if why is None:
+        misfit = self.never_fits(total, n_tokens)
+        if misfit is None:
             return total
-        return Rejected(
-            Reason.TOO_LARGE, f"the n={size} choices of a prompt start together or not at all, "
-            f"and together {why}; or lower n", "n")
+        return Rejected(Why.GROUP_NEVER_FITS, {"misfit": misfit, "size": size,
+                                               "field": f"n x {params.max_tokens_param}"}, "n")
 
     # -- resizing -------------------------------------------------------------------
 

@@ -43,13 +43,8 @@ from server.engine.steps import EngineSteps, FaultHook
 from server.engine.tasks import can_embed, echo_ids
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model
-from server.protocol import (
-    ConversationBound,
-    FinishReason,
-    GenerationRequest,
-    Reason,
-    Rejected,
-)
+from server.protocol import ConversationBound, FinishReason, GenerationRequest
+from server.refusal import Reason, Rejected, Why
 from server.settings import Settings
 from server.text.chat_render import tool_call_format
 from server.text.model_text import ModelText, grammar_cache
@@ -100,6 +95,7 @@ class Engine(ModelText):
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
         self.crash: str | None = None  # why the loop stopped on its own (it serves no more)
+        self.crash_error: str | None = None  # the error that stopped it
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
         self.output: OutputProcessor | None = None
@@ -172,7 +168,7 @@ class Engine(ModelText):
         """Hand a request to the prompt workers, then the engine thread (never blocks)."""
         preparer = self._preparer
         if preparer is None:
-            request.channel.put(Rejected(Reason.SHUTTING_DOWN, "the model is not loaded"))
+            request.channel.put(Rejected(Why.MODEL_NOT_LOADED))
             return
         preparer.submit(request)
 
@@ -195,7 +191,7 @@ class Engine(ModelText):
         worker thread. Scoring is a request (``GenerationRequest.score``)."""
         loaded = self.loaded
         if loaded is None:
-            return Rejected(Reason.SHUTTING_DOWN, "the model is not loaded")
+            return Rejected(Why.MODEL_NOT_LOADED)
         return echo_ids(loaded, self.settings.limits.max_prompt_tokens, prompt)
 
     @property
@@ -312,8 +308,9 @@ class Engine(ModelText):
                     self.clock.lap("memory")
             except Exception as exc:  # a bug, or a lost rank: fail everything cleanly
                 log.exception("engine loop crashed")
-                self.crash = (f"the engine stopped after an error ({type(exc).__name__}: "
-                              f"{exc}); restart the server")
+                self.crash_error = f"{type(exc).__name__}: {exc}"
+                self.crash = (f"the engine stopped after an error ({self.crash_error}); "
+                              "restart the server")
                 self._stopping.set()  # not ready from now on: /health says 503
             finally:
                 self._shutdown()
@@ -386,7 +383,9 @@ class Engine(ModelText):
 
     def _stopping_refusal(self) -> Rejected:
         """What a request that has not started gets once the engine stops taking work."""
-        return Rejected(Reason.SHUTTING_DOWN, self.crash or SHUTTING_DOWN)
+        if self.crash_error is not None:
+            return Rejected(Why.ENGINE_STOPPED, {"error": self.crash_error})
+        return Rejected(Why.SHUTTING_DOWN)
 
 
 def _run_command(command: _Command) -> None:

@@ -19,13 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from server.engine.capacity import Reservation
-from server.protocol import (
-    ChoiceGroup,
-    FinishReason,
-    GenerationRequest,
-    Rejected,
-    TokenLogprob,
-)
+from server.protocol import ChoiceGroup, FinishReason, GenerationRequest, TokenLogprob
+from server.refusal import Rejected
 
 
 class Status(enum.Enum):

@@ -32,11 +32,8 @@ from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.request_state import ChoiceHolds, RequestState, Status, times
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
-from server.protocol import (
-    GenerationRequest,
-    Reason,
-    Rejected,
-)
+from server.protocol import GenerationRequest
+from server.refusal import Reason, Rejected, Why
 from server.settings import Settings
 from server.text.prompts import RequestRejected
 from veloxquant_mlx.memory import BlockPoolAllocator
@@ -125,9 +122,7 @@ class Scheduler:
             behind = len(self.waiting) - starting
             if behind >= self.limits.max_queue:
                 raise RequestRejected(Rejected(
-                    Reason.QUEUE_FULL, f"server busy: {behind} requests already wait for "
-                    f"a batch slot or KV capacity (limits.max_queue={self.limits.max_queue}); "
-                    "retry later"))
+                    Why.QUEUE_FULL, {"waiting": behind, "max_queue": self.limits.max_queue}))
         except RequestRejected as exc:  # refused on arrival: it waited in no queue
             self.reject(state, exc.event, 0.0)
             if group is not None:
@@ -165,9 +160,8 @@ class Scheduler:
 
     def _check_size(self, request: GenerationRequest, prompt_ids: list[int]) -> Reservation:
         """Its reservation; its limits resolved here, once: the context, then the pool."""
-        loaded = self.loaded
         fitted = self.planner.fit_context(request.params, request.prompt, len(prompt_ids),
-                                          loaded.context_length, lambda: loaded.context_phrase())
+                                          self.loaded.context_figures())
         if isinstance(fitted, Rejected):
             raise RequestRejected(fitted)
         request.params = fitted
@@ -244,10 +238,9 @@ class Scheduler:
             waited = now - pending.submitted_at
             if pending.request.cancelled.is_set():  # the route cancels every choice together
                 self._drop_cancelled(pending)
-                event = Rejected(Reason.CANCELLED_WAITING, "the request was cancelled")
+                event = Rejected(Why.CANCELLED_WAITING)
             elif now >= pending.deadline:
-                event = Rejected(Reason.QUEUE_TIMEOUT, "no KV capacity within limits."
-                                 f"queue_timeout_s={self.limits.queue_timeout_s}s; retry later")
+                event = Rejected(Why.QUEUE_TIMEOUT, {"timeout_s": self.limits.queue_timeout_s})
                 self.reject(pending, event, waited)
             else:
                 keep.append(pending)

@@ -117,12 +117,14 @@ def _warn_if_default_requests_never_fit(scheduler: Scheduler, default_max_tokens
     the pool holds; a sizing mistake worth one line in the log before clients meet it.
     """
     n_tokens = 1 + default_max_tokens
-    why = scheduler.planner.never_fits(scheduler.planner.reservation(n_tokens), n_tokens)
-    if why is not None:
+    misfit = scheduler.planner.never_fits(scheduler.planner.reservation(n_tokens), n_tokens)
+    if misfit is not None:
         log.warning("the KV pool cannot hold a request that leaves max_tokens out "
                     "(limits.default_max_tokens=%d): such requests get at most %s tokens, "
-                    "prompt included (%s)", default_max_tokens,
-                    scheduler.planner.max_request_tokens(), why)
+                    "prompt included (%d tokens need %d KV blocks on stream %r, the pool "
+                    "holds at most %d there)", default_max_tokens,
+                    scheduler.planner.max_request_tokens(), misfit.n_tokens, misfit.blocks,
+                    misfit.stream, misfit.have)
 
 
 def _warn_if_the_context_never_fits(scheduler: Scheduler, limits: LimitsSection,

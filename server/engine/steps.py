@@ -28,15 +28,8 @@ from server.engine.run_output import CallHealth, RunOutput, StepClock
 from server.engine.sampling import reset_random_state
 from server.engine.tasks import PromptEmbedding, PromptScores
 from server.metrics import ServerMetrics
-from server.protocol import (
-    Admitted,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    Reason,
-    Usage,
-)
+from server.protocol import Admitted, Failed, Finished, FinishReason, GenerationRequest, Usage
+from server.refusal import Reason
 from server.text.grammar import ConstraintViolation
 
 log = logging.getLogger("veloxquant.server")

@@ -26,10 +26,7 @@ from typing import Any
 
 from server.engine.sampling import finite_logprob
 from server.model_loader import LoadedModel
-from server.protocol import (
-    Reason,
-    Rejected,
-)
+from server.refusal import Rejected, Why
 from server.text.prompts import (
     RequestRejected,
     tokenize_prompt,
@@ -189,13 +186,12 @@ def echo_ids(loaded: LoadedModel, max_prompt_tokens: int,
     except RequestRejected as exc:
         return exc.event
     if not ids:
-        return Rejected(Reason.EMPTY_PROMPT, "the prompt is empty (0 tokens)", "prompt")
+        return Rejected(Why.EMPTY_PROMPT, param="prompt")
     if len(ids) > max_prompt_tokens:
-        return Rejected(Reason.TOO_LARGE, f"prompt has {len(ids)} tokens, more than "
-                        f"limits.max_prompt_tokens={max_prompt_tokens}; shorten the prompt",
+        return Rejected(Why.PROMPT_OVER_LIMIT, {"tokens": len(ids), "limit": max_prompt_tokens},
                         "prompt")
     context = loaded.context_length
     if context is not None and len(ids) > context:  # positions the model never learned
-        return Rejected(Reason.TOO_LARGE, f"prompt has {len(ids)} tokens, more than "
-                        f"{loaded.context_phrase()}; shorten the prompt", "prompt")
+        return Rejected(Why.PROMPT_OVER_CONTEXT, {"tokens": len(ids), **loaded.context_figures()},
+                        "prompt")
     return ids

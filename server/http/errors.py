@@ -21,13 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.http.refusals import describe
 from server.http.validation_messages import field_path, validation_message
-from server.protocol import (
-    Failed,
-    FinishReason,
-    Reason,
-    Rejected,
-)
+from server.protocol import Failed, FinishReason
+from server.refusal import Reason, Rejected
 from server.settings import Settings
 from veloxquant_mlx.exceptions import VeloxQuantError
 
@@ -170,7 +167,7 @@ _RETRY_STATUSES = frozenset({OverloadedError.status, UnavailableError.status})
 def engine_error(event: Rejected | Failed) -> APIError:
     """The error a client gets for a request the engine refused or failed."""
     cls = _ENGINE_ERRORS[event.reason]
-    message = event.message
+    message = describe(event) if isinstance(event, Rejected) else event.message
     if event.reason is Reason.MODEL_ERROR:
         message = f"generation failed: {message}"
     return cls(message, param=getattr(event, "param", None), code=event.reason.value)

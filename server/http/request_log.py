@@ -26,10 +26,8 @@ import time
 from typing import Any, TextIO
 
 from server.http.errors import end_status, status_of
-from server.protocol import (
-    FinishReason,
-    Reason,
-)
+from server.protocol import FinishReason
+from server.refusal import Reason
 
 LOGGER_NAME = "veloxquant.requests"
 log = logging.getLogger(LOGGER_NAME)

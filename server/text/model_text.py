@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.protocol import ChatPrompt, Reason, Rejected, ThinkTags
+from server.protocol import ChatPrompt, ThinkTags
+from server.refusal import Rejected, Why
 from server.settings import Settings
 from server.settings_sections import parse_bytes
 from server.text.prompts import RequestRejected, out_of_vocab, tokenize_prompt, vocab_size
@@ -107,6 +108,6 @@ class ModelText:
         """The text ``ids`` decode to, or a refusal naming an id outside the vocabulary."""
         bad = out_of_vocab(self.loaded, ids)
         if bad is not None:
-            return Rejected(Reason.INVALID_VALUE, f"token id {bad} is not in this model's "
-                            f"vocabulary (0..{vocab_size(self.loaded) - 1})", "tokens")
+            return Rejected(Why.OUT_OF_VOCAB, {"token": bad, "vocab": vocab_size(self.loaded)},
+                            "tokens")
         return self.loaded.tokenizer.decode(ids)

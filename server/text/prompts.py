@@ -13,13 +13,8 @@ from dataclasses import replace
 
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
-from server.protocol import (
-    ChatPrompt,
-    GenerationRequest,
-    Reason,
-    Rejected,
-    SamplingParams,
-)
+from server.protocol import ChatPrompt, GenerationRequest, SamplingParams
+from server.refusal import Reason, Rejected, Why
 from server.settings import LimitsSection
 from server.text.bounds import conversation_bound, max_bytes_per_token
 from server.text.chat_render import render_ids
@@ -29,30 +24,22 @@ class RequestRejected(Exception):
     """Raised inside intake to turn a request away before it queues."""
 
     def __init__(self, event: Rejected, prompt_tokens: int | None = None) -> None:
-        super().__init__(event.message)
+        super().__init__(event.why.code)
         self.event = event
         self.prompt_tokens = prompt_tokens  # the prompt's size, when it was tokenized
 
 
-def no_room(prompt: str | list[int] | ChatPrompt, n_prompt: int, where: str,
-            fix: str = "") -> Rejected:
-    """The 400 for a prompt that leaves no room for one generated token ``where`` (the
-    model's context, the KV pool), naming the field to shorten; ``fix`` adds other ways."""
-    chat = isinstance(prompt, ChatPrompt)
-    field = "messages" if chat else "prompt"
-    return Rejected(Reason.TOO_LARGE,
-                    f"{'the rendered messages have' if chat else 'the prompt has'} {n_prompt} "
-                    f"tokens, which leave no room for a generated token in {where}; shorten "
-                    f"the {field}{fix}", field)
+def prompt_field(prompt: str | list[int] | ChatPrompt) -> str:
+    """The request field a refusal tells the client to shorten."""
+    return "messages" if isinstance(prompt, ChatPrompt) else "prompt"
 
 
 def no_room_in_pool(prompt: str | list[int] | ChatPrompt, n_prompt: int,
                     pool_tokens: int) -> Rejected:
-    """:func:`no_room` for a prompt that alone fills what the KV pool holds for one request
+    """The 400 for a prompt that alone fills what the KV pool holds for one request
     (``pool_tokens``): no ``max_tokens`` helps, so none is named."""
-    return no_room(prompt, n_prompt, f"the KV pool (at most {pool_tokens} tokens a request)",
-                   ", or raise pool.n_blocks (or pool.max_blocks with "
-                   "pool.grow_on_exhaustion)")
+    return Rejected(Why.NO_ROOM_IN_POOL, {"tokens": n_prompt, "pool_tokens": pool_tokens},
+                    prompt_field(prompt))
 
 
 def vocab_size(loaded: LoadedModel) -> int | None:
@@ -95,9 +82,8 @@ def tokenize_prompt(loaded: LoadedModel, prompt: str | list[int] | ChatPrompt,
     except RequestRejected:
         raise
     except Exception as exc:
-        param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
-        raise RequestRejected(Rejected(Reason.INVALID_PROMPT,
-                                       f"cannot tokenize the {param}: {exc}", param)) from None
+        raise RequestRejected(Rejected(Why.UNTOKENIZABLE, {"error": str(exc)},
+                                       prompt_field(prompt))) from None
 
 
 def ban_end_tokens(loaded: LoadedModel, params: SamplingParams) -> SamplingParams:
@@ -110,10 +96,7 @@ def ban_end_tokens(loaded: LoadedModel, params: SamplingParams) -> SamplingParam
     if not params.ignore_eos:
         return params
     if params.constraint is not None:
-        raise RequestRejected(Rejected(
-            Reason.INVALID_VALUE, "ignore_eos cannot be combined with a JSON response_format "
-            "or a forced tool call: the grammar ends the answer with an end token",
-            "ignore_eos"))
+        raise RequestRejected(Rejected(Why.IGNORE_EOS_WITH_GRAMMAR, param="ignore_eos"))
     return replace(params, banned_tokens=tuple(sorted(loaded.tokenizer.eos_token_ids)))
 
 
@@ -132,9 +115,8 @@ def check_token_params(loaded: LoadedModel, params: SamplingParams) -> None:
         return
     for token, _ in params.logit_bias:
         if not 0 <= token < vocab:
-            raise RequestRejected(Rejected(
-                Reason.INVALID_VALUE, f"logit_bias token id {token} is not in this model's "
-                f"vocabulary (0..{vocab - 1})", "logit_bias"))
+            raise RequestRejected(Rejected(Why.OUT_OF_VOCAB, {"token": token, "vocab": vocab},
+                                           "logit_bias"))
 
 
 def utf8(prompt: str) -> bytes:
@@ -150,8 +132,8 @@ def utf8(prompt: str) -> bytes:
         return prompt.encode()
     except UnicodeEncodeError as exc:
         raise RequestRejected(Rejected(
-            Reason.INVALID_PROMPT, f"the prompt is not valid Unicode: a lone surrogate "
-            f"(U+{ord(prompt[exc.start]):04X}) at character {exc.start}", "prompt")) from None
+            Why.LONE_SURROGATE, {"codepoint": ord(prompt[exc.start]), "index": exc.start},
+            "prompt")) from None
 
 
 
@@ -216,10 +198,9 @@ class PromptPreparer:
         """Queue ``request`` for preparation, or refuse it at once (any thread; never blocks)."""
         with self._lock:
             if self._closed:
-                refusal = Rejected(Reason.SHUTTING_DOWN, "the server is shutting down")
+                refusal = Rejected(Why.SHUTTING_DOWN)
             elif len(self._pending) >= self.max_pending:
-                refusal = Rejected(Reason.QUEUE_FULL, f"server busy: {len(self._pending)} "
-                                   "prompts are being tokenized; retry later")
+                refusal = Rejected(Why.PREPARER_BUSY, {"pending": len(self._pending)})
             else:
                 refusal = None
                 self._pending[id(request)] = request
@@ -246,8 +227,7 @@ class PromptPreparer:
             self.reject(request, exc.event, exc.prompt_tokens)
         except Exception as exc:  # a bug here must still answer the request, never hang it
             log.exception("preparing request %s failed", request.request_id)
-            self.reject(request, Rejected(Reason.MODEL_ERROR,
-                                          f"preparing the prompt failed: {exc}"))
+            self.reject(request, Rejected(Why.PREPARE_FAILED, {"error": str(exc)}))
         finally:
             with self._lock:
                 self._pending.pop(id(request), None)
@@ -263,26 +243,17 @@ class PromptPreparer:
         if isinstance(prompt, str) and self.max_prompt_bytes is not None:
             n_bytes = len(utf8(prompt))
             if n_bytes > self.max_prompt_bytes:
-                raise self._too_long(f"prompt has {n_bytes} bytes, so more than "
-                                     f"limits.max_prompt_tokens={self.max_prompt_tokens} "
-                                     "tokens; shorten the prompt")
+                raise RequestRejected(Rejected(
+                    Why.PROMPT_BYTES_OVER_LIMIT,
+                    {"bytes": n_bytes, "limit": self.max_prompt_tokens}, "prompt"))
         ids = tokenize_prompt(self.loaded, prompt)
         if not ids:
-            raise RequestRejected(Rejected(Reason.EMPTY_PROMPT, "the prompt is empty (0 tokens)",
-                                           "prompt"))
+            raise RequestRejected(Rejected(Why.EMPTY_PROMPT, param="prompt"))
         if len(ids) > self.max_prompt_tokens:
-            chat = isinstance(prompt, ChatPrompt)
-            raise self._too_long(f"{'the rendered messages have' if chat else 'prompt has'} "
-                                 f"{len(ids)} tokens, more than "
-                                 f"limits.max_prompt_tokens={self.max_prompt_tokens}; "
-                                 f"shorten the {'messages' if chat else 'prompt'}",
-                                 "messages" if chat else "prompt", len(ids))
+            raise RequestRejected(Rejected(
+                Why.PROMPT_OVER_LIMIT, {"tokens": len(ids), "limit": self.max_prompt_tokens},
+                prompt_field(prompt)), len(ids))
         return ids
-
-    @staticmethod
-    def _too_long(message: str, param: str = "prompt",
-                  prompt_tokens: int | None = None) -> RequestRejected:
-        return RequestRejected(Rejected(Reason.TOO_LARGE, message, param), prompt_tokens)
 
     def close(self) -> None:
         """Stop taking requests; finish the ones in progress, refuse the queued ones.
@@ -298,4 +269,4 @@ class PromptPreparer:
             left = list(self._pending.values())
             self._pending.clear()
         for request in left:
-            self.reject(request, Rejected(Reason.SHUTTING_DOWN, "the server is shutting down"))
+            self.reject(request, Rejected(Why.SHUTTING_DOWN))

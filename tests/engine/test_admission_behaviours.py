@@ -21,13 +21,10 @@ from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.prefix import PromptPrefixes
 from server.engine.request_state import RequestState
 from server.engine.scheduler import Scheduler
+from server.http.refusals import describe
 from server.metrics import ServerMetrics
-from server.protocol import (
-    GenerationRequest,
-    Reason,
-    Rejected,
-    SamplingParams,
-)
+from server.protocol import GenerationRequest, SamplingParams
+from server.refusal import Reason, Rejected, Why
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -97,7 +94,8 @@ def _scheduler(n_blocks: int = 64, max_batch: int = 8, max_queue: int = 8) -> Sc
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks))
     # What the scheduler reads of the loaded model (admission copies the tokenizer's two).
     tokenizer = SimpleNamespace(detokenizer=None, eos_token_ids=())
-    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None)
+    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None,
+                             context_figures=lambda: {"context": None})
     return Scheduler(settings, pool, loaded, ServerMetrics())
 
 
@@ -148,7 +146,8 @@ def test_expire_re_judges_waiters_after_the_pool_shrank_behind_the_scheduler():
     assert lowered.channel.events == []
     [too_large] = explicit.channel.events  # the client asked for 100: told the most
     assert isinstance(too_large, Rejected) and too_large.reason is Reason.TOO_LARGE
-    assert too_large.param == "max_tokens" and "max_tokens can be at most 77" in too_large.message
+    assert too_large.why is Why.NEVER_FITS_POOL and too_large.figures["room"] == 77
+    assert too_large.param == "max_tokens" and "max_tokens can be at most 77" in describe(too_large)
     [no_room] = long_prompt.channel.events  # its prompt alone fills the pool
     assert no_room.reason is Reason.TOO_LARGE and no_room.param == "prompt"
     assert [p.request for p in scheduler.waiting] == [lowered]
@@ -180,7 +179,7 @@ def test_the_queue_bound_counts_requests_already_running():
 
 def test_after_close_an_arrival_gets_the_drain_refusal_and_is_not_queued():
     scheduler = _scheduler()
-    drain = Rejected(Reason.SHUTTING_DOWN, "the server is draining")
+    drain = Rejected(Why.SHUTTING_DOWN)
     scheduler.close(drain)
     request = _arrive(scheduler, "late", [5, 6, 7])
     assert request.channel.events == [drain]

@@ -13,7 +13,9 @@ import pytest
 
 from server.engine.capacity import CapacityPlanner, Reservation
 from server.engine.sampling import build_sampler
+from server.http.refusals import describe
 from server.protocol import SamplingParams
+from server.refusal import Rejected, Why
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 
@@ -21,12 +23,19 @@ def planner(n_layers: int = 1, **config) -> CapacityPlanner:
     return CapacityPlanner(BlockPoolAllocator(PoolConfig(block_size=16, **config)), n_layers)
 
 
+def words(misfit) -> str:
+    """How a client reads the pool's arithmetic (server.http.refusals words the record)."""
+    return describe(Rejected(Why.NEVER_FITS_POOL, {"misfit": misfit, "room": 1}, "max_tokens"))
+
+
 def test_streams_that_fit_alone_but_not_together_within_the_growth_head_room():
     # 4 + 4 blocks, growth to 10 in total: 2 blocks of head room, shared by both streams.
     plan = planner(n_blocks=8, grow_on_exhaustion=True, max_blocks=10)
     assert plan.never_fits(Reservation({"k": 5, "v": 5}), 80) is None  # 10 <= 8 + 2
-    why = plan.never_fits(Reservation({"k": 6, "v": 6}), 96)  # 6 <= 4 + 2 each; 12 > 10
-    assert why is not None and "stream 'all'" in why and "at most 10" in why
+    misfit = plan.never_fits(Reservation({"k": 6, "v": 6}), 96)  # 6 <= 4 + 2 each; 12 > 10
+    assert (misfit.stream, misfit.have, misfit.blocks) == ("all", 10, 12)
+    why = words(misfit)
+    assert "stream 'all'" in why and "at most 10" in why
     assert not plan.fits_now(Reservation({"k": 6, "v": 6}), {})
 
 
@@ -34,11 +43,13 @@ def test_a_stream_shrunk_alone_refuses_what_no_longer_fits_it():
     plan = planner(n_blocks=16)
     plan.pool.shrink("k", 4)  # k manages 4 blocks now, v still 8
     need = Reservation({"k": 6, "v": 6})  # 12 <= 12 in total, but k is short
-    why = plan.never_fits(need, 96)
-    assert why is not None and "stream 'k'" in why and "at most 4" in why
+    why = words(plan.never_fits(need, 96))
+    assert "stream 'k'" in why and "at most 4" in why
     assert plan.never_fits(Reservation({"k": 4, "v": 8}), 64) is None
     plan.pool.shrink("k", 0)  # nothing left on k: no request fits, and the message says so
-    why = plan.never_fits(Reservation({"k": 1, "v": 1}), 1)
+    misfit = plan.never_fits(Reservation({"k": 1, "v": 1}), 1)
+    assert misfit.most_tokens == 0
+    why = words(misfit)
     assert "holds no request now" in why and "tokens in total" not in why
 
 
@@ -46,7 +57,7 @@ def test_the_fit_hint_on_a_shared_kv_pool_counts_k_and_v():
     plan = planner(n_layers=2, n_blocks=64, separate_kv=False)
     need = plan.reservation(1000)  # 2 layers x 2 (k, v) x ceil(1000/16) = 252 blocks
     assert need.per_stream == {"kv": 252}
-    why = plan.never_fits(need, 1000)
+    why = words(plan.never_fits(need, 1000))
     # 64 blocks / (2 layers x 2) = 16 blocks per layer and stream = 256 tokens.
     assert "x 2 (k and v)" in why and "to fit 256 tokens in total" in why
 
@@ -75,7 +86,9 @@ def test_max_request_tokens_is_the_largest_request_never_fits_accepts(n_layers, 
     assert most > 0 and most % 16 == 0
     assert plan.never_fits(plan.reservation(most), most) is None
     assert plan.never_fits(plan.reservation(most + 1), most + 1) is not None
-    assert f"to fit {most} tokens in total" in plan.never_fits(plan.reservation(10**4), 10**4)
+    assert plan.never_fits(plan.reservation(10**4), 10**4).most_tokens == most
+    assert f"to fit {most} tokens in total" in words(plan.never_fits(plan.reservation(10**4),
+                                                                     10**4))
 
 
 def test_max_request_tokens_is_none_when_the_pool_grows_without_bound():

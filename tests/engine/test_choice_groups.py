@@ -16,12 +16,10 @@ import httpx
 
 from server.engine.request_state import ChoiceGroup, RequestState
 from server.engine.scheduler import Scheduler
+from server.http.refusals import describe
 from server.metrics import ServerMetrics
-from server.protocol import (
-    GenerationRequest,
-    Reason,
-    SamplingParams,
-)
+from server.protocol import GenerationRequest, SamplingParams
+from server.refusal import Reason
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -43,7 +41,8 @@ def _scheduler(n_blocks: int, max_batch: int = 32, share: float = 1.0,
                                      "queue_timeout_s": timeout})
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
     tokenizer = SimpleNamespace(detokenizer=None, eos_token_ids=[1])
-    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None)
+    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None,
+                             context_figures=lambda: {"context": None})
     return Scheduler(settings, pool, loaded, ServerMetrics())
 
 
@@ -75,7 +74,8 @@ def test_a_group_the_pool_can_never_hold_is_refused_whole_at_once():
     assert _admit(scheduler) == [] and not scheduler.waiting and not scheduler.choices.ready
     events = [m.channel.events for m in group.members]
     assert all(len(e) == 1 and e[0].reason is Reason.TOO_LARGE for e in events)
-    assert events[0][0].param == "n" and "n=6" in events[0][0].message
+    assert events[0][0].param == "n" and events[0][0].figures["size"] == 6
+    assert "n=6" in describe(events[0][0])
     assert scheduler.pool.stats.blocks_in_use() == 0
 
 

@@ -15,12 +15,10 @@ from types import SimpleNamespace
 
 from server.engine.request_state import RequestState
 from server.engine.scheduler import Scheduler
+from server.http.refusals import describe
 from server.metrics import ServerMetrics
-from server.protocol import (
-    GenerationRequest,
-    Reason,
-    SamplingParams,
-)
+from server.protocol import GenerationRequest, SamplingParams
+from server.refusal import Reason
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -40,7 +38,8 @@ def _scheduler(tokenizer, max_batch: int, max_queue: int, n_blocks: int = 400) -
                              limits={"max_queue": max_queue})
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
     # what the scheduler reads
-    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None)
+    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None,
+                             context_figures=lambda: {"context": None})
     return Scheduler(settings, pool, loaded, ServerMetrics())
 
 
@@ -63,7 +62,8 @@ def test_a_burst_into_an_idle_server_fills_the_batch_then_the_queue(tiny_model):
     assert _refused(requests) == ["r6"]  # 4 start, 2 wait, the 7th finds the queue full
     event = requests[6].channel.events[0]
     assert event.reason is Reason.QUEUE_FULL
-    assert "2 requests already wait" in event.message
+    assert event.figures == {"waiting": 2, "max_queue": 2}
+    assert "2 requests already wait" in describe(event)
     assert len(list(scheduler.admit())) == 4 and len(scheduler.waiting) == 2
 
 

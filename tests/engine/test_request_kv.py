@@ -3,7 +3,8 @@
 On the live server (real uvicorn, tiny model), while two streaming requests
 decode, every row the engine holds has one ``PoolBackedKVCache`` per layer
 over the pool's block storage, owned by that request's owner id (the
-scheduler's id for it), holding exactly its tokens' blocks. When the
+scheduler's id for it), holding exactly its tokens' blocks, and its row refers to
+the scheduler's record for its prompt and settings. When the
 requests end their caches are released, their owners are retired on the
 pool, and the pool is back at its idle figures.
 """
@@ -23,11 +24,21 @@ pytestmark = pytest.mark.slow
 NO_EOS = {"1": -100, "3": -100}  # the tiny model's EOS ids: the answers run to max_tokens
 
 
-def _engine_view(engine):
-    """(owner -> (request id, caches), requests running), read on the engine thread."""
+def _engine_view(engine, references: dict | None = None):
+    """(owner -> (request id, caches), requests running), read on the engine thread.
+
+    ``references`` gets, per owner, whether the runner's row refers to the scheduler's
+    record (its prompt ids and settings are the record's objects, not copies).
+    """
     def look():
         live = engine.scheduler.live_requests()
-        return {r.owner: (live.get(r.owner), r.kv) for r in engine.runner.held_rows()}
+        rows = engine.runner.held_rows()
+        if references is not None:
+            for r in rows:
+                state = engine.scheduler.running.get(r.owner)
+                references[r.owner] = state is not None and (
+                    r.prompt_ids is state.prompt_ids and r.params is state.request.params)
+        return {r.owner: (live.get(r.owner), r.kv) for r in rows}
     return engine.run_on_engine(look).result(timeout=30)
 
 
@@ -49,15 +60,18 @@ def test_a_served_requests_kv_is_its_pool_backed_caches_and_its_end_releases_the
     for t in threads:
         t.start()
     seen: dict = {}
+    references: dict = {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(t.is_alive() for t in threads):
         # until both decode (each holds blocks)
-        seen = _engine_view(engine)
+        references.clear()
+        seen = _engine_view(engine, references)
         if len(seen) == 2 and all(caches and caches[0].size() > 0
                                   for _, caches in seen.values()):
             break
         time.sleep(0.02)
     assert len(seen) == 2, seen
+    assert references == dict.fromkeys(seen, True)  # the runner refers to the records
     layers = len(engine.runner.model.layers)
     kept = []
     for owner, (request_id, caches) in seen.items():

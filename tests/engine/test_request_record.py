@@ -11,7 +11,8 @@ from types import SimpleNamespace
 from server.engine.request_state import RequestState, Status
 from server.engine.scheduler import Scheduler
 from server.metrics import ServerMetrics
-from server.protocol import GenerationRequest, Reason, Rejected, SamplingParams
+from server.protocol import GenerationRequest, SamplingParams
+from server.refusal import Reason, Rejected, Why
 from tests.support.servers import make_settings
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
@@ -28,7 +29,8 @@ def _scheduler(max_batch: int = 1, n_blocks: int = 400) -> Scheduler:
     settings = make_settings(batch={"max_batch_size": max_batch})
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
     tokenizer = SimpleNamespace(detokenizer=object(), eos_token_ids=(2,))
-    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None)
+    loaded = SimpleNamespace(n_layers=2, tokenizer=tokenizer, context_length=None,
+                             context_figures=lambda: {"context": None})
     return Scheduler(settings, pool, loaded, ServerMetrics())
 
 
@@ -70,7 +72,7 @@ def test_a_refused_record_ends_without_an_owner():
     (event,) = too_long.request.channel.events
     assert event.reason is Reason.TOO_LARGE
 
-    closing = Rejected(Reason.SHUTTING_DOWN, "the server is shutting down")
+    closing = Rejected(Why.SHUTTING_DOWN)
     waiting = _record("w")
     scheduler.intake(waiting)
     scheduler.close(closing)

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from server.engine.capacity import CapacityPlanner
 from server.engine.request_state import StopMatcher
+from server.http.refusals import describe
+from server.refusal import Rejected, Why
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 
 
@@ -67,7 +69,9 @@ def test_reservation_per_stream():
 def test_never_fits_says_numbers_and_fix():
     _, p = planner(n_blocks=20)  # 10 per stream
     assert p.never_fits(p.reservation(80), 80) is None  # 2 x 5 = 10 blocks: fits exactly
-    why = p.never_fits(p.reservation(81), 81)
+    misfit = p.never_fits(p.reservation(81), 81)
+    assert (misfit.blocks, misfit.have, misfit.stream, misfit.n_tokens) == (12, 10, "k", 81)
+    why = describe(Rejected(Why.NEVER_FITS_POOL, {"misfit": misfit, "room": 1}, "max_tokens"))
     assert "12 KV blocks" in why and "at most 10" in why and "lower max_tokens" in why
     _, p = planner(n_blocks=20, grow_on_exhaustion=True)
     assert p.never_fits(p.reservation(10_000), 10_000) is None  # unbounded growth

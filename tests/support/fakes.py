@@ -18,11 +18,10 @@ from server.protocol import (
     Finished,
     FinishReason,
     GenerationRequest,
-    Reason,
-    Rejected,
     TokenEvent,
     Usage,
 )
+from server.refusal import Reason, Rejected, Why
 from server.text.chat_render import tool_call_format
 from server.text.think_tags import (
     opens_thinking,
@@ -97,10 +96,10 @@ class FakeEngine:
             if isinstance(prompt, ChatPrompt) else "")
         put = request.channel.put
         if "REJECT429" in text:
-            put(Rejected(Reason.QUEUE_FULL, "busy"))
+            put(Rejected(Why.QUEUE_FULL, {"waiting": 1, "max_queue": 1}))
             return
         if "REJECT400" in text:
-            put(Rejected(Reason.TOO_LARGE, "too large for the pool", "max_tokens"))
+            put(Rejected(Why.NO_ROOM_IN_POOL, {"tokens": 3, "pool_tokens": 3}, "max_tokens"))
             return
         put(Admitted(owner=1, prompt_tokens=3, reserved_blocks=2))
         if "SILENT" in text:

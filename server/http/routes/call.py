@@ -25,10 +25,10 @@ from server.protocol import (
     Failed,
     Finished,
     GenerationRequest,
-    Rejected,
     SamplingParams,
     TokenEvent,
 )
+from server.refusal import Rejected
 
 # How long a waiting route hears nothing before it checks that the engine still runs
 # (its client leaving wakes it at once). Only a safety net: an engine that stops on

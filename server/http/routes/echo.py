@@ -21,12 +21,8 @@ from fastapi import Request
 from server.http.errors import InvalidRequestError, engine_error
 from server.http.routes.call import GenerationCall
 from server.http.routes.fanout import Fanout
-from server.protocol import (
-    Rejected,
-    SamplingParams,
-    TokenLogprob,
-    TopLogprob,
-)
+from server.protocol import SamplingParams, TokenLogprob, TopLogprob
+from server.refusal import Rejected
 
 
 @dataclass(slots=True)

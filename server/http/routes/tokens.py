@@ -29,7 +29,7 @@ from server.http.routes.params import check_model
 from server.http.schemas.template_kwargs import checked_template_kwargs
 from server.http.schemas.tokens import DetokenizeRequest, TokenizeRequest
 from server.http.schemas.tools import tool_plan
-from server.protocol import Rejected
+from server.refusal import Rejected
 
 router = APIRouter()
 
@@ -50,11 +50,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         prompt = body.text
     ids = await asyncio.to_thread(engine.tokenize, prompt, body.adds_special, body.parse_special)
     if isinstance(ids, Rejected):
+        error = engine_error(ids)
         if body.content is not None and ids.param == "prompt":
             # Named as this client sent it.
-            ids = replace(ids, param="content",
-                          message=ids.message.replace("the prompt", "content", 1))
-        raise engine_error(ids)
+            error.param = "content"
+            error.message = error.message.replace("the prompt", "content", 1)
+        raise error
     limit = request.app.state.settings.limits.max_prompt_tokens
     answer = {"count": len(ids), "tokens": ids, "max_prompt_tokens": limit,
               "max_model_len": getattr(engine, "context_length", None)}

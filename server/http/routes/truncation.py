@@ -30,13 +30,8 @@ from typing import Any
 from server.http.errors import engine_error
 from server.http.routes.conversation import NOTHING, message_size, served_bound
 from server.http.schemas.chat import ChatMessage
-from server.protocol import (
-    ChatPrompt,
-    ConversationBound,
-    ConversationSize,
-    Rejected,
-    SamplingParams,
-)
+from server.protocol import ChatPrompt, ConversationBound, ConversationSize, SamplingParams
+from server.refusal import Rejected
 
 # Roles that are never dropped.
 PINNED_ROLES = ("system", "developer")
