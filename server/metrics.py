@@ -14,15 +14,12 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
-
-if TYPE_CHECKING:  # the collectors import this module; only the annotation needs theirs
-    from server.metrics_collectors import EngineCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
@@ -296,11 +293,14 @@ class VllmNames:
 
     Args:
         metrics: The server metrics (their model-labelled per-request families).
-        gauges: The engine collector (its model-labelled load gauges).
+        load_gauges: The engine collector's model-labelled load gauges
+            (``EngineCollector.load_gauges``; passed in, so this module need not
+            import the collectors, which import it).
     """
 
-    def __init__(self, metrics: ServerMetrics, gauges: EngineCollector) -> None:
-        self.sources = (metrics.per_request.collect, gauges.load_gauges)
+    def __init__(self, metrics: ServerMetrics,
+                 load_gauges: Callable[[], Iterable[Metric]]) -> None:
+        self.sources = (metrics.per_request.collect, load_gauges)
 
     def collect(self):
         for source in self.sources:

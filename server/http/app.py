@@ -187,7 +187,7 @@ def _engine_metrics(settings: Settings, engine: Any) -> ServerMetrics:
     gauges = EngineCollector(engine, metrics)
     metrics.registry.register(gauges)
     if settings.metrics.vllm_names:
-        metrics.registry.register(VllmNames(metrics, gauges))
+        metrics.registry.register(VllmNames(metrics, gauges.load_gauges))
     metrics.listeners.append(request_log.RequestLog())
     return metrics
 
