@@ -17,7 +17,7 @@ a layer's gathered blocks turn back into the compute dtype for attention::
     polar    PolarQuant's 4/2/2/2 angle codes of each block of    D x 23 / 64 + D / 8
              16 rotated coordinates and a float16 radius a block
 
-Both are affine; they differ in how the bias is kept. q8 widens each group's
+q8 and q4 are affine; they differ in how the bias is kept. q8 widens each group's
 range to hold 0 so its bias is an integer zero point (one byte, not two): at
 head_dim 64 a token of one head costs 67 bytes, 1.91x fewer than float16
 (68 bytes, 1.88x, with a float16 bias). q4 keeps a float16 bias: a 4-bit
