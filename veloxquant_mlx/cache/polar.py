@@ -99,6 +99,11 @@ class PolarTables:
         """Angle codes per row at each level."""
         return [self.blocks * (BLOCK >> (lv + 1)) for lv in range(LEVELS)]
 
+    def level_bytes(self) -> list[int]:
+        """Bytes of one row's packed angle codes at each level."""
+        return [packed_row_bytes(w, b) for w, b
+                in zip(self.level_widths(), self.level_bits, strict=True)]
+
 
 class PolarStream:
     """One stream of polar codes: packed angle codes per level plus block radii."""
@@ -152,8 +157,7 @@ class PolarPoolCodec:
                              f"is not a multiple of {BLOCK}")
         self.tables = PolarTables(dim, level_bits_for(bits), seed)
         self.bits = bits
-        self._row_bytes = [packed_row_bytes(w, b) for w, b
-                           in zip(self.tables.level_widths(), self.tables.level_bits, strict=True)]
+        self._row_bytes = self.tables.level_bytes()
 
     @property
     def code_width(self) -> int:
@@ -202,7 +206,7 @@ class PolarQuantCache(RotatedTwoStreamCache):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.level_bits = level_bits_for(self.bits)
-        tables = PolarTables(self.head_dim, self.level_bits, config.seed)
+        tables = self.tables = PolarTables(self.head_dim, self.level_bits, config.seed)
         self.rotation = tables.rotation
         self._keys = PolarStream(tables)
         self._values = PolarStream(tables)
@@ -218,11 +222,7 @@ class PolarQuantCache(RotatedTwoStreamCache):
 
     def expected_memory_bytes(self) -> int:
         """Closed form: packed angle rows per level plus float16 radii."""
-        blocks = self.head_dim // BLOCK
-        per_row = blocks * 2 + sum(
-            packed_row_bytes(blocks * (BLOCK >> (lv + 1)), b)
-            for lv, b in enumerate(self.level_bits)
-        )
+        per_row = self.tables.blocks * 2 + sum(self.tables.level_bytes())
         return (self.n_keys + self.n_values) * per_row
 
     def _append_keys(self, keys: mx.array) -> None:
