@@ -1,8 +1,8 @@
 """Decode steps with mlx-lm's blocks as written and as compiled halves, same run.
 
 ``batch.compile_decode`` (veloxquant_mlx/compiled_decode.py) changes how much
-host work building a decode step's graph takes. This drives the server's own
-:class:`~server.engine.runner.ModelRunner` (greedy, write-back 32) for 1, 16
+host work building a decode step's graph takes. This drives the server's
+runner (:class:`~server.harness.RunnerHarness`; greedy, write-back 32) for 1, 16
 and 64 rows, the two settings alternating so drift hits both, on two models:
 
 - ``tiny`` (4 layers, float32): the CPU serving path (our paged attention);
@@ -39,25 +39,18 @@ DEFAULT_OUT = ROOT / "figures" / "compiled_decode" / "results.json"
 
 def measure(model, rows: int, compiled: bool, steps: int) -> dict:
     """Decode ``steps`` greedy steps of ``rows`` rows (64-token prompts)."""
-    from server.engine.run_output import StepClock
-    from server.engine.runner import ModelRunner
+    from server.harness import RunnerHarness
     from server.protocol import SamplingParams
-    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
-    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=rows * 16 * 2 * 12 + 64))
-    arena = KVArena(pool, probe_kv_layout(model))
-    clock = StepClock()
-    runner = ModelRunner(model, pool, 512, arena, clock, kv_write_back=32,
-                         compile_decode=compiled)
-    for owner in range(1, rows + 1):
-        runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(64)],
-                   SamplingParams(max_tokens=steps + 32, temperature=0.0))
-    while runner.prefilling or runner.group is not None:
-        runner.prefill(1 << 20)
-    result, tokens = timed_decode(runner, clock, steps)
-    runner.remove(range(1, rows + 1))
-    return {**result, "compiled_blocks": runner.compiled_blocks, "tokens": tokens}
+    with RunnerHarness.for_model(model, rows * 16 * 2 * 12 + 64, kv_write_back=32,
+                                 compile_decode=compiled) as harness:
+        prompts = {owner: [5 + (owner * 7 + j) % 200 for j in range(64)]
+                   for owner in range(1, rows + 1)}
+        harness.start(prompts, SamplingParams(max_tokens=steps + 32, temperature=0.0))
+        harness.prefill()
+        result, tokens = timed_decode(harness, steps)
+        harness.finish(prompts)
+        return {**result, "compiled_blocks": harness.compiled_blocks, "tokens": tokens}
 
 
 def model_folder(name: str, scratch: Path) -> Path:

@@ -3,7 +3,7 @@
 What a decode step costs once the model is small next to the machine is mostly
 graph nodes: each one is built by the host, walked by ``async_eval`` and run
 as a kernel (on this CPU several microseconds each, on a GPU a launch). This
-drives the server's :class:`~server.engine.runner.ModelRunner` on the model as
+drives the server's runner (:class:`server.harness.RunnerHarness`) on the model as
 the server loads it (``server.model_loader``: the default SmolLM2 dequantized
 to float32 with its codes on the CPU) with the server's decode settings, for
 1 and 16 rows of 64-token prompts, greedy, and records per step:
@@ -55,45 +55,74 @@ def _first_of(modules: tuple[str, ...], name: str):
 def child(model_name: str, rows: int, steps: int) -> dict:
     """Measure in this process, on the checkout its ``PYTHONPATH`` (and cwd) names."""
     import server
-    from server.engine.runner import ModelRunner
-    from server.model_loader import load_model
     from server.settings import load_settings
 
-    # Where a checkout keeps the step clock and the request records (they moved).
-    StepClock = _first_of(("server.engine.run_output", "server.engine.step_clock"), "StepClock")
     SamplingParams = _first_of(("server.protocol", "server.engine.protocol"), "SamplingParams")
-    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
-
     # Imported after the checkout's packages: it puts this checkout first on sys.path.
     timed_decode = importlib.import_module("benchmark_write_back").timed_decode
 
     if not Path(server.__file__).resolve().is_relative_to(Path.cwd().resolve()):
         raise RuntimeError(f"server imported from {server.__file__}, not {Path.cwd()}")
     settings = load_settings(None, overrides={"model": {"path": model_name}}, env={})
-    loaded = load_model(settings.model)  # kept: it owns the registered codes
-    model = loaded.model
-    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=rows * 2 * 16 * 64 + 64))
-    clock = StepClock()
-    runner = ModelRunner(model, pool, 512, KVArena(pool, probe_kv_layout(model)), clock,
-                         kv_write_back=settings.batch.kv_write_back,
-                         compile_decode=settings.batch.compile_decode)
-    warm = [[5 + (owner * 11 + j) % 200 for j in range(64)] for owner in range(rows)]
-    prompts = [[5 + (owner * 7 + j) % 200 for j in range(64)] for owner in range(rows)]
+    n_blocks = rows * 2 * 16 * 64 + 64
+    # Asked by path: the editable install's finder would hand an older checkout this
+    # checkout's server.harness.
+    if (Path.cwd() / "server" / "harness.py").exists():
+        from server.harness import RunnerHarness
+
+        harness = RunnerHarness.for_settings(settings, n_blocks)
+    else:  # a revision from before the harness
+        harness = _PreHarness(settings, n_blocks)
+    warm = {1000 + o: [5 + (o * 11 + j) % 200 for j in range(64)] for o in range(rows)}
+    prompts = {1 + o: [5 + (o * 7 + j) % 200 for j in range(64)] for o in range(rows)}
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0)
     prefill_ms = []
-    for first_owner, batch in ((1000, warm), (1, prompts)):  # the first run traces shapes
+    for batch in (warm, prompts):  # the first batch traces the shapes
         start = time.perf_counter()
-        for owner, prompt in enumerate(batch, start=first_owner):
-            runner.add(owner, prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0))
-        while runner.prefilling or runner.group is not None:
-            runner.prefill(1 << 20)
-        runner.decode()  # reads the first tokens: the last prompt call runs in this step
+        harness.start(batch, params)
+        harness.prefill()
+        harness.decode()  # reads the first tokens: the last prompt call runs in this step
         prefill_ms.append(round((time.perf_counter() - start) * 1e3, 3))
-        if first_owner == 1000:
-            runner.remove(range(1000, 1000 + rows))
-    result, tokens = timed_decode(runner, clock, steps)
-    runner.remove(range(1, rows + 1))
+        if batch is warm:
+            harness.finish(warm)
+    result, tokens = timed_decode(harness, steps)
+    harness.finish(prompts)
     return {**result, "prompts_to_first_tokens_ms": prefill_ms[1], "tokens": tokens}
+
+
+class _PreHarness:
+    """The moves of ``server.harness.RunnerHarness``, on a revision that predates it."""
+
+    def __init__(self, settings, n_blocks: int) -> None:
+        from server.engine.runner import ModelRunner
+        from server.model_loader import load_model
+        from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+        from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+
+        StepClock = _first_of(("server.engine.run_output", "server.engine.step_clock"),
+                              "StepClock")
+        self.loaded = load_model(settings.model)  # kept: it owns the model's codes
+        pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
+        self.clock = StepClock()
+        self.runner = ModelRunner(self.loaded.model, pool, 512,
+                                  KVArena(pool, probe_kv_layout(self.loaded.model)), self.clock,
+                                  kv_write_back=settings.batch.kv_write_back,
+                                  compile_decode=settings.batch.compile_decode)
+        self.arena = self.runner.arena
+
+    def start(self, prompts, params) -> None:
+        for owner, ids in prompts.items():
+            self.runner.add(owner, ids, params)
+
+    def prefill(self) -> None:
+        while self.runner.prefilling or self.runner.group is not None:
+            self.runner.prefill(1 << 20)
+
+    def decode(self):
+        return self.runner.decode()
+
+    def finish(self, owners) -> None:
+        self.runner.remove(owners)
 
 
 def run_child(root: Path, model: str, rows: int, steps: int) -> dict:

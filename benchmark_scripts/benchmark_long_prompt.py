@@ -46,13 +46,12 @@ DEFAULT_OUT = ROOT / "figures" / "real_model" / "long_prompt.json"
 _ENGINE = r"""
 import json, sys, time
 import mlx.core as mx
+from server.harness import RunnerHarness
 from server.protocol import SamplingParams
-from server.engine.runner import ModelRunner
 from server.model_loader import load_model
 from server.settings import load_settings
 from veloxquant_mlx import native_swiglu
-from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, native_attention
-from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+from veloxquant_mlx.memory import native_attention
 
 n, use_kernel = int(sys.argv[1]), sys.argv[2] == "kernel"
 if not use_kernel:
@@ -61,20 +60,16 @@ if not use_kernel:
 elif native_attention.kernel() is None or native_swiglu.kernel() is None:
     raise SystemExit("the prompt kernels are not loaded: is the BLAS forward built?")
 loaded = load_model(load_settings(None, overrides={"model": {"path": "smollm2"}}, env={}).model)
-model = loaded.model
-pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=2 * 30 * (n // 16 + 8) + 64))
-arena = KVArena(pool, probe_kv_layout(model))
-runner = ModelRunner(model, pool, 512, arena)
+harness = RunnerHarness.for_model(loaded.model, 2 * 30 * (n // 16 + 8) + 64, loaded=loaded)
 prompt = [5 + (j * 7919) % 40000 for j in range(n)]
 
 def first_token(owner, ids):
     start = time.perf_counter()
-    runner.add(owner, ids, SamplingParams(max_tokens=2, temperature=0.0))
-    while runner.prefilling or runner.group is not None:
-        runner.prefill(512)
-    runner.decode()  # reads the first token
+    harness.start({owner: ids}, SamplingParams(max_tokens=2, temperature=0.0))
+    harness.prefill(512)
+    harness.decode()  # reads the first token
     seconds = time.perf_counter() - start
-    runner.remove([owner])
+    harness.finish([owner])
     return seconds
 
 first_token(1, prompt[:600])  # warm-up: traces the chunk shapes

@@ -2,7 +2,7 @@
 
 What ``batch.kv_write_back`` changes is host work and the number of arena
 writes (each of which copies the whole arena on a GPU). This drives the
-server's own :class:`~server.engine.runner.ModelRunner` on an offline model
+server's runner (:class:`server.harness.RunnerHarness`) on an offline model
 (default ``tiny``, where a step is mostly host work, as on a GPU) for 1, 16
 and 64 rows, with write-back 1 (every step writes) and 32, alternating the
 two so drift hits both, and records per decode step: wall time, the step
@@ -37,7 +37,7 @@ from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
 DEFAULT_OUT = ROOT / "figures" / "write_back" / "results.json"
 
 
-def timed_decode(runner, clock, steps: int,
+def timed_decode(harness, steps: int,
                  sync_steps: int = 8) -> tuple[dict, list[tuple[int, int]]]:
     """Five warm-up decode steps (joins, first traces), ``steps`` timed ones, then synced ones.
 
@@ -57,33 +57,34 @@ def timed_decode(runner, clock, steps: int,
 
     import mlx.core as mx
 
+    clock = harness.clock
     for _ in range(5):
-        runner.decode()
+        harness.decode()
     mx.synchronize()
-    writes = runner.arena.writes
+    writes = harness.arena.writes
     _, before = clock.totals()
     tokens = []
     t = time.perf_counter()
     for _ in range(steps):
         clock.start()
-        tokens += [(s.owner, s.token) for s in runner.decode().tokens]
+        tokens += [(s.owner, s.token) for s in harness.decode().tokens]
     mx.synchronize()
     wall = time.perf_counter() - t
     _, after = clock.totals()
     phases = {k: round((after[k] - before[k]) / steps * 1e3, 3) for k in after
               if after[k] != before[k]}
-    arena_writes = runner.arena.writes - writes
+    arena_writes = harness.arena.writes - writes
     host, device = [], []
     for _ in range(sync_steps):
         t0 = time.perf_counter()
-        tokens += [(s.owner, s.token) for s in runner.decode().tokens]
+        tokens += [(s.owner, s.token) for s in harness.decode().tokens]
         t1 = time.perf_counter()
         mx.synchronize()
         host.append(t1 - t0)
         device.append(time.perf_counter() - t1)
     synced = {"host_ms": round(statistics.median(host) * 1e3, 3),
               "device_ms": round(statistics.median(device) * 1e3, 3)} if sync_steps else {}
-    nodes = counted_step(runner)
+    nodes = counted_step(harness)
     return {"ms_per_step": round(wall / steps * 1e3, 3), "phases_ms_per_step": phases,
             "arena_writes": arena_writes, "synced_steps": synced,
             "graph_nodes": sum(nodes.values()), "nodes_by_primitive": nodes}, tokens
@@ -98,7 +99,7 @@ def count_nodes(arrays) -> dict[str, int]:
     return dict(collections.Counter(re.findall(r'label\s*=\s*"(\w+)', dot.getvalue())))
 
 
-def counted_step(runner) -> dict[str, int]:
+def counted_step(harness) -> dict[str, int]:
     """One more decode step; the nodes of the graphs it hands to ``mx.async_eval``.
 
     Each node is built by the host, walked by the evaluation and run as one
@@ -115,7 +116,7 @@ def counted_step(runner) -> dict[str, int]:
 
     mx.async_eval = counting
     try:
-        runner.decode()
+        harness.decode()
     finally:
         mx.async_eval = submit
     return dict(counts.most_common())
@@ -142,23 +143,18 @@ def save_figures(out: Path, script: str, fields: dict) -> None:
 
 def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dict:
     """Decode ``steps`` steps of ``rows`` rows (32-token prompts, temperature 0.7)."""
-    from server.engine.run_output import StepClock
-    from server.engine.runner import ModelRunner
+    from server.harness import RunnerHarness
     from server.protocol import SamplingParams
-    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
-    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
-    arena = KVArena(pool, probe_kv_layout(model))
-    clock = StepClock()
-    runner = ModelRunner(model, pool, 64, arena, clock, kv_write_back=write_back)
-    for owner in range(1, rows + 1):
-        runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(32)],
-                   SamplingParams(max_tokens=steps + 32, temperature=0.7, seed=None))
-    runner.prefill(1 << 20)
-    result, _ = timed_decode(runner, clock, steps)
-    runner.remove(range(1, rows + 1))
-    return {**result, "arena_mib": round(arena.nbytes / 2**20, 1)}
+    with RunnerHarness.for_model(model, n_blocks, prefill_chunk=64,
+                                 kv_write_back=write_back) as harness:
+        prompts = {owner: [5 + (owner * 7 + j) % 200 for j in range(32)]
+                   for owner in range(1, rows + 1)}
+        harness.start(prompts, SamplingParams(max_tokens=steps + 32, temperature=0.7))
+        harness.prefill()
+        result, _ = timed_decode(harness, steps)
+        harness.finish(prompts)
+        return {**result, "arena_mib": round(harness.arena.nbytes / 2**20, 1)}
 
 
 def copy_probe(mib: int = 256, steps: int = 10) -> dict:

@@ -4,8 +4,8 @@
 For every family of :mod:`veloxquant_mlx.family_models` this builds its small
 random-weight model, then:
 
-* loads it as the server does (:func:`server.model_loader.load_model`, inside
-  :func:`server.engine.startup.assemble`); a refusal is recorded with its line;
+* loads it as the server does (:meth:`server.harness.RunnerHarness.served`: the
+  server's load and assembly); a refusal is recorded with its line;
 * otherwise runs two prompts (40 and 29 tokens: past the 16-token windows the
   families state, and of two lengths, so one prefill group pads one row) through
   the engine's own runner, its paged KV batch and the pool's arena, greedy,
@@ -19,8 +19,9 @@ A family is served when its tokens are equal and the difference is within
 ``TOLERANCE`` (float32 on the CPU); a loaded family that differs is a
 ``mismatch``, which the server must refuse instead. For a refused family the
 figure also records what serving it would have given: the same prompts through
-a :class:`~server.engine.runner.ModelRunner` over the pool's arena, built on
-mlx-lm's load with no check (``unchecked_*``).
+the harness's runner over the pool's arena
+(:meth:`~server.harness.RunnerHarness.for_model`), on mlx-lm's load with no check
+(``unchecked_*``).
 
 Usage:
     python benchmark_scripts/model_family_parity.py            # -> figures/model_families.json
@@ -104,41 +105,27 @@ def served_generation(folder: Path, prompt_ids: list[list[int]], n: int) -> list
     Raises:
         server.model_support.UnsupportedModelError: The load refuses the model.
     """
-    from server.engine.run_output import StepClock
-    from server.engine.startup import assemble, make_pool
-    from server.metrics import ServerMetrics
-    from server.model_loader import load_model
+    from server.harness import RunnerHarness
     from server.protocol import SamplingParams
     from server.settings import load_settings
 
     settings = load_settings(None, overrides={"model": {"path": str(folder)}}, env={})
-    parts = assemble(settings, make_pool(settings), load_model, ServerMetrics(), StepClock(),
-                     lambda _: None)
-    try:
-        return _run_rows(parts.runner, prompt_ids, n, SamplingParams(
+    with RunnerHarness.served(settings) as harness:
+        return _run_rows(harness, prompt_ids, n, SamplingParams(
             max_tokens=n, temperature=0.0, logprobs=True))
-    finally:
-        parts.runner.close()
-        parts.preparer.close()
 
 
 def unchecked_generation(folder: Path, prompt_ids: list[list[int]], n: int) -> list[Generated]:
     """:func:`served_generation` with no load-time check: mlx-lm's load, the runner, the arena."""
     import mlx_lm
 
-    from server.engine.runner import ModelRunner
+    from server.harness import RunnerHarness
     from server.protocol import SamplingParams
-    from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-    from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
 
     model, _ = mlx_lm.load(str(folder))
-    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=1024))
-    runner = ModelRunner(model, pool, 512, KVArena(pool, probe_kv_layout(model)))
-    try:
-        return _run_rows(runner, prompt_ids, n, SamplingParams(
+    with RunnerHarness.for_model(model, 1024) as harness:
+        return _run_rows(harness, prompt_ids, n, SamplingParams(
             max_tokens=n, temperature=0.0, logprobs=True))
-    finally:
-        runner.close()
 
 
 def _differences(ours: list[Generated], reference: list[Generated]) -> tuple[bool, float, float]:
@@ -149,20 +136,20 @@ def _differences(ours: list[Generated], reference: list[Generated]) -> tuple[boo
     return equal, max(float(s.max()) for s in steps), max(float(s[0]) for s in steps)
 
 
-def _run_rows(runner: Any, prompt_ids: list[list[int]], n: int, params: Any) -> list[Generated]:
-    """Add every prompt, prefill them, decode until each has ``n`` tokens; rows leave."""
+def _run_rows(harness: Any, prompt_ids: list[list[int]], n: int,
+              params: Any) -> list[Generated]:
+    """Start every prompt, prefill them, decode until each has ``n`` tokens; rows leave."""
     import numpy as np
 
     owners = range(len(prompt_ids))
-    for owner, ids in zip(owners, prompt_ids, strict=True):
-        runner.add(owner, ids, params)
-    _check(runner.prefill(1 << 20))  # one group: the budget holds both prompts
+    harness.start(dict(zip(owners, prompt_ids, strict=True)), params)
+    _check(harness.prefill())  # one group: the budget holds both prompts
     got: dict[int, list] = {owner: [] for owner in owners}
     for _ in range(n):  # the first decode hands back the first tokens too
-        out = _check(runner.decode())
+        out = _check(harness.decode())
         for sampled in out.tokens:
             got[sampled.owner].append((sampled.token, np.array(sampled.logprobs)))
-    runner.remove(owners)
+    harness.finish(owners)
     if any(len(got[o]) != n for o in owners):
         raise RuntimeError(f"{n} decode calls gave {[len(got[o]) for o in owners]} tokens")
     return [Generated([t for t, _ in got[o]], np.stack([lp for _, lp in got[o]]))

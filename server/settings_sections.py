@@ -352,7 +352,7 @@ class KVSection(_Section):
 
 
 class CacheSection(_Section):
-    """Prefix caching (server.engine.prefix): full prompt blocks stay in the pool,
+    """Prefix caching (server.engine.kv_memory): full prompt blocks stay in the pool,
     shared by later requests with the same prefix; unreferenced ones are evicted
     least recently used first when admission needs the room."""
 

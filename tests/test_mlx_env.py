@@ -93,7 +93,7 @@ for owner, length in enumerate(range(8, 8 + 24 * 5, 5), 1):
     runner.add(owner, [5 + (owner * 7 + j) % 200 for j in range(length)],
                SamplingParams(max_tokens=3, temperature=0.0))
     failed = []
-    while runner.prefilling or runner.group is not None:
+    while runner.prompts_pending:
         failed += runner.prefill(1 << 20).failed
     for _ in range(2):
         failed += runner.decode().failed

@@ -14,7 +14,7 @@ hold), cover its reservation. So a running request never meets an exhausted
 pool, whatever the others do. Runs on the engine thread; reads the pool
 through its thread-safe methods only.
 
-Cached prefix blocks (server.engine.prefix) no request references are
+Cached prefix blocks (server.engine.kv_memory) no request references are
 *evictable*: the pool counts them as available (``pool.n_available``) and
 evicts them, least recently used first, when an allocation needs them. A
 request's cached prefix blocks count as held (it references them), so its

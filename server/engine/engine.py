@@ -25,9 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.kv_memory import KVMemory
-from server.engine.output import OutputProcessor
-from server.engine.prefix import PromptPrefixes
+from server.engine.kv_memory import KVMemory, PromptPrefixes
 from server.engine.request_state import RequestState
 from server.engine.run_output import StepClock
 from server.engine.runner import ModelRunner
@@ -39,7 +37,7 @@ from server.engine.startup import (
     prefill_time_slice,
     release_thread_streams,
 )
-from server.engine.steps import EngineSteps, FaultHook
+from server.engine.steps import EngineSteps, FaultHook, OutputProcessor
 from server.engine.tasks import can_embed, echo_ids
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel, load_model

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from server.engine.prefix import PrefixHit
+from server.engine.kv_memory import PrefixHit
 from server.engine.sampling import (
     Sampler,
     ban,

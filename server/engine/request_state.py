@@ -78,7 +78,7 @@ class RequestState:
     finish: FinishReason | None = None
     tail_flushed: bool = False
     ended_on_eos: bool = False
-    prefix: Any = None  # its PrefixHit (server.engine.prefix) when prefix caching is on
+    prefix: Any = None  # its PrefixHit (server.engine.kv_memory) when prefix caching is on
     cached_tokens: int = 0  # prompt tokens served from cached blocks
     result: Any = None  # a whole-prompt task once done (server.engine.steps.prompt_task)
 

@@ -1,7 +1,7 @@
 """The model runner: prefill and batched decode over pool-held KV (engine thread only).
 
 It speaks in owner ids, token ids and sampling parameters; it knows nothing
-of text, stop strings or clients (that is :mod:`server.engine.output`).
+of text, stop strings or clients (that is :class:`server.engine.steps.OutputProcessor`).
 
 Every running request is a :class:`~server.engine.prefill.Row`. A row first
 *prefills*: with the requests that start in the same step it forms a
@@ -29,8 +29,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from server.engine.kv_memory import PrefixHit, PromptPrefixes
 from server.engine.prefill import PrefillGroup, Row, join_groups, sliced_chunk
-from server.engine.prefix import PrefixHit, PromptPrefixes
 from server.engine.run_output import RowFailure, RowHook, RunOutput, Sampled, StepClock, TaskDone
 from server.engine.sampling import (
     SamplingPlan,
@@ -46,8 +46,6 @@ from veloxquant_mlx.memory.paged_batch import PagedKVBatch
 from veloxquant_mlx.memory.pooled_caches import caches_over
 
 log = logging.getLogger("veloxquant.server")
-# The smallest chunk a time-sliced prefill cuts, also its first (measuring) chunk: below
-# it the per-call cost weighs (a wave of 64-token prompts is never split).
 
 
 class ModelRunner:
@@ -145,6 +143,11 @@ class ModelRunner:
             row.kv[0].release()
         return held
 
+    @property
+    def prompts_pending(self) -> bool:
+        """Some row's prompt is not all in yet (waiting for prefill, or prefilling)."""
+        return bool(self.prefilling) or self.group is not None
+
     def held_rows(self) -> list[Row]:
         """Every row the runner holds: prefilling, in prefill groups, decoding."""
         return self.prefilling + [r for g in self._groups() for r in g.rows] + self.rows
@@ -165,8 +168,7 @@ class ModelRunner:
         self.inputs = self.inputs[mx.array(keep, dtype=mx.int32)]
 
     def close(self) -> None:
-        """Wait for model work in flight (the last decode's lookahead): the engine stops,
-        and no MLX work may run while the process exits."""
+        """Wait for model work in flight (the last decode's lookahead): the engine stops."""
         mx.synchronize()
 
     # -- prefill -----------------------------------------------------------------

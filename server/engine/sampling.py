@@ -27,8 +27,9 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from server.protocol import SamplingParams
+from server.protocol import SamplingParams, TokenLogprob, TopLogprob
 from server.text.grammar import BatchMasks
+from server.text.token_bytes import TokenBytes
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -367,3 +368,26 @@ def constrain(plan: SamplingPlan, logits: mx.array,
 def finite_logprob(value: float) -> float:
     """JSON has no inf/NaN: an impossible token reports -9999.0, as OpenAI's API does."""
     return float(value) if math.isfinite(value) else -9999.0
+
+
+def token_logprob(
+    logprobs: mx.array, token_id: int, top_n: int, token_bytes: TokenBytes,
+) -> TokenLogprob:
+    """Log-probability of the chosen token and the ``top_n`` best alternatives.
+
+    Args:
+        logprobs: Normalized log-probabilities over the vocabulary ``(vocab,)``.
+        token_id: The sampled token.
+        top_n: How many alternatives to report (0 for none).
+        token_bytes: A token id's own bytes, and its text (:meth:`TokenBytes.text`).
+    """
+    chosen = logprobs[token_id].item()
+    top: tuple[TopLogprob, ...] = ()
+    if top_n > 0:
+        ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+        values = logprobs[ids]
+        pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
+        top = tuple(TopLogprob(token_bytes.text(int(i)), finite_logprob(v), int(i),
+                               token_bytes(int(i))) for i, v in pairs)
+    return TokenLogprob(token_bytes.text(token_id), finite_logprob(chosen), token_id, top,
+                        token_bytes(token_id))

@@ -10,7 +10,7 @@ Runs on the engine thread. It is the one owner of a request's lifetime:
     waiting -> admit()   first come first served, while the batch has room and
                          the pool can hold the reservation (server.engine.capacity):
                          a fresh owner id, registered on the pool, its cached prompt
-                         prefix referenced (server.engine.prefix) -> running
+                         prefix referenced (server.engine.kv_memory) -> running
     running -> release() the owner is retired on the pool (its blocks went back
                          when its rows left the runner), its cache references
                          dropped -> gone
@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from server.engine.capacity import CapacityPlanner, Reservation, maximal_tokens
-from server.engine.prefix import PrefixHit, PromptPrefixes
+from server.engine.kv_memory import PrefixHit, PromptPrefixes
 from server.engine.request_state import ChoiceHolds, RequestState, Status, times
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel

@@ -17,18 +17,19 @@ from typing import Any
 
 from server.engine.kv_memory import (
     KVMemory,
+    PromptPrefixes,
     blocks_for_bytes,
     blocks_for_longest_request,
     build_kv_memory,
+    cache_root,
     kv_format_of,
     longest_request,
 )
 from server.engine.kv_memory import describe as describe_kv
-from server.engine.output import OutputProcessor
-from server.engine.prefix import PromptPrefixes, cache_root
 from server.engine.run_output import StepClock
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
+from server.engine.steps import OutputProcessor
 from server.metrics import ServerMetrics
 from server.model_loader import LoadedModel
 from server.pool_fit import (

@@ -5,8 +5,9 @@
     step()   schedule: expire waiting requests, admit what fits (scheduler)
              run:      prefill new requests within the step's token budget,
                        then decode every running request in ONE model call (runner)
-             postprocess: detokenize, stop strings, limits, events (output);
-                       finished requests leave the runner and are released
+             postprocess: detokenize, stop strings, limits, events
+                       (:class:`OutputProcessor`); finished requests leave the
+                       runner and are released
 
 Every exit path (done, stop, length, model error, cancellation, shutdown)
 goes through :meth:`EngineSteps.end`, in the step that ended the request: its
@@ -21,16 +22,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
+
 from server.channel import EventBatch
 from server.engine.kv_memory import memory_snapshot
 from server.engine.request_state import RequestState
 from server.engine.run_output import CallHealth, RunOutput, StepClock
-from server.engine.sampling import reset_random_state
+from server.engine.sampling import reset_random_state, token_logprob
 from server.engine.tasks import PromptEmbedding, PromptScores
 from server.metrics import ServerMetrics
-from server.protocol import Admitted, Failed, Finished, FinishReason, GenerationRequest, Usage
+from server.protocol import (
+    Admitted,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    Usage,
+)
 from server.refusal import Reason
 from server.text.grammar import ConstraintViolation
+from server.text.token_bytes import TokenBytes, prime, primer_token
 
 log = logging.getLogger("veloxquant.server")
 
@@ -47,6 +59,75 @@ def prompt_task(request: GenerationRequest,
     if request.embed is not None:
         return PromptEmbedding(prompt_ids, request.embed)
     return None
+
+
+class OutputProcessor:
+    """Turns each sampled token of a request into the event its client gets.
+
+    The runner hands back bare token ids (and, when asked for, the distribution
+    each was drawn from); here they become :class:`~server.protocol.TokenEvent`
+    records, and a request is marked finished at an end token, a stop string or
+    ``max_tokens``.
+
+    Args:
+        tokenizer: The model's tokenizer (each token's text and bytes for log-probabilities).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.token_bytes = TokenBytes(tokenizer)
+        self.primer = primer_token(tokenizer)
+
+    def accept(self, state: RequestState, token: int,
+               logprobs: mx.array | None) -> TokenEvent | None:
+        """Account for one generated token; set ``state.finish`` when the request is done.
+
+        Args:
+            state: The request.
+            token: The sampled token id.
+            logprobs: The ``(vocab,)`` log-probabilities it was drawn from, when
+                the client asked for them.
+
+        Returns:
+            The event to send (None when nothing is to be sent for this token,
+            e.g. the end token).
+        """
+        now = time.monotonic()
+        if state.first_token_at is None:
+            state.first_token_at = now
+        state.prev_token_at = state.last_token_at
+        state.last_token_at = now
+        state.generated += 1
+        if token in state.eos_ids:
+            state.finish = FinishReason.STOP
+            state.ended_on_eos = True
+            held = state.stop.held_records()  # their text comes with the final flush
+            return TokenEvent("", token, held) if held else None
+        params = state.request.params
+        logprob = None
+        if params.logprobs and logprobs is not None:
+            logprob = token_logprob(logprobs, token, params.top_logprobs, self.token_bytes)
+        if not state.detokenizer.tokens:
+            prime(state.detokenizer, self.primer)
+        state.detokenizer.add_token(token)
+        text, hit, records = state.stop.feed_token(state.detokenizer.last_segment, logprob)
+        if hit:
+            state.finish = FinishReason.STOP
+        elif state.generated >= state.max_tokens:
+            state.finish = FinishReason.LENGTH
+            records += state.stop.held_records()  # their text comes with the final flush
+        return TokenEvent(text, token, records)
+
+    @staticmethod
+    def final_text(state: RequestState) -> str:
+        """Text still held back (detokenizer tail, partial stop match) at a normal end."""
+        if state.tail_flushed or state.finish is None:
+            return ""
+        state.tail_flushed = True
+        if state.finish is FinishReason.STOP and not state.ended_on_eos:
+            return ""  # a stop string matched: everything after it is dropped
+        state.detokenizer.finalize()
+        text, hit = state.stop.feed(state.detokenizer.last_segment)
+        return text if hit else text + state.stop.flush()
 
 
 class EngineSteps:
@@ -119,7 +200,7 @@ class EngineSteps:
         self._end_cancelled()
         clock.lap("schedule")
         hook = self._row_hook if self.fault_hook is not None else None
-        if runner.prefilling or runner.group is not None:
+        if runner.prompts_pending:
             self._events.send()  # before the prefill's model calls
         prefilled = runner.prefill(self.max_prefill_tokens, hook, self.max_prefill_s or None)
         clock.lap("prefill")

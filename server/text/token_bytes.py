@@ -115,3 +115,34 @@ def _decoder_types(decoder: Any) -> set[str]:
     for inner in decoder.get("decoders") or ():
         types |= _decoder_types(inner)
     return types
+
+
+def primer_token(tokenizer: Any) -> int | None:
+    """A token to feed a fresh streaming detokenizer before the first generated one.
+
+    mlx-lm's streaming detokenizers drop the leading space of the first token
+    they see (right for a whole text, wrong for a continuation): "Once upon a
+    time" + " shapes" would come out as "shapes", while the log-probability tokens
+    (``decode([id])``) say " shapes" and ``text_offset`` would point into a
+    string that is not the text. Fed a plain one-token word first, the
+    detokenizer has text already and keeps every space after it; the word's
+    own text is skipped (:func:`prime`). This is the token of ``"a"`` when
+    that is one token the detokenizer emits at once, else None (no priming).
+    """
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=False)
+        if len(ids) != 1:
+            return None
+        probe = tokenizer.detokenizer
+        probe.add_token(ids[0])
+        return ids[0] if probe.text else None
+    except Exception:  # an unusual tokenizer: keep mlx-lm's behaviour
+        return None
+
+
+def prime(detokenizer: Any, primer: int | None) -> None:
+    """Feed ``primer`` to a fresh detokenizer and skip its text (see :func:`primer_token`)."""
+    if primer is None:
+        return
+    detokenizer.add_token(primer)
+    _ = detokenizer.last_segment  # advances past the primer's own text

@@ -18,7 +18,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from server.engine.capacity import CapacityPlanner, Reservation
-from server.engine.prefix import PromptPrefixes
+from server.engine.kv_memory import PromptPrefixes
 from server.engine.request_state import RequestState
 from server.engine.scheduler import Scheduler
 from server.http.refusals import describe

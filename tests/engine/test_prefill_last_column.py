@@ -78,7 +78,7 @@ def _first_tokens(model, prompts) -> tuple[dict[int, int], int]:
 
     type(model.model).__call__ = counted
     try:
-        while runner.prefilling or runner.group is not None:
+        while runner.prompts_pending:
             runner.prefill(1 << 20)
     finally:
         type(model.model).__call__ = backbone

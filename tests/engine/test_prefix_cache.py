@@ -437,7 +437,7 @@ def test_keys_root_names_model_and_kv_format():
     """Two arenas that differ in model, dtype or KV format never share a key."""
     import mlx.core as mx
 
-    from server.engine.prefix import cache_root
+    from server.engine.kv_memory import cache_root
 
     def arena(tag, dtype=mx.float32):
         layout = SimpleNamespace(dtype=dtype, n_layers=4, n_kv_heads=2, head_dim=32,

@@ -1,7 +1,7 @@
 """The two ``logprobs`` shapes: legacy completions (parallel lists) and chat (entries).
 
 Invariant of both: the token strings, joined, are the choice's text (the
-first generated token keeps its leading space: server.engine.output.prime),
+first generated token keeps its leading space: server.text.token_bytes.prime),
 and a legacy ``text_offset`` is each token's position in that text, except
 where a token holds part of a character: its string is then U+FFFD. Chat's
 ``bytes``, joined, are the text's UTF-8 even then.
