@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from server.settings import ConfigError
@@ -119,6 +121,25 @@ def _check_memory(kv_server) -> None:
             break
         time.sleep(0.1)
     assert after["mlx_memory_bytes:active"] - idle["mlx_memory_bytes:active"] <= RETURN_SLACK
+
+
+def test_an_engine_falling_idle_gives_its_steps_transients_back(kv_server):
+    """A step's freed buffers sit in MLX's cache until the engine has nothing to do."""
+    prompt = " ".join(f"w{j}" for j in range(60))
+    with httpx.Client(base_url=kv_server.base_url, timeout=60) as c:
+        with ThreadPoolExecutor(4) as pool:  # one prefill group of 4 rows, then decode
+            answers = list(pool.map(lambda i: c.post("/v1/completions", json={
+                "model": "tiny", "prompt": f"{i} {prompt}", "max_tokens": 8,
+                "logit_bias": NO_EOS}), range(4)))
+        assert all(a.status_code == 200 for a in answers)
+        # An idle engine pass (every 50 ms) samples the memory gauge: poll, up to 5 s.
+        for _ in range(50):
+            after = _scrape(c.get("/metrics").text)
+            if after["mlx_memory_bytes:cache"] == 0:
+                break
+            time.sleep(0.1)
+    assert after["mlx_memory_bytes:cache"] == 0
+    assert mx.get_cache_memory() == 0  # the gauge reads MLX itself (one process here)
 
 
 def test_kv_memory_sizes_the_pool_and_admin_reports_bytes(kv_server):
