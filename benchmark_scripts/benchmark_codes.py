@@ -18,8 +18,10 @@ connection per request for every server (llama-server drops kept-alive connectio
 then). Per server and level: tok/s, TTFT p50/p99 and the rest of ``summarize``'s fields.
 
 Memory, per server: the resident set (VmRSS, with its anonymous and file-backed parts) of the
-server's process tree after load and warm-up (the llama-server process itself, found by name
-under the script's pid), and its peak (VmHWM) at the end. Ratios are ours over each peer;
+server's process tree after load and warm-up, read once every server has been quiet for
+``SETTLE_S`` seconds (ours gives a step's freed buffers back after one idle second; the
+llama-server process itself is found by name under the script's pid), and its peak (VmHWM)
+at the end. Ratios are ours over each peer;
 ``targets`` holds the issue's bars (``--target``, ``--target-ttft``, ``--target-rss``,
 ``--target-old``) with the measured value and whether it was met.
 
@@ -68,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"
 NEW, OLD, LLAMA = "veloxquant", "veloxquant-old", "llama-server"
 DEFAULT_TARGETS = {"c1": 0.8, "c16": 1.2}  # SmolLM2-135M Q4_1's bars, tok/s ours / llama-server
+SETTLE_S = 2.0  # quiet seconds before the after-warm-up memory is read
 
 _CONVERT = ("import sys; from veloxquant_mlx.gguf import convert_gguf; "
             "from veloxquant_mlx.paths import models_dir; "
@@ -341,7 +344,8 @@ def main() -> int:
                 asyncio.run(run_requests(s.base, s.model_id, prompts[-n_warm:], c,
                                          max(2, c), args.warmup_tokens, 600,
                                          keep_alive=False))
-            mem_warm[s.name] = memory(s)
+        time.sleep(SETTLE_S)
+        mem_warm = {s.name: memory(s) for s in servers}
         startup = {s.name: startup_line(s.log_path) for s in servers if s.name != LLAMA}
         levels = run_levels(servers, prompts[:-n_warm], args, lambda name, c: args.requests,
                             keep_alive=False)

@@ -11,6 +11,7 @@ on the other rows), input validation, and the layers that swap into an mlx-lm mo
 
 from __future__ import annotations
 
+import io
 import threading
 
 import mlx.core as mx
@@ -287,6 +288,30 @@ def test_leading_dims_dtypes_and_views():
         assert np.array_equal(op(view), op(mx.array(np.array(view))))
 
 
+def test_weight_views_and_traced_weights_add_no_node_and_give_the_same_product():
+    """The weight's arrays as views (every other row) give their contiguous copies'
+    product, also through a compiled function that takes them as inputs (as the decode
+    halves do); and the product is one node, with no copy of an input before it."""
+    cols = 128
+    parts, _ = quantized(32, cols, 32, 4)
+    codes, scales, biases, group = operands(parts)
+    x = mx.array(activations(3, cols))
+
+    def op(c, s, b):
+        return EXT.codes_matmul(x, c, s, b, bits=4, group=group)
+
+    views = codes[::2], scales[::2], biases[::2]
+    copies = [mx.array(np.array(v)) for v in views]
+    assert np.array_equal(np.array(op(*views)), np.array(op(*copies)))
+
+    compiled = mx.compile(op)  # the weight's arrays are placeholders while it traces
+    assert np.array_equal(np.array(compiled(codes, scales, biases)),
+                          np.array(op(codes, scales, biases)))
+    dot = io.StringIO()
+    mx.export_to_dot(dot, op(codes, scales, biases))
+    assert "Contiguous" not in dot.getvalue() and "CodesMatmul" in dot.getvalue()
+
+
 def test_empty_batch():
     """x with no rows gives an empty (0, rows) result rather than an error."""
     parts, _ = quantized(16, 64, 32, 4)
@@ -355,7 +380,9 @@ def _bad_inputs():
         ("uint32 codes", dict(x=x, codes=mx.zeros((8, 32), mx.uint32), scales=sb, biases=sb,
                               bits=4, group=32), "codes must be a 2-D uint8 array"),
         ("0-D x", dict(x=mx.array(1.0), codes=codes4, scales=sb, biases=sb, bits=4, group=32),
-         "x must have at least one dimension"),
+         "x must have 1 to 8 dimensions, got 0"),
+        ("9-D x", dict(x=mx.zeros((1,) * 8 + (32,)), codes=codes4, scales=sb, biases=sb,
+                       bits=4, group=32), "x must have 1 to 8 dimensions, got 9"),
         ("cols not a multiple of 32", dict(x=mx.zeros((2, 48)), codes=mx.zeros((8, 24), mx.uint8),
                                            scales=mx.ones((8, 1)), biases=mx.ones((8, 1)),
                                            bits=4, group=32), "not a multiple of 32"),

@@ -47,6 +47,12 @@ from veloxquant_mlx.freed_memory import release_freed_memory
 
 log = logging.getLogger("veloxquant.server")
 
+# Seconds with nothing to run after which the steps' freed buffers go back to the system:
+# an idle server holds only what it uses, and back-to-back requests (each leaves the engine
+# idle for a moment) keep the buffers the next one reuses (given back at once, SmolLM2
+# c=1 ran at 0.986x).
+IDLE_RELEASE_S = 1.0
+
 # Called on the engine thread with a request's state right before each model
 # call of that request; raising fails that request only (fault injection in tests).
 FaultHook = Callable[[RequestState], None]
@@ -162,7 +168,8 @@ class EngineSteps:
         # When the step running now began (None between steps): a step that never
         # ends (a hung device, a peer rank gone inside a collective) shows on /health.
         self.busy_since: float | None = None
-        self._was_busy = False  # requests ran or waited at the last memory sample
+        # When requests last ran or waited; whether their freed memory went back since.
+        self._busy_at, self._released = 0.0, True
         self.events_at_submit = events_at_submit
         self.runner.before_chunk = self._end_cancelled
         if events_at_submit:
@@ -342,14 +349,16 @@ class EngineSteps:
         self.metrics.finished(state, reason, kv_blocks, failure)
 
     def sample_memory(self) -> None:
-        """Pair MLX's memory with the pool's KV bytes on /metrics; falling idle, first give
-        the steps' freed transients back to the system."""
-        busy = bool(self.scheduler.running or self.scheduler.waiting)
-        if self._was_busy and not busy:
+        """Pair MLX's memory with the pool's KV bytes on /metrics; idle for
+        :data:`IDLE_RELEASE_S`, first give the steps' freed buffers back to the system."""
+        now = time.monotonic()
+        if self.scheduler.running or self.scheduler.waiting:
+            self._busy_at, self._released = now, False
+        elif not self._released and now - self._busy_at >= IDLE_RELEASE_S:
             # MLX's buffer cache and glibc's heap keep what the last steps freed: on a 1B
             # model ~180 MiB after a few 8-row prompts, resident while nothing runs.
             release_freed_memory()
-        self._was_busy = busy
+            self._released = True
         # Every step (a few C calls): /metrics pairs MLX memory with the pool's KV
         # bytes of the same instant, so the two can be compared sample by sample.
         reserved = sum(s.reservation.total for s in self.scheduler.running.values())

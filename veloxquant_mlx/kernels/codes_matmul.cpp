@@ -3,8 +3,11 @@
 // The arithmetic is codes_kernel.c's; this file makes it a node of MLX's graph (a
 // Primitive evaluated on the CPU stream), so a quantized Linear calls it like any other
 // op: no float32 copy of the weights, nothing intercepted below MLX.
+#include <array>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -22,6 +25,52 @@ namespace mx = mlx::core;
 namespace nb = nanobind;
 
 namespace {
+
+// An input of the product as it is at encoding time: where its elements are, in what
+// order. No input is wrapped in a Contiguous node (one each would be four of a product's
+// five nodes, in every decode step); an input that is a view (a sliced last column, a
+// transpose) is gathered into row-major order when the product runs.
+struct Strided {
+  static constexpr int kMaxDims = 8;  // codes_matmul refuses more (check_inputs)
+  const char* data;
+  int nd;
+  std::array<int, kMaxDims> shape{};
+  std::array<int64_t, kMaxDims> strides{};  // in elements
+  size_t itemsize;
+  bool contiguous;
+
+  explicit Strided(const mx::array& a)
+      : data(a.data<char>()),
+        nd(static_cast<int>(a.ndim())),
+        itemsize(a.itemsize()),
+        contiguous(a.flags().row_contiguous) {
+    for (int d = 0; d < nd; d++) shape[d] = a.shape(d), strides[d] = a.strides()[d];
+  }
+
+  // The elements in row-major order: the data itself, or a copy gathered into ``copy``
+  // a row (the last axis) at a time.
+  const void* packed(std::vector<char>& copy) const {
+    if (contiguous || nd == 0) return data;
+    size_t cols = shape[nd - 1], rows = 1, row_bytes = cols * itemsize;
+    int64_t step = strides[nd - 1];
+    for (int d = 0; d < nd - 1; d++) rows *= shape[d];
+    copy.resize(rows * row_bytes);
+    std::array<int, kMaxDims> at{};
+    char* dst = copy.data();
+    for (size_t r = 0; r < rows; r++, dst += row_bytes) {
+      int64_t offset = 0;
+      for (int d = 0; d < nd - 1; d++) offset += at[d] * strides[d];
+      const char* row = data + offset * static_cast<int64_t>(itemsize);
+      if (step == 1)
+        std::memcpy(dst, row, row_bytes);
+      else
+        for (size_t j = 0; j < cols; j++)
+          std::memcpy(dst + j * itemsize, row + j * step * itemsize, itemsize);
+      for (int d = nd - 2; d >= 0 && ++at[d] == shape[d]; d--) at[d] = 0;
+    }
+    return copy.data();
+  }
+};
 
 class CodesMatmul : public mx::Primitive {
  public:
@@ -41,23 +90,26 @@ class CodesMatmul : public mx::Primitive {
     const mx::array& scales = inputs[2];
     const mx::array& biases = inputs[3];
     mx::array& out = outputs[0];
-    for (const auto* a : {&x, &codes, &scales, &biases})
-      if (!a->flags().row_contiguous)
-        throw std::runtime_error("codes_matmul: inputs must be row-contiguous");
     out.set_data(mx::allocator::malloc(out.nbytes()));
     // float16 or float32 scales and biases (codes_matmul makes both one of the two).
-    vq_codes w{codes.shape(0), x.shape(-1), bits_, group_, codes.data<uint8_t>(),
-               scales.data<void>(), biases.data<void>(), scales.dtype() == mx::float16};
+    vq_codes w{codes.shape(0), x.shape(-1), bits_, group_, nullptr, nullptr, nullptr,
+               scales.dtype() == mx::float16};
     int m = static_cast<int>(x.size() / x.shape(-1));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
+    for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     int path = portable_ ? VQ_PATH_PORTABLE : VQ_PATH_AUTO;
     if (float32_above_ > 0 && m > float32_above_ && vq_codes_float32_available())
       path = VQ_PATH_FLOAT32;
-    encoder.dispatch([w, m, path, precise = precise_, x_ptr = x.data<float>(),
-                      out_ptr = out.data<float>()]() {
-      if (vq_codes_matmul(&w, m, x_ptr, out_ptr, path, precise) != 0)
+    encoder.dispatch([w, m, path, precise = precise_, xs = Strided(x), cs = Strided(codes),
+                      ss = Strided(scales), bs = Strided(biases),
+                      out_ptr = out.data<float>()]() mutable {
+      std::vector<char> x_copy, c_copy, s_copy, b_copy;  // only for inputs that are views
+      w.codes = static_cast<const uint8_t*>(cs.packed(c_copy));
+      w.scales = ss.packed(s_copy);
+      w.biases = bs.packed(b_copy);
+      const float* x_rows = static_cast<const float*>(xs.packed(x_copy));
+      if (vq_codes_matmul(&w, m, x_rows, out_ptr, path, precise) != 0)
         throw std::runtime_error("codes_matmul: out of memory for the quantized rows");
     });
   }
@@ -92,8 +144,10 @@ void check_inputs(const mx::array& x, const mx::array& codes, const mx::array& s
   std::ostringstream why;
   if (codes.ndim() != 2 || codes.dtype() != mx::uint8)
     why << "codes must be a 2-D uint8 array, got " << codes.ndim() << "-D " << codes.dtype();
-  else if (x.ndim() < 1)
-    why << "x must have at least one dimension";
+  else if (x.ndim() < 1 || x.ndim() > Strided::kMaxDims)
+    why << "x must have 1 to " << Strided::kMaxDims << " dimensions, got " << x.ndim();
+  else if (scales.ndim() > Strided::kMaxDims || biases.ndim() > Strided::kMaxDims)
+    why << "scales and biases may have at most " << Strided::kMaxDims << " dimensions";
   else {
     int cols = x.shape(-1);
     vq_codes w{codes.shape(0), cols, bits, group, nullptr, nullptr, nullptr};
@@ -118,9 +172,6 @@ mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::arr
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("codes_matmul runs on the CPU stream only");
-  auto as = [&](const mx::array& a, mx::Dtype dtype) {
-    return mx::contiguous(mx::astype(a, dtype, stream), false, stream);
-  };
   // Scales and biases stay float16 when both are (GGUF's Q4_0, Q4_1, Q8_0 hold them so);
   // anything else is computed with in float32.
   auto params = scales.dtype() == mx::float16 && biases.dtype() == mx::float16 ? mx::float16
@@ -130,8 +181,8 @@ mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::arr
   return mx::array(shape, mx::float32,
                    std::make_shared<CodesMatmul>(stream, bits, group, portable, float32_above,
                                                  precise),
-                   {as(x, mx::float32), mx::contiguous(codes, false, stream),
-                    as(scales, params), as(biases, params)});
+                   {mx::astype(x, mx::float32, stream), codes,
+                    mx::astype(scales, params, stream), mx::astype(biases, params, stream)});
 }
 
 }  // namespace
