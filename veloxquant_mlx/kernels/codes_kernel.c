@@ -383,8 +383,8 @@ typedef struct {
     const vq_codes *w;
     const quantized_rows *x;
     float *c;
-    int ldc, parts;
-    int row0, row1;  /* the weight rows split among the parts */
+    int ldc, parts;  /* parts: the threads that share the product */
+    int row0, row1;  /* the weight rows split into chunks among them */
     float *dequant;  /* set: dequantize the rows into it, (row - row0) x cols, instead */
 } job_t;
 
@@ -395,14 +395,33 @@ static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static job_t job;
 static atomic_uint generation;
-static atomic_int pending;
+/* The running product's chunks as one word: its generation (bits 40-63), its number of
+ * chunks (20-39) and the next chunk to take (0-19). A thread takes a chunk only while the
+ * word still names the generation it woke for, so a helper that wakes late never takes a
+ * chunk of the next product, nor reads the job before it is complete. */
+static _Atomic uint64_t claim;
+static atomic_int chunks_done;
 static int helpers = -1; /* threads started besides the caller; -1 until first use */
 static unsigned born_at;  /* the generation when the helpers started, before their first job */
 
-static void run_part(const job_t *j, int part) {
-    /* Split the weight rows in multiples of 8 so two parts never share a cache line of C. */
-    int rows = j->row1 - j->row0, per = ((rows + j->parts - 1) / j->parts + 7) & ~7;
-    int n0 = j->row0 + part * per, n1 = n0 + per < j->row1 ? n0 + per : j->row1;
+#define CHUNK_BITS 20
+#define MAX_CHUNKS ((1 << CHUNK_BITS) - 1)
+
+static uint64_t claim_word(unsigned gen, int chunks) {
+    return ((uint64_t)(gen & 0xFFFFFF) << (2 * CHUNK_BITS)) | ((uint64_t)chunks << CHUNK_BITS);
+}
+
+/* Weight rows a chunk covers: a multiple of 8 (two chunks never share a cache line of C),
+ * about eight chunks a thread, so a thread that starts late (the other core busy with the
+ * Python thread) leaves its share to the others instead of making them wait for it. */
+static int rows_per_chunk(const job_t *j) {
+    int rows = j->row1 - j->row0, per = (rows / (8 * j->parts) + 7) & ~7;
+    if (per < 32) per = 32;
+    while ((rows + per - 1) / per > MAX_CHUNKS) per *= 2;
+    return per;
+}
+
+static void run_rows(const job_t *j, int n0, int n1) {
     if (n0 >= n1) return;
     if (j->dequant)
         dequantize_rows(j->w, n0, n1, j->dequant + (size_t)(n0 - j->row0) * j->w->cols);
@@ -412,6 +431,20 @@ static void run_part(const job_t *j, int part) {
     else block_rows_8bit_16(j->w, n0, n1, j->x, j->c, j->ldc);
 }
 
+/* Take chunks of generation gen's product and compute them until none is left. */
+static void take_chunks(unsigned gen) {
+    uint64_t mine = (uint64_t)(gen & 0xFFFFFF), v = atomic_load(&claim);
+    for (;;) {
+        int chunks = (int)((v >> CHUNK_BITS) & MAX_CHUNKS), next = (int)(v & MAX_CHUNKS);
+        if ((v >> (2 * CHUNK_BITS)) != mine || next >= chunks) return;
+        if (!atomic_compare_exchange_weak(&claim, &v, v + 1)) continue; /* v reloaded */
+        int per = rows_per_chunk(&job), n0 = job.row0 + next * per;
+        run_rows(&job, n0, n0 + per < job.row1 ? n0 + per : job.row1);
+        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
+        v = atomic_load(&claim);
+    }
+}
+
 static long now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -419,7 +452,7 @@ static long now_ns(void) {
 }
 
 static void *helper_main(void *arg) {
-    int part = (int)(intptr_t)arg;
+    (void)arg;
     unsigned seen = born_at; /* not a fresh read: the first job may already be posted */
     for (;;) {
         /* Spin briefly: in decode the next product follows within microseconds. */
@@ -431,8 +464,7 @@ static void *helper_main(void *arg) {
         while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
         pthread_mutex_unlock(&wake_lock);
         seen = atomic_load(&generation);
-        run_part(&job, part);
-        atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+        take_chunks(seen);
     }
     return NULL;
 }
@@ -460,21 +492,25 @@ static void start_helpers(void) {
 
 static void run_job(const job_t *j, long macs) {
     if (macs < MIN_PARALLEL_MACS || pthread_mutex_trylock(&pool_lock) != 0) {
-        job_t alone = *j; /* small, or another thread holds the helpers: do it here */
-        alone.parts = 1;
-        run_part(&alone, 0);
+        run_rows(j, j->row0, j->row1); /* small, or another thread holds the helpers */
         return;
     }
     if (helpers < 0) start_helpers();
     job = *j;
     job.parts = helpers + 1;
-    atomic_store(&pending, helpers);
+    int per = rows_per_chunk(&job), chunks = (job.row1 - job.row0 + per - 1) / per;
+    atomic_store(&chunks_done, 0);
+    /* The chunks are posted before the generation moves: a helper that sees the new
+     * generation finds them (only this thread, holding pool_lock, moves either). */
+    unsigned gen = atomic_load(&generation) + 1;
+    atomic_store(&claim, claim_word(gen, chunks));
     pthread_mutex_lock(&wake_lock);
     atomic_fetch_add_explicit(&generation, 1, memory_order_release);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&wake_lock);
-    run_part(&job, 0);
-    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+    take_chunks(gen);
+    /* Only a chunk a helper is computing right now is left to wait for. */
+    while (atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks) _mm_pause();
     pthread_mutex_unlock(&pool_lock);
 }
 
