@@ -332,7 +332,6 @@ def main() -> int:
                            args.requests * args.rounds * len(args.concurrency) + n_warm,
                            args.prompt_tokens)
     servers: list[Running] = []
-    mem_warm: dict[str, dict] = {}
     info: dict[str, dict] = {}
     try:
         for name in names:

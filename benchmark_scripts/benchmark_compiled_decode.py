@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmark_write_back import save_figures, timed_decode  # noqa: E402
+from benchmark_write_back import decode_rows, save_figures  # noqa: E402
 
 from veloxquant_mlx.cpu_backend import load_optimized_blas  # noqa: E402
 
@@ -44,12 +44,8 @@ def measure(model, rows: int, compiled: bool, steps: int) -> dict:
 
     with RunnerHarness.for_model(model, rows * 16 * 2 * 12 + 64, kv_write_back=32,
                                  compile_decode=compiled) as harness:
-        prompts = {owner: [5 + (owner * 7 + j) % 200 for j in range(64)]
-                   for owner in range(1, rows + 1)}
-        harness.start(prompts, SamplingParams(max_tokens=steps + 32, temperature=0.0))
-        harness.prefill()
-        result, tokens = timed_decode(harness, steps)
-        harness.finish(prompts)
+        result, tokens = decode_rows(harness, rows, 64, steps,
+                                     SamplingParams(max_tokens=steps + 32, temperature=0.0))
         return {**result, "compiled_blocks": harness.compiled_blocks, "tokens": tokens}
 
 

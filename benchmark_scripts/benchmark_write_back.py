@@ -148,13 +148,22 @@ def measure(model, rows: int, write_back: int, steps: int, n_blocks: int) -> dic
 
     with RunnerHarness.for_model(model, n_blocks, prefill_chunk=64,
                                  kv_write_back=write_back) as harness:
-        prompts = {owner: [5 + (owner * 7 + j) % 200 for j in range(32)]
-                   for owner in range(1, rows + 1)}
-        harness.start(prompts, SamplingParams(max_tokens=steps + 32, temperature=0.7))
-        harness.prefill()
-        result, _ = timed_decode(harness, steps)
-        harness.finish(prompts)
+        result, _ = decode_rows(harness, rows, 32, steps,
+                                SamplingParams(max_tokens=steps + 32, temperature=0.7))
         return {**result, "arena_mib": round(harness.arena.nbytes / 2**20, 1)}
+
+
+def decode_rows(harness, rows: int, prompt_tokens: int, steps: int,
+                params) -> tuple[dict, list[tuple[int, int]]]:
+    """``rows`` rows of ``prompt_tokens``-token prompts started and prefilled, then
+    :func:`timed_decode`'s steps; the rows leave after."""
+    prompts = {owner: [5 + (owner * 7 + j) % 200 for j in range(prompt_tokens)]
+               for owner in range(1, rows + 1)}
+    harness.start(prompts, params)
+    harness.prefill()
+    timed = timed_decode(harness, steps)
+    harness.finish(prompts)
+    return timed
 
 
 def copy_probe(mib: int = 256, steps: int = 10) -> dict:

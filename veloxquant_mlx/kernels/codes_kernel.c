@@ -386,6 +386,7 @@ typedef struct {
     int ldc, parts;  /* parts: the threads that share the product */
     int row0, row1;  /* the weight rows split into chunks among them */
     float *dequant;  /* set: dequantize the rows into it, (row - row0) x cols, instead */
+    int per;         /* weight rows a chunk covers (run_job sets it: rows_per_chunk) */
 } job_t;
 
 static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst);
@@ -438,8 +439,8 @@ static void take_chunks(unsigned gen) {
         int chunks = (int)((v >> CHUNK_BITS) & MAX_CHUNKS), next = (int)(v & MAX_CHUNKS);
         if ((v >> (2 * CHUNK_BITS)) != mine || next >= chunks) return;
         if (!atomic_compare_exchange_weak(&claim, &v, v + 1)) continue; /* v reloaded */
-        int per = rows_per_chunk(&job), n0 = job.row0 + next * per;
-        run_rows(&job, n0, n0 + per < job.row1 ? n0 + per : job.row1);
+        int n0 = job.row0 + next * job.per;
+        run_rows(&job, n0, n0 + job.per < job.row1 ? n0 + job.per : job.row1);
         atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
         v = atomic_load(&claim);
     }
@@ -498,7 +499,8 @@ static void run_job(const job_t *j, long macs) {
     if (helpers < 0) start_helpers();
     job = *j;
     job.parts = helpers + 1;
-    int per = rows_per_chunk(&job), chunks = (job.row1 - job.row0 + per - 1) / per;
+    job.per = rows_per_chunk(&job);
+    int chunks = (job.row1 - job.row0 + job.per - 1) / job.per;
     atomic_store(&chunks_done, 0);
     /* The chunks are posted before the generation moves: a helper that sees the new
      * generation finds them (only this thread, holding pool_lock, moves either). */
