@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from veloxquant_mlx import llama_model
+from veloxquant_mlx.codes_decode import codes_decode
 from veloxquant_mlx.freed_memory import release_freed_memory
 from veloxquant_mlx.fused_projections import MEMBERS, FusedProjection, fuse_block, plain_settings
 from veloxquant_mlx.llama_model import Block
@@ -160,7 +161,8 @@ def _signature(block: Block) -> tuple:
     return shapes, settings
 
 
-def compile_decode_blocks(model: Any, fuse_projections: bool = True) -> int:
+def compile_decode_blocks(model: Any, fuse_projections: bool = True,
+                          codes_blocks: bool = True) -> int:
     """Give ``model``'s blocks compiled halves for their decode calls on paged caches.
 
     Call it once the weights are final (after loading, sharding): each block
@@ -172,6 +174,8 @@ def compile_decode_blocks(model: Any, fuse_projections: bool = True) -> int:
         fuse_projections: Run q/k/v and gate/up as one matmul each
             (:mod:`~veloxquant_mlx.fused_projections`; the projections'
             weights become views of one buffer per group).
+        codes_blocks: Where a fused block computes from codes, run each half as one
+            native operation instead (:mod:`~veloxquant_mlx.codes_decode`).
 
     Returns:
         Blocks now compiled (0 for a model without the project's blocks: those
@@ -184,8 +188,9 @@ def compile_decode_blocks(model: Any, fuse_projections: bool = True) -> int:
         block.self_attn.qkv, block.mlp.gate_up = fused.get("self_attn"), fused.get("mlp")
         key = (_signature(block), tuple(sorted(fused)))
         halves = shared.get(key) or shared.setdefault(key, _Halves(block))
-        block.decode = DecodeHalves(halves, tuple(w for _, w in
-                                                  tree_flatten(_decode_tree(block))))
+        decode = DecodeHalves(halves, tuple(w for _, w in tree_flatten(_decode_tree(block))))
+        native = codes_decode(block, halves.rope, decode) if codes_blocks else None
+        block.decode = native or decode
     if fuse_projections and blocks:  # the members' old buffers: ~270 MiB of a 1B model
         release_freed_memory()
     return len(blocks)

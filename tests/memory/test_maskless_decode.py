@@ -141,6 +141,7 @@ def test_fast_attention_takes_a_maskless_call_in_parts(model, monkeypatch):
     from veloxquant_mlx.memory import paged_attention
 
     monkeypatch.setattr(paged_attention, "FAST_MIN_SCORES", 0)  # every call on that path
+    monkeypatch.setattr(paged_attention, "NATIVE_MAX_SCORES", -1)  # decode calls too
     seen = []
     real = paged_attention.attention_parts
 

@@ -20,57 +20,47 @@
 #include "mlx/version.h"
 
 #include "codes_kernel.h"
+#include "extension.h"
+#include "strided.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
 
+using veloxquant::Strided;
+
+namespace veloxquant {
+
+std::string codes_problem(int cols, const mx::array& codes, const mx::array& scales,
+                          const mx::array& biases, int bits, int group) {
+  std::ostringstream why;
+  if (codes.ndim() != 2 || codes.dtype() != mx::uint8)
+    why << "codes must be a 2-D uint8 array, got " << codes.ndim() << "-D " << codes.dtype();
+  else if (scales.ndim() > Strided::kMaxDims || biases.ndim() > Strided::kMaxDims)
+    why << "scales and biases may have at most " << Strided::kMaxDims << " dimensions";
+  else {
+    vq_codes w{codes.shape(0), cols, bits, group, nullptr, nullptr, nullptr};
+    const char* shape_error = vq_codes_check(&w);
+    long wanted_groups = static_cast<long>(codes.shape(0)) * (cols / (group > 0 ? group : 1));
+    if (shape_error)
+      why << shape_error;
+    else if (static_cast<long>(codes.shape(1)) * 8 != static_cast<long>(cols) * bits)
+      why << "codes hold " << codes.shape(1) * 8 / bits << " columns a row, x has " << cols;
+    else if (scales.size() != static_cast<size_t>(wanted_groups) ||
+             biases.size() != static_cast<size_t>(wanted_groups))
+      why << "scales and biases need " << wanted_groups << " values each, got "
+          << scales.size() << " and " << biases.size();
+  }
+  return why.str();
+}
+
+mx::Dtype params_dtype(const mx::array& scales, const mx::array& biases) {
+  return scales.dtype() == mx::float16 && biases.dtype() == mx::float16 ? mx::float16
+                                                                        : mx::float32;
+}
+
+}  // namespace veloxquant
+
 namespace {
-
-// An input of the product as it is at encoding time: where its elements are, in what
-// order. No input is wrapped in a Contiguous node (one each would be four of a product's
-// five nodes, in every decode step); an input that is a view (a sliced last column, a
-// transpose) is gathered into row-major order when the product runs.
-struct Strided {
-  static constexpr int kMaxDims = 8;  // codes_matmul refuses more (check_inputs)
-  const char* data;
-  int nd;
-  std::array<int, kMaxDims> shape{};
-  std::array<int64_t, kMaxDims> strides{};  // in elements
-  size_t itemsize;
-  bool contiguous;
-
-  explicit Strided(const mx::array& a)
-      : data(a.data<char>()),
-        nd(static_cast<int>(a.ndim())),
-        itemsize(a.itemsize()),
-        contiguous(a.flags().row_contiguous) {
-    for (int d = 0; d < nd; d++) shape[d] = a.shape(d), strides[d] = a.strides()[d];
-  }
-
-  // The elements in row-major order: the data itself, or a copy gathered into ``copy``
-  // a row (the last axis) at a time.
-  const void* packed(std::vector<char>& copy) const {
-    if (contiguous || nd == 0) return data;
-    size_t cols = shape[nd - 1], rows = 1, row_bytes = cols * itemsize;
-    int64_t step = strides[nd - 1];
-    for (int d = 0; d < nd - 1; d++) rows *= shape[d];
-    copy.resize(rows * row_bytes);
-    std::array<int, kMaxDims> at{};
-    char* dst = copy.data();
-    for (size_t r = 0; r < rows; r++, dst += row_bytes) {
-      int64_t offset = 0;
-      for (int d = 0; d < nd - 1; d++) offset += at[d] * strides[d];
-      const char* row = data + offset * static_cast<int64_t>(itemsize);
-      if (step == 1)
-        std::memcpy(dst, row, row_bytes);
-      else
-        for (size_t j = 0; j < cols; j++)
-          std::memcpy(dst + j * itemsize, row + j * step * itemsize, itemsize);
-      for (int d = nd - 2; d >= 0 && ++at[d] == shape[d]; d--) at[d] = 0;
-    }
-    return copy.data();
-  }
-};
 
 class CodesMatmul : public mx::Primitive {
  public:
@@ -141,28 +131,13 @@ class CodesMatmul : public mx::Primitive {
 
 void check_inputs(const mx::array& x, const mx::array& codes, const mx::array& scales,
                   const mx::array& biases, int bits, int group) {
-  std::ostringstream why;
-  if (codes.ndim() != 2 || codes.dtype() != mx::uint8)
-    why << "codes must be a 2-D uint8 array, got " << codes.ndim() << "-D " << codes.dtype();
-  else if (x.ndim() < 1 || x.ndim() > Strided::kMaxDims)
-    why << "x must have 1 to " << Strided::kMaxDims << " dimensions, got " << x.ndim();
-  else if (scales.ndim() > Strided::kMaxDims || biases.ndim() > Strided::kMaxDims)
-    why << "scales and biases may have at most " << Strided::kMaxDims << " dimensions";
-  else {
-    int cols = x.shape(-1);
-    vq_codes w{codes.shape(0), cols, bits, group, nullptr, nullptr, nullptr};
-    const char* shape_error = vq_codes_check(&w);
-    long wanted_groups = static_cast<long>(codes.shape(0)) * (cols / (group > 0 ? group : 1));
-    if (shape_error)
-      why << shape_error;
-    else if (static_cast<long>(codes.shape(1)) * 8 != static_cast<long>(cols) * bits)
-      why << "codes hold " << codes.shape(1) * 8 / bits << " columns a row, x has " << cols;
-    else if (scales.size() != static_cast<size_t>(wanted_groups) ||
-             biases.size() != static_cast<size_t>(wanted_groups))
-      why << "scales and biases need " << wanted_groups << " values each, got "
-          << scales.size() << " and " << biases.size();
-  }
-  if (!why.str().empty()) throw std::invalid_argument("codes_matmul: " + why.str());
+  std::string why;
+  if (x.ndim() < 1 || x.ndim() > Strided::kMaxDims)
+    why = "x must have 1 to " + std::to_string(Strided::kMaxDims) + " dimensions, got " +
+          std::to_string(x.ndim());
+  else
+    why = veloxquant::codes_problem(x.shape(-1), codes, scales, biases, bits, group);
+  if (!why.empty()) throw std::invalid_argument("codes_matmul: " + why);
 }
 
 mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::array& scales,
@@ -174,8 +149,7 @@ mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::arr
     throw std::invalid_argument("codes_matmul runs on the CPU stream only");
   // Scales and biases stay float16 when both are (GGUF's Q4_0, Q4_1, Q8_0 hold them so);
   // anything else is computed with in float32.
-  auto params = scales.dtype() == mx::float16 && biases.dtype() == mx::float16 ? mx::float16
-                                                                                : mx::float32;
+  auto params = veloxquant::params_dtype(scales, biases);
   auto shape = x.shape();
   shape.back() = codes.shape(0);
   return mx::array(shape, mx::float32,
@@ -199,6 +173,8 @@ NB_MODULE(_codes_matmul, m) {
         "products of more than float32_above rows (0: none) multiply float32 x by the "
         "dequantized weights instead, where a BLAS is loaded; precise=True adds a second "
         "int8 pass over x's rounding error (~16-bit activations).");
+  veloxquant::add_block_ops(m);
+  veloxquant::add_attention_op(m);
   m.def("float32_available", []() { return vq_codes_float32_available() != 0; },
         "Whether a BLAS is loaded for float32_above.");
   m.def("kernel_path", []() { return std::string(vq_codes_path()); },

@@ -43,10 +43,18 @@ costs the CPU stream tens of microseconds whatever its size. One decode row
 over ~100 tokens (900 scores a layer) ran ~6 ms a step slower here (57.7 vs
 51.0 ms on SmolLM2), over 1,000 tokens ~6 ms faster; 16 rows over ~100
 tokens ~25 ms faster.
+
+Decode calls (one query column a row) with up to :data:`NATIVE_MAX_SCORES` scores go
+to neither: the extension's ``decode_attention`` (``veloxquant_mlx/kernels``) attends
+over the stored and new parts as one graph node, where MLX's ops are ~17 a layer
+(measured per layer call, SmolLM2's 9 heads: 1 row over 128 keys 137 vs 279 us, over
+2,048 keys 540 vs 801 us; 16 rows over 512 keys 2.2 vs 2.9 ms). Larger calls keep
+MLX's products, which run on the BLAS's threads.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -55,7 +63,7 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention as stock_attention
 
 from veloxquant_mlx.memory import native_attention
-from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
+from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache, split_parts
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -68,6 +76,22 @@ SCORES_PER_BLOCK = 1 << 19
 # Fewest scores per layer (batch x query heads x queries x keys) a call needs
 # before this path beats mlx-lm's on the op count it adds (module docstring).
 FAST_MIN_SCORES = 4096
+# Most scores a decode call (one query column a row) may have to go to the native
+# ``decode_attention`` operation: one node, one thread. Bigger ones use MLX's
+# products, on the BLAS's threads.
+NATIVE_MAX_SCORES = 1 << 16
+
+
+@functools.cache
+def native_decode_attention() -> Any | None:
+    """The extension's ``decode_attention`` (veloxquant_mlx/kernels), or None where it
+    cannot be built (MLX's ops serve then)."""
+    from veloxquant_mlx.kernels.build import KernelBuildError, load
+
+    try:
+        return load().decode_attention
+    except (KernelBuildError, OSError, ImportError):
+        return None
 
 
 def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -203,10 +227,15 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
             and queries.dtype == mx.float32 and keys.dtype == mx.float32
             and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
             and mx.default_device().type == mx.DeviceType.cpu):
-        parts = cache.attention_parts(mask)  # taken either way: held no longer than the call
-        if math.prod(queries.shape[:3]) * keys.shape[2] >= FAST_MIN_SCORES:
-            if parts is None:
+        stacked = cache.stacked_parts(mask)  # taken either way: held no longer than the call
+        scores = math.prod(queries.shape[:3]) * keys.shape[2]
+        if (stacked is not None and stacked[0] is not None and queries.shape[2] == 1
+                and scores <= NATIVE_MAX_SCORES and (op := native_decode_attention())):
+            return op(queries, *stacked, scale=scale)
+        if scores >= FAST_MIN_SCORES:
+            if stacked is None:
                 return attention(queries, keys, values, scale, mask)
+            parts = split_parts(*stacked)
             # The batch's mask of its new columns is causal (see PagedKVBatch.mask);
             # a decode call that holds its column has one query over the held ones.
             causal = parts[0][-1].shape[2] == queries.shape[2]

@@ -16,6 +16,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
 
+# A call's stored and new keys and values (each stacked: keys' rows, then values') and
+# their masks; the stored part None when nothing was stored yet.
+StackedParts = tuple[mx.array | None, mx.array, mx.array | None, mx.array | None]
+
 
 class PagedLayerCache(_mlx_cache._BaseCache):
     """One layer's view of a :class:`PagedKVBatch` (what mlx-lm's attention calls).
@@ -67,27 +71,32 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         both = mx.concatenate([stored, new], axis=2)
         return both[:rows], both[rows:]
 
-    def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
-        """The last call's keys, values and masks in two parts (stored, new).
+    def stacked_parts(self, mask: mx.array | None) -> StackedParts | None:
+        """The last call's stored and new keys and values, each stacked (keys' rows over
+        values'), and each part's mask.
 
         None unless ``mask`` is the batch's own mask of that call, or None for
         a maskless call (a model that passed another mask attends over the
         concatenated arrays). A maskless call's stored part keeps its whole
         blocks, masked (cutting them would copy them); its new part needs none.
+        The stored part is None when nothing was stored yet (a first prefill chunk).
         """
         b, parts, self.parts = self.batch, self.parts, None  # held no longer than the call
         maskless = mask is None and b.maskless
         if parts is None or not (maskless or b.owns_mask(mask)):
             return None
         stored, new = parts
-        rows = new.shape[0] // 2
-        keys, values = new[:rows], new[rows:]
-        stored_mask, new_mask = b.mask_parts(keys.shape[2])
+        stored_mask, new_mask = b.mask_parts(new.shape[2])
         if maskless:
             new_mask = None
-        if not b.any_past:  # nothing stored yet (a first prefill chunk): the gather is never run
-            return [keys], [values], [new_mask]
-        return ([stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask])
+        if not b.any_past:  # the gather is never run
+            return None, new, None, new_mask
+        return stored, new, stored_mask, new_mask
+
+    def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
+        """:meth:`stacked_parts` as lists of keys, values and masks, one entry a part."""
+        stacked = self.stacked_parts(mask)
+        return None if stacked is None else split_parts(*stacked)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Boolean mask hiding other rows' padding and future columns.
@@ -112,3 +121,14 @@ class PagedLayerCache(_mlx_cache._BaseCache):
     def nbytes(self) -> int:
         """0: the KV lives in the arena, accounted as the rows' pool blocks."""
         return 0
+
+
+def split_parts(stored: mx.array | None, new: mx.array, stored_mask: mx.array | None,
+                new_mask: mx.array | None) -> tuple[list, list, list]:
+    """Stacked parts (:meth:`PagedLayerCache.stacked_parts`) as lists of keys, values and
+    masks, the stored part first when there is one."""
+    rows = new.shape[0] // 2
+    keys, values = new[:rows], new[rows:]
+    if stored is None:
+        return [keys], [values], [new_mask]
+    return [stored[:rows], keys], [stored[rows:], values], [stored_mask, new_mask]

@@ -1,0 +1,114 @@
+"""A block's decode call as two native operations, where its weights are codes (the CPU).
+
+:mod:`~veloxquant_mlx.compiled_decode` runs a decode call as two compiled halves around
+the attention. Each half is still ~25 graph nodes (norms, reshapes, RoPE's slices and
+concatenations, the MLP's split and activation) that the CPU stream runs one at a time at
+a few microseconds each: on SmolLM2 (30 layers) ~1,600 nodes a one-row step, about as
+long as its products. When every projection of a block computes from codes
+(:class:`~veloxquant_mlx.codes_linear.CodesLinear`, q/k/v and gate/up fused) each half is
+one operation of the extension (``veloxquant_mlx/kernels/codes_block.cpp``)::
+
+    block_qkv  rms_norm, q/k/v from codes (+ bias), head norms, RoPE     one node, two outputs
+               cache.update_and_fetch_stacked(...), the attention        as before
+    block_mlp  o from codes, residual, rms_norm, gate/up, silu * up,     one node
+               down, residual
+
+The products are the same codes products; the norms, RoPE and activation are loops in C
+whose float32 results differ from MLX's ops by rounding only (sums in another order), so
+logits match the compiled halves' to ~1e-5 and greedy tokens are the same
+(tests/test_codes_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from veloxquant_mlx import llama_model
+from veloxquant_mlx.codes_linear import INT8_MAX_ROWS, CodesLinear
+from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
+from veloxquant_mlx.shared_rope import SharedRope
+
+
+def _weight(layer: Any) -> tuple | None:
+    """A plain codes layer's ``(codes, scales, biases, bits, group)``, or None."""
+    if type(layer) is not CodesLinear or layer.precise:
+        return None
+    return (layer.weight, layer.scales, layer.biases, layer.bits, layer.group)
+
+
+def _norm(module: Any) -> bool:
+    return type(module) is nn.RMSNorm
+
+
+class CodesDecode:
+    """A block's decode call through ``block_qkv`` and ``block_mlp``; see the module docstring.
+
+    Args:
+        block: A :class:`~veloxquant_mlx.llama_model.Block` that :func:`codes_decode` accepted.
+        rope: Its RoPE, tables shared by every layer of a step.
+        fallback: What runs a call these operations cannot (an input not float32).
+    """
+
+    def __init__(self, block: Any, rope: SharedRope, fallback: Any) -> None:
+        attn, mlp = block.self_attn, block.mlp
+        qkv = attn.qkv.module
+        self.qkv, self.o = _weight(qkv), _weight(attn.o_proj)
+        self.gate_up, self.down = _weight(mlp.gate_up.module), _weight(mlp.down_proj)
+        self.bias = qkv.bias if "bias" in qkv else None
+        self.heads = {"heads": attn.n_heads, "kv_heads": attn.n_kv_heads,
+                      "head_dim": qkv.weight.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)}
+        if attn.head_norms:
+            self.heads.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                              head_eps=attn.q_norm.eps)
+        self.rope = rope
+        self.fallback = fallback
+        self._op = _ops()
+
+    def __call__(self, block: Any, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
+        if x.dtype != mx.float32:
+            return self.fallback(block, x, mask, cache)
+        attn = block.self_attn
+        cos, sin = self.rope.tables(cache.offset, 1)
+        q, new = self._op.block_qkv(
+            x, block.input_layernorm.weight, self.qkv, cos, sin,
+            eps=block.input_layernorm.eps, rope_dims=self.rope.dims,
+            traditional=self.rope.traditional, bias=self.bias, float32_above=INT8_MAX_ROWS,
+            **self.heads)
+        k, v = cache.update_and_fetch_stacked(new)
+        out = llama_model.scaled_dot_product_attention(q, k, v, cache, attn.scale, mask)
+        return self._op.block_mlp(x, out, self.o, block.post_attention_layernorm.weight,
+                                  self.gate_up, self.down,
+                                  eps=block.post_attention_layernorm.eps,
+                                  float32_above=INT8_MAX_ROWS)
+
+
+def _ops() -> Any:
+    """The built extension (it holds ``block_qkv`` and ``block_mlp`` beside ``codes_matmul``)."""
+    from veloxquant_mlx.kernels.build import load
+
+    return load()
+
+
+def codes_decode(block: Any, rope: SharedRope | None, fallback: Any) -> CodesDecode | None:
+    """``block``'s decode call as :class:`CodesDecode`, or None where it cannot be.
+
+    It can when q/k/v and gate/up are fused (:mod:`~veloxquant_mlx.fused_projections`),
+    every projection is a plain :class:`CodesLinear` (q/k/v alone may have a bias), the
+    norms are ``nn.RMSNorm`` and RoPE shares its tables (``rope``, on the CPU).
+    """
+    attn, mlp = block.self_attn, block.mlp
+    if rope is None or attn.qkv is None or mlp.gate_up is None:
+        return None
+    layers = [attn.qkv.module, attn.o_proj, mlp.gate_up.module, mlp.down_proj]
+    if any(_weight(layer) is None for layer in layers) or any("bias" in layer
+                                                              for layer in layers[1:]):
+        return None
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    if attn.head_norms:
+        norms += [attn.q_norm, attn.k_norm]
+    if not all(_norm(n) for n in norms):
+        return None
+    return CodesDecode(block, rope, fallback)

@@ -1,0 +1,251 @@
+// decode_attention: one decode call's attention for a layer, over a paged batch's stored
+// keys and values and its new (or held) ones, as one MLX operation (CPU stream).
+//
+// Why: as MLX ops the same attention is ~17 graph nodes a layer (scale, reshapes, two
+// score products, masks, concatenation, softmax, two value products), each run by the
+// stream at a few microseconds whatever its size: on a one-row SmolLM2 step ~500 nodes,
+// several milliseconds. For the few thousand scores of a decode row this is one pass: each
+// key row is read once for every query head of its group, the softmax is one scan.
+// Larger calls (many rows over long contexts) stay on MLX's BLAS-backed products: the
+// caller picks (paged_attention.NATIVE_MAX_SCORES).
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+#include "extension.h"
+#include "strided.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define VQ_X86 1
+#endif
+
+namespace nb = nanobind;
+
+namespace veloxquant {
+namespace {
+
+float dot_portable(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_portable(float w, const float* x, float* y, int n) {
+  for (int i = 0; i < n; i++) y[i] += w * x[i];
+}
+
+#ifdef VQ_X86
+// n a multiple of 8. Each ends with vzeroupper: its callers are compiled for SSE, and
+// SSE code after dirty upper halves ran ~10x slower here (one-row attention, 2k keys).
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
+  __m256 even = _mm256_setzero_ps(), odd = even;  // two chains: FMA latency
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
+    odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
+  }
+  if (i < n) even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
+  __m256 acc = _mm256_add_ps(even, odd);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  float out = _mm_cvtss_f32(s);
+  _mm256_zeroupper();
+  return out;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float w, const float* x, float* y, int n) {
+  __m256 wv = _mm256_set1_ps(w);
+  for (int i = 0; i < n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  _mm256_zeroupper();
+}
+#endif
+
+struct VectorOps {
+  float (*dot)(const float*, const float*, int);
+  void (*axpy)(float, const float*, float*, int);
+};
+
+VectorOps vector_ops(int head_dim) {
+#ifdef VQ_X86
+  if (head_dim % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {dot_avx2, axpy_avx2};
+#endif
+  (void)head_dim;
+  return {dot_portable, axpy_portable};
+}
+
+struct Shape {
+  int heads, kv_heads, head_dim, stored, fresh;  // fresh: the new (or held) columns
+  float scale;
+  bool stored_mask, fresh_mask;
+  bool operator==(const Shape&) const = default;
+};
+
+// One batch row's attention for one KV head's group of query heads. keys[p] / values[p]:
+// the part's (columns x head_dim) rows; masks[p]: one byte a column, or null (all seen).
+void attend_group(const Shape& s, const VectorOps& ops, const float* q, float* out,
+                  const float* const keys[2], const float* const values[2],
+                  const uint8_t* const masks[2], std::vector<float>& scores) {
+  int rep = s.heads / s.kv_heads, d = s.head_dim, total = s.stored + s.fresh;
+  const int columns[2] = {s.stored, s.fresh};
+  scores.assign(static_cast<size_t>(rep) * total, -std::numeric_limits<float>::infinity());
+  for (int p = 0, at = 0; p < 2; at += columns[p], p++)
+    for (int j = 0; j < columns[p]; j++) {
+      if (masks[p] && !masks[p][j]) continue;
+      const float* key = keys[p] + static_cast<size_t>(j) * d;
+      for (int r = 0; r < rep; r++)
+        scores[static_cast<size_t>(r) * total + at + j] = ops.dot(q + r * d, key, d) * s.scale;
+    }
+  for (int r = 0; r < rep; r++) {
+    float* row = scores.data() + static_cast<size_t>(r) * total;
+    float* o = out + r * d;
+    std::fill(o, o + d, 0.0f);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < total; j++) top = std::max(top, row[j]);
+    if (top == -std::numeric_limits<float>::infinity()) continue;  // nothing seen: zeros
+    float sum = 0.0f;
+    for (int j = 0; j < total; j++) sum += row[j] = std::exp(row[j] - top);
+    for (int p = 0, at = 0; p < 2; at += columns[p], p++)
+      for (int j = 0; j < columns[p]; j++)
+        if (row[at + j] != 0.0f)
+          ops.axpy(row[at + j], values[p] + static_cast<size_t>(j) * d, o, d);
+    float inv = 1.0f / sum;
+    for (int i = 0; i < d; i++) o[i] *= inv;
+  }
+}
+
+class DecodeAttention : public mx::Primitive {
+ public:
+  DecodeAttention(mx::Stream stream, Shape shape) : mx::Primitive(stream), s_(shape) {}
+
+  // inputs: queries, stored, fresh, [stored mask], [fresh mask]
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    int rows = inputs[0].shape(0);
+    std::vector<Strided> in(inputs.begin(), inputs.end());
+    std::vector<size_t> mask_rows;  // 1: one mask for every row
+    for (size_t i = 3; i < inputs.size(); i++)
+      mask_rows.push_back(inputs[i].size() == static_cast<size_t>(inputs[i].shape(-1)) ? 1 : rows);
+    encoder.dispatch([s = s_, in, mask_rows, rows, y = out.data<float>()]() {
+      std::vector<std::vector<char>> copies(in.size());
+      auto at = [&](size_t i) { return in[i].packed(copies[i]); };
+      const float* q = static_cast<const float*>(at(0));
+      const float* stored = static_cast<const float*>(at(1));
+      const float* fresh = static_cast<const float*>(at(2));
+      size_t next = 3;
+      const uint8_t* stored_mask = s.stored_mask ? static_cast<const uint8_t*>(at(next++)) : nullptr;
+      const uint8_t* fresh_mask = s.fresh_mask ? static_cast<const uint8_t*>(at(next)) : nullptr;
+      VectorOps ops = vector_ops(s.head_dim);
+      int d = s.head_dim, rep = s.heads / s.kv_heads;
+      std::vector<float> scores;
+      for (int b = 0; b < rows; b++)
+        for (int g = 0; g < s.kv_heads; g++) {
+          auto part = [&](const float* base, int columns, int stack) {
+            return base + ((static_cast<size_t>(stack) * rows + b) * s.kv_heads + g) * columns * d;
+          };
+          const float* keys[2] = {part(stored, s.stored, 0), part(fresh, s.fresh, 0)};
+          const float* values[2] = {part(stored, s.stored, 1), part(fresh, s.fresh, 1)};
+          size_t m = 0;
+          auto mask = [&](const uint8_t* base, int columns) -> const uint8_t* {
+            if (!base) return nullptr;
+            size_t r = mask_rows[m++] == 1 ? 0 : b;
+            return base + r * columns;
+          };
+          const uint8_t* masks[2] = {mask(stored_mask, s.stored), mask(fresh_mask, s.fresh)};
+          size_t first = (static_cast<size_t>(b) * s.heads + g * rep) * d;
+          attend_group(s, ops, q + first, y + first, keys, values, masks, scores);
+        }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("decode_attention runs on the CPU");
+  }
+
+  const char* name() const override { return "DecodeAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return s_ == static_cast<const DecodeAttention&>(other).s_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  Shape s_;
+};
+
+void require(bool ok, const std::string& why) {
+  if (!ok) throw std::invalid_argument("decode_attention: " + why);
+}
+
+mx::array decode_attention(const mx::array& queries, const mx::array& stored,
+                           const mx::array& fresh, std::optional<mx::array> stored_mask,
+                           std::optional<mx::array> fresh_mask, float scale,
+                           mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  require(stream.device == mx::Device::cpu, "it runs on the CPU stream only");
+  require(queries.ndim() == 4 && queries.shape(2) == 1,
+          "queries must be (rows, heads, 1, head_dim): one column a row");
+  int rows = queries.shape(0), heads = queries.shape(1), d = queries.shape(3);
+  for (const auto* part : {&stored, &fresh})
+    require(part->ndim() == 4 && part->shape(0) == 2 * rows && part->shape(3) == d &&
+                part->shape(1) == stored.shape(1),
+            "stored and fresh must be (2 rows, kv_heads, columns, head_dim): keys' rows "
+            "over values'");
+  int kv_heads = stored.shape(1);
+  require(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  std::vector<mx::array> inputs{mx::astype(queries, mx::float32, stream),
+                                mx::astype(stored, mx::float32, stream),
+                                mx::astype(fresh, mx::float32, stream)};
+  auto add_mask = [&](const std::optional<mx::array>& mask, int columns, const char* name) {
+    if (!mask) return false;
+    require(mask->ndim() >= 1 && mask->ndim() <= Strided::kMaxDims && mask->shape(-1) == columns &&
+                (mask->size() == static_cast<size_t>(columns) ||
+                 mask->size() == static_cast<size_t>(rows) * columns),
+            std::string(name) + " must hold one value a column, shared or for each row");
+    inputs.push_back(mx::astype(*mask, mx::bool_, stream));
+    return true;
+  };
+  bool has_stored = add_mask(stored_mask, stored.shape(2), "stored_mask");
+  bool has_fresh = add_mask(fresh_mask, fresh.shape(2), "fresh_mask");
+  Shape shape{heads, kv_heads, d, stored.shape(2), fresh.shape(2), scale, has_stored, has_fresh};
+  return mx::array(queries.shape(), mx::float32,
+                   std::make_shared<DecodeAttention>(stream, shape), inputs);
+}
+
+}  // namespace
+
+void add_attention_op(nb::module_& m) {
+  m.def("decode_attention", &decode_attention, nb::arg("queries"), nb::arg("stored"),
+        nb::arg("fresh"), nb::arg("stored_mask") = nb::none(),
+        nb::arg("fresh_mask") = nb::none(), nb::kw_only(), nb::arg("scale"),
+        nb::arg("stream") = nb::none(),
+        "Attention of one query column a row (queries: rows, heads, 1, head_dim) over two "
+        "parts of keys and values, each (2 rows, kv_heads, columns, head_dim) with the "
+        "keys' rows first; the masks (True: seen) hold one value a column, for every row "
+        "or each. One softmax over both parts; a row that sees nothing gets zeros.");
+}
+
+}  // namespace veloxquant
