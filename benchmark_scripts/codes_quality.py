@@ -5,8 +5,10 @@ On a CPU the server computes a quantized model's layers from the checkpoint's co
 Here the fixed English paragraph of ``tests/e2e/test_real_model.py`` is fed one
 token at a time (every product one row: int8 activations), its perplexity taken, then
 again on the exact float32 weights (``model.max_dequantized_bytes`` above their size),
-and the two log-probability tables compared. Each GGUF file runs in a child with the
-BLAS forward loaded, as the server runs. Writes
+and the two log-probability tables compared. The text is also fed through the server's
+decode path (a paged batch, blocks compiled), once with the native block operations
+(``codes_decode.py``) and once with the compiled halves. Each GGUF file runs in a child
+with the BLAS forward loaded, as the server runs. Writes
 ``figures/real_model/codes_quality.json``.
 
 Usage::
@@ -58,9 +60,32 @@ def child(path: str) -> dict:
         nll = -table[np.arange(len(ids) - 1), ids[1:]].mean()
         return math.exp(float(nll)), table
 
+    def served_decode(model, native_blocks: bool) -> float:
+        """Perplexity through the server's decode path: the text one token a call on a
+        paged batch, blocks compiled (native block operations or compiled halves)."""
+        from veloxquant_mlx.compiled_decode import compile_decode_blocks
+        from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+        from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+        from veloxquant_mlx.memory.request_blocks import make_batch_caches
+
+        compile_decode_blocks(model, codes_blocks=native_blocks)
+        pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=8192))
+        batch = make_batch_caches(model, KVArena(pool, probe_kv_layout(model)), [1])
+        nll = 0.0
+        for token, following in zip(ids[:-1], ids[1:], strict=True):
+            logits = model(mx.array([[token]]), cache=batch.caches)[0, -1]
+            nll -= float((logits - mx.logsumexp(logits))[following])
+        batch.release()
+        return math.exp(nll / (len(ids) - 1))
+
     layers = loaded.codes_layers
     ppl_codes, codes = one_token_at_a_time(loaded.model)
-    del loaded
+    from veloxquant_mlx.llama_model import own_model
+
+    served = own_model(loaded.model)
+    ppl_halves = served_decode(served, native_blocks=False)
+    ppl_native = served_decode(served, native_blocks=True)
+    del loaded, served
     exact_model = load_model(ModelSection(path=path, max_dequantized_bytes=EXACT_FLOAT32)).model
     ppl_float, exact = one_token_at_a_time(exact_model)
     top5 = np.argsort(-exact, axis=1)[:, :5]
@@ -68,6 +93,9 @@ def child(path: str) -> dict:
     return {"tokens": len(ids), "layers_from_codes": layers,
             "perplexity_codes": round(ppl_codes, 3), "perplexity_float32": round(ppl_float, 3),
             "perplexity_ratio": round(ppl_codes / ppl_float, 4),
+            "served_decode": {"perplexity_native_blocks": round(ppl_native, 3),
+                              "perplexity_compiled_halves": round(ppl_halves, 3),
+                              "native_ratio_to_float32": round(ppl_native / ppl_float, 4)},
             "top5_logprob_mean_abs_diff": round(float(np.abs(moved).mean()), 4),
             "top5_logprob_max_abs_diff": round(float(np.abs(moved).max()), 4),
             "same_argmax_share": round(float((codes.argmax(1) == exact.argmax(1)).mean()), 4)}
