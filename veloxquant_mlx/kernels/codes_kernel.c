@@ -51,6 +51,8 @@ typedef struct {
     float *xd;    /* m x groups: each group's scale */
     float *xs;    /* m x groups: each group's sum as rounded, for the bias term */
     float *xs16;  /* m x 2 groups: the sums of each half, for 16-column biases */
+    int8_t *xp;   /* set for 4-bit products on the AVX2 path: xq in pair order (pair_order) */
+    float *xd8;   /* with xp: per row and pair of groups, each group's scale four times */
 } quantized_rows;
 
 const char *vq_codes_check(const vq_codes *w) {
@@ -73,6 +75,8 @@ static int rows_buffer(quantized_rows *x, int m, int cols) {
     x->xs = x->xd + (size_t)m * groups;
     x->xs16 = x->xs + (size_t)m * groups;
     x->xq = (int8_t *)(x->xs16 + 2 * (size_t)m * groups);
+    x->xp = NULL;
+    x->xd8 = NULL;
     return 0;
 }
 
@@ -359,10 +363,112 @@ static inline void block_rows(const vq_codes *w, int n0, int n1, const quantized
     }
 }
 
-__attribute__((target("avx2,fma")))
+/* One pair of 4-bit groups of one row of x: acc + each group's integer dot product times
+ * its weight scale and x's. ``lo``/``hi``: the pair's codes, columns 0-15 and 16-31 of
+ * each group (group g in the low 128 bits, g + 1 in the high); ``x``: the pair in pair
+ * order. Both products of a column pair fit int16 (2 x 15 x 127 each), so their sum does. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 pair_step(__m256i lo, __m256i hi, __m256 s8, const int8_t *x,
+                               const float *d8, __m256 acc) {
+    __m256i sums = _mm256_add_epi16(
+        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + GROUP))));
+    __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
+    return _mm256_fmadd_ps(dot, _mm256_mul_ps(s8, _mm256_loadu_ps(d8)), acc);
+}
+
+/* The weight scales of pair p as pair_step takes them: group 2p's four times, then 2p + 1's. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 pair_scales(const float *sn, int p) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sn[2 * p])),
+                                _mm_set1_ps(sn[2 * p + 1]), 1);
+}
+
+/* A lone last group (an odd group count) of one row of x, from xq in column order. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 lone_group(const uint8_t *qn, int g, const float *sn,
+                                const quantized_rows *x, int r, __m256 acc) {
+    return group_step(load_codes(qn, g, 4), weight_scale(sn, g, GROUP),
+                      x->xq + (size_t)r * x->groups * GROUP + g * GROUP,
+                      x->xd[(size_t)r * x->groups + g], acc, 4);
+}
+
+/* 4-bit weight rows [n0, n1) against every row of x, two groups at a time: one 32-byte
+ * load holds a pair's codes, and one mask and one shift split them into columns 0-15 and
+ * 16-31 of both groups, which x's pair order (pair_order) matches. Half the instructions
+ * of group by group (block_rows). Every row of x is summed in the same order, in a block
+ * of four or alone. */
+__attribute__((target("avx2,fma,f16c")))
 static void block_rows_4bit(const vq_codes *w, int n0, int n1, const quantized_rows *x,
                             float *c, int ldc) {
-    block_rows(w, n0, n1, x, c, ldc, 4, GROUP);
+    const int groups = x->groups, pairs = groups / 2, cols = w->cols;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *qn = w->codes + (size_t)n * cols / 2;
+        row_params_avx2(w, n, sn, bn);
+        int r = 0;
+        /* Two chains a row (even and odd pairs) hide the FMA's latency. */
+        for (; r + 4 <= x->m; r += 4) { /* four rows of x share each loaded pair */
+            __m256 acc[2][4];
+            for (int i = 0; i < 4; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+            for (int p = 0; p < pairs; p++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qn + p * GROUP));
+                __m256i lo = _mm256_and_si256(v, nibble);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                __m256 s8 = pair_scales(sn, p);
+                for (int i = 0; i < 4; i++)
+                    acc[p & 1][i] = pair_step(lo, hi, s8,
+                                              x->xp + ((size_t)(r + i) * pairs + p) * 2 * GROUP,
+                                              x->xd8 + ((size_t)(r + i) * pairs + p) * 8,
+                                              acc[p & 1][i]);
+            }
+            for (int i = 0; i < 4; i++) {
+                __m256 sum = _mm256_add_ps(acc[0][i], acc[1][i]);
+                if (groups % 2) sum = lone_group(qn, groups - 1, sn, x, r + i, sum);
+                c[(size_t)(r + i) * ldc + n] =
+                    hsum(sum) + bias_term(bn, x->xs + (size_t)(r + i) * groups, groups);
+            }
+        }
+        for (; r < x->m; r++) { /* the rest one at a time, in the same order */
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int p = 0; p < pairs; p++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qn + p * GROUP));
+                acc[p & 1] = pair_step(_mm256_and_si256(v, nibble),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                                       pair_scales(sn, p),
+                                       x->xp + ((size_t)r * pairs + p) * 2 * GROUP,
+                                       x->xd8 + ((size_t)r * pairs + p) * 8, acc[p & 1]);
+            }
+            __m256 sum = _mm256_add_ps(acc[0], acc[1]);
+            if (groups % 2) sum = lone_group(qn, groups - 1, sn, x, r, sum);
+            c[(size_t)r * ldc + n] = hsum(sum) + bias_term(bn, x->xs + (size_t)r * groups, groups);
+        }
+    }
+    _mm256_zeroupper();
+}
+
+/* x's int8 rows in pair order for block_rows_4bit: per pair of groups (g, g + 1), g's
+ * columns 0-15, g + 1's 0-15, g's 16-31, g + 1's 16-31; and each group's scale four times.
+ * A lone last group stays in xq only. Returns -1 when out of memory. */
+static int pair_order(quantized_rows *x) {
+    int pairs = x->groups / 2;
+    size_t rows = (size_t)x->m * pairs;
+    x->xd8 = malloc(rows * 8 * sizeof(float) + rows * 2 * GROUP);
+    if (!x->xd8) return -1;
+    x->xp = (int8_t *)(x->xd8 + rows * 8);
+    for (int r = 0; r < x->m; r++)
+        for (int p = 0; p < pairs; p++) {
+            const int8_t *g0 = x->xq + ((size_t)r * x->groups + 2 * p) * GROUP, *g1 = g0 + GROUP;
+            int8_t *dst = x->xp + ((size_t)r * pairs + p) * 2 * GROUP;
+            memcpy(dst, g0, 16);
+            memcpy(dst + 16, g1, 16);
+            memcpy(dst + 32, g0 + 16, 16);
+            memcpy(dst + 48, g1 + 16, 16);
+            float *d8 = x->xd8 + ((size_t)r * pairs + p) * 8;
+            for (int i = 0; i < 8; i++) d8[i] = x->xd[(size_t)r * x->groups + 2 * p + i / 4];
+        }
+    return 0;
 }
 
 __attribute__((target("avx2,fma")))
@@ -641,16 +747,20 @@ static void residual(const float *x, int m, int cols, const quantized_rows *q, f
         r[i] = x[i] - (float)q->xq[i] * q->xd[i / GROUP];
 }
 
-static void multiply(const vq_codes *w, const quantized_rows *q, float *out, int avx2) {
+static int multiply(const vq_codes *w, const quantized_rows *q, float *out, int avx2) {
 #ifdef HAVE_AVX2_PATH
     if (avx2) {
-        job_t j = {w, q, out, w->rows, 1, 0, w->rows, NULL};
+        quantized_rows x = *q;
+        if (w->bits == 4 && pair_order(&x) != 0) return -1;
+        job_t j = {w, &x, out, w->rows, 1, 0, w->rows, NULL};
         run_job(&j, (long)q->m * w->rows * w->cols);
-        return;
+        free(x.xd8); /* NULL unless pair_order ran */
+        return 0;
     }
 #endif
     (void)avx2;
     matmul_portable(w, q, out);
+    return 0;
 }
 
 int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int path,
@@ -662,9 +772,9 @@ int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int pa
     if (rows_buffer(&q, passes * m, w->cols) != 0) return -1;
     quantize_into(x, m, w->cols, &q, 0, avx2);
     if (!precise) {
-        multiply(w, &q, out, avx2);
+        int rc = multiply(w, &q, out, avx2);
         free(q.xd);
-        return 0;
+        return rc;
     }
     /* Two int8 passes, x's rounding then what that rounding missed: ~16-bit activations,
      * the codes read once (the rows of both passes share each loaded group). */
@@ -676,10 +786,11 @@ int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int pa
     }
     residual(x, m, w->cols, &q, scratch);
     quantize_into(scratch, m, w->cols, &q, m, avx2);
-    multiply(w, &q, scratch, avx2);
-    for (size_t i = 0; i < (size_t)m * w->rows; i++)
-        out[i] = scratch[i] + scratch[(size_t)m * w->rows + i];
+    int rc = multiply(w, &q, scratch, avx2);
+    if (rc == 0)
+        for (size_t i = 0; i < (size_t)m * w->rows; i++)
+            out[i] = scratch[i] + scratch[(size_t)m * w->rows + i];
     free(scratch);
     free(q.xd);
-    return 0;
+    return rc;
 }
