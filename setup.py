@@ -90,7 +90,7 @@ def sgemv_forward() -> list:
     return [Extension("veloxquant_mlx._sgemv_forward",
                       ["veloxquant_mlx/sgemv_forward.c", "veloxquant_mlx/prefill_attention.c",
                        "veloxquant_mlx/swiglu.c"],
-                      depends=["veloxquant_mlx/forward.h", "veloxquant_mlx/vq_exp.h"],
+                      depends=["veloxquant_mlx/forward.h", "veloxquant_mlx/kernels/vq_exp.h"],
                       extra_compile_args=["-O2", "-pthread"], libraries=["dl", "pthread"])]
 
 

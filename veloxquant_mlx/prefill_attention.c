@@ -28,7 +28,7 @@
 #include <string.h>
 
 #include "forward.h"
-#include "vq_exp.h"
+#include "kernels/vq_exp.h"
 
 /* The library's own entry point: products with M > 1 go on to OpenBLAS. */
 extern void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,

@@ -12,7 +12,7 @@
 #include <stddef.h>
 
 #include "forward.h"
-#include "vq_exp.h"
+#include "kernels/vq_exp.h"
 
 int vq_swiglu_supported(void) {
 #if defined(__x86_64__)

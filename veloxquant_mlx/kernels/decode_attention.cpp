@@ -30,64 +30,13 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define VQ_X86 1
+#include "vq_exp.h"
 #endif
 
 namespace nb = nanobind;
 
 namespace veloxquant {
 namespace {
-
-float dot_portable(const float* a, const float* b, int n) {
-  float s = 0.0f;
-  for (int i = 0; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
-void axpy_portable(float w, const float* x, float* y, int n) {
-  for (int i = 0; i < n; i++) y[i] += w * x[i];
-}
-
-#ifdef VQ_X86
-// n a multiple of 8. Each ends with vzeroupper: its callers are compiled for SSE, and
-// SSE code after dirty upper halves ran ~10x slower here (one-row attention, 2k keys).
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
-  __m256 even = _mm256_setzero_ps(), odd = even;  // two chains: FMA latency
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
-    odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
-  }
-  if (i < n) even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
-  __m256 acc = _mm256_add_ps(even, odd);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float out = _mm_cvtss_f32(s);
-  _mm256_zeroupper();
-  return out;
-}
-
-__attribute__((target("avx2,fma"))) void axpy_avx2(float w, const float* x, float* y, int n) {
-  __m256 wv = _mm256_set1_ps(w);
-  for (int i = 0; i < n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  _mm256_zeroupper();
-}
-#endif
-
-struct VectorOps {
-  float (*dot)(const float*, const float*, int);
-  void (*axpy)(float, const float*, float*, int);
-};
-
-VectorOps vector_ops(int head_dim) {
-#ifdef VQ_X86
-  if (head_dim % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {dot_avx2, axpy_avx2};
-#endif
-  (void)head_dim;
-  return {dot_portable, axpy_portable};
-}
 
 struct Shape {
   int heads, kv_heads, head_dim, stored, fresh;  // fresh: the new (or held) columns
@@ -96,37 +45,136 @@ struct Shape {
   bool operator==(const Shape&) const = default;
 };
 
-// One batch row's attention for one KV head's group of query heads. keys[p] / values[p]:
-// the part's (columns x head_dim) rows; masks[p]: one byte a column, or null (all seen).
-void attend_group(const Shape& s, const VectorOps& ops, const float* q, float* out,
-                  const float* const keys[2], const float* const values[2],
-                  const uint8_t* const masks[2], std::vector<float>& scores) {
-  int rep = s.heads / s.kv_heads, d = s.head_dim, total = s.stored + s.fresh;
+// One batch row and KV head: its group of query heads ``q`` (rep x head_dim) over both
+// parts, into ``out``. keys[p] / values[p]: the part's (columns x head_dim) rows; masks[p]:
+// one byte a column, or null (all seen); ``scores``: room for every column.
+using GroupKernel = void (*)(const Shape&, const float* q, float* out,
+                             const float* const keys[2], const float* const values[2],
+                             const uint8_t* const masks[2], float* scores);
+
+void attend_group_portable(const Shape& s, const float* q, float* out,
+                           const float* const keys[2], const float* const values[2],
+                           const uint8_t* const masks[2], float* scores) {
+  const int rep = s.heads / s.kv_heads, d = s.head_dim, total = s.stored + s.fresh;
   const int columns[2] = {s.stored, s.fresh};
-  scores.assign(static_cast<size_t>(rep) * total, -std::numeric_limits<float>::infinity());
-  for (int p = 0, at = 0; p < 2; at += columns[p], p++)
-    for (int j = 0; j < columns[p]; j++) {
-      if (masks[p] && !masks[p][j]) continue;
-      const float* key = keys[p] + static_cast<size_t>(j) * d;
-      for (int r = 0; r < rep; r++)
-        scores[static_cast<size_t>(r) * total + at + j] = ops.dot(q + r * d, key, d) * s.scale;
-    }
-  for (int r = 0; r < rep; r++) {
-    float* row = scores.data() + static_cast<size_t>(r) * total;
-    float* o = out + r * d;
-    std::fill(o, o + d, 0.0f);
-    float top = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < total; j++) top = std::max(top, row[j]);
-    if (top == -std::numeric_limits<float>::infinity()) continue;  // nothing seen: zeros
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < rep; r++, q += d, out += d) {
+    float top = none;
+    for (int p = 0, at = 0; p < 2; at += columns[p], p++)
+      for (int j = 0; j < columns[p]; j++) {
+        float v = none;
+        if (!masks[p] || masks[p][j]) {
+          const float* key = keys[p] + static_cast<size_t>(j) * d;
+          v = 0.0f;
+          for (int i = 0; i < d; i++) v += q[i] * key[i];
+          v *= s.scale;
+        }
+        scores[at + j] = v;
+        top = std::max(top, v);
+      }
+    std::fill(out, out + d, 0.0f);
+    if (top == none) continue;  // nothing seen: zeros
     float sum = 0.0f;
-    for (int j = 0; j < total; j++) sum += row[j] = std::exp(row[j] - top);
+    for (int j = 0; j < total; j++) sum += scores[j] = std::exp(scores[j] - top);
     for (int p = 0, at = 0; p < 2; at += columns[p], p++)
       for (int j = 0; j < columns[p]; j++)
-        if (row[at + j] != 0.0f)
-          ops.axpy(row[at + j], values[p] + static_cast<size_t>(j) * d, o, d);
-    float inv = 1.0f / sum;
-    for (int i = 0; i < d; i++) o[i] *= inv;
+        for (int i = 0; i < d; i++)
+          out[i] += scores[at + j] * values[p][static_cast<size_t>(j) * d + i];
+    for (int i = 0; i < d; i++) out[i] /= sum;
   }
+}
+
+#ifdef VQ_X86
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// attend_group_portable with AVX2 for head_dim = 8 * DV: each query head's scaled row held
+// in registers for its dot products (two chains), one vectorised exp pass over its scores,
+// then the values summed in registers (the head's loops unrolled, so they stay there).
+// The callers are compiled for SSE: it ends with
+// vzeroupper (without it, the SSE code after ran ~10x slower here).
+template <int DV>
+__attribute__((target("avx2,fma"))) void attend_group_avx2(
+    const Shape& s, const float* q, float* out, const float* const keys[2],
+    const float* const values[2], const uint8_t* const masks[2], float* scores) {
+  constexpr int d = 8 * DV;
+  const int rep = s.heads / s.kv_heads, total = s.stored + s.fresh;
+  const int columns[2] = {s.stored, s.fresh};
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < rep; r++, q += d, out += d) {
+    __m256 qv[DV], o[DV];
+    #pragma GCC unroll 16
+    for (int k = 0; k < DV; k++) {
+      qv[k] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * k), _mm256_set1_ps(s.scale));
+      o[k] = _mm256_setzero_ps();
+    }
+    float top = none;
+    for (int p = 0, at = 0; p < 2; at += columns[p], p++)
+      for (int j = 0; j < columns[p]; j++) {
+        if (masks[p] && !masks[p][j]) {
+          scores[at + j] = none;
+          continue;
+        }
+        const float* key = keys[p] + static_cast<size_t>(j) * d;
+        __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        #pragma GCC unroll 16
+        for (int k = 0; k + 1 < DV; k += 2) {
+          even = _mm256_fmadd_ps(qv[k], _mm256_loadu_ps(key + 8 * k), even);
+          odd = _mm256_fmadd_ps(qv[k + 1], _mm256_loadu_ps(key + 8 * k + 8), odd);
+        }
+        if (DV % 2) even = _mm256_fmadd_ps(qv[DV - 1], _mm256_loadu_ps(key + d - 8), even);
+        float v = hsum(_mm256_add_ps(even, odd));
+        scores[at + j] = v;
+        top = std::max(top, v);
+      }
+    if (top != none) {  // else nothing seen: zeros
+      __m256 sums = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+      int j = 0;
+      for (; j + 8 <= total; j += 8) {  // a masked score (-inf) gives exactly 0
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+        _mm256_storeu_ps(scores + j, e);
+        sums = _mm256_add_ps(sums, e);
+      }
+      float sum = hsum(sums);
+      for (; j < total; j++) sum += scores[j] = std::exp(scores[j] - top);
+      for (int p = 0, at = 0; p < 2; at += columns[p], p++)
+        for (int c = 0; c < columns[p]; c++) {
+          float w = scores[at + c];
+          if (w == 0.0f) continue;
+          const float* value = values[p] + static_cast<size_t>(c) * d;
+          __m256 wv = _mm256_set1_ps(w);
+          #pragma GCC unroll 16
+          for (int k = 0; k < DV; k++)
+            o[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8 * k), o[k]);
+        }
+      __m256 inv = _mm256_set1_ps(1.0f / sum);
+      #pragma GCC unroll 16
+      for (int k = 0; k < DV; k++) o[k] = _mm256_mul_ps(o[k], inv);
+    }
+    #pragma GCC unroll 16
+    for (int k = 0; k < DV; k++) _mm256_storeu_ps(out + 8 * k, o[k]);
+  }
+  _mm256_zeroupper();
+}
+#endif
+
+// The AVX2 kernel for the common head sizes where the CPU has it, else the plain loop.
+GroupKernel group_kernel(int head_dim) {
+#ifdef VQ_X86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    switch (head_dim) {
+      case 32: return attend_group_avx2<4>;
+      case 64: return attend_group_avx2<8>;
+      case 96: return attend_group_avx2<12>;
+      case 128: return attend_group_avx2<16>;
+    }
+  }
+#endif
+  (void)head_dim;
+  return attend_group_portable;
 }
 
 class DecodeAttention : public mx::Primitive {
@@ -155,9 +203,9 @@ class DecodeAttention : public mx::Primitive {
       size_t next = 3;
       const uint8_t* stored_mask = s.stored_mask ? static_cast<const uint8_t*>(at(next++)) : nullptr;
       const uint8_t* fresh_mask = s.fresh_mask ? static_cast<const uint8_t*>(at(next)) : nullptr;
-      VectorOps ops = vector_ops(s.head_dim);
+      GroupKernel attend = group_kernel(s.head_dim);
       int d = s.head_dim, rep = s.heads / s.kv_heads;
-      std::vector<float> scores;
+      std::vector<float> scores(static_cast<size_t>(s.stored) + s.fresh + 8);
       for (int b = 0; b < rows; b++)
         for (int g = 0; g < s.kv_heads; g++) {
           auto part = [&](const float* base, int columns, int stack) {
@@ -173,7 +221,7 @@ class DecodeAttention : public mx::Primitive {
           };
           const uint8_t* masks[2] = {mask(stored_mask, s.stored), mask(fresh_mask, s.fresh)};
           size_t first = (static_cast<size_t>(b) * s.heads + g * rep) * d;
-          attend_group(s, ops, q + first, y + first, keys, values, masks, scores);
+          attend(s, q + first, y + first, keys, values, masks, scores.data());
         }
     });
   }

@@ -1,4 +1,5 @@
-/* A vectorised exp for the prompt kernels (prefill_attention.c, swiglu.c; x86-64 AVX2). */
+/* A vectorised exp (x86-64 AVX2) for the prompt kernels (../prefill_attention.c,
+ * ../swiglu.c) and decode_attention.cpp. */
 #ifndef VELOXQUANT_VQ_EXP_H
 #define VELOXQUANT_VQ_EXP_H
 
