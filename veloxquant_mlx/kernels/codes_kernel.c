@@ -493,6 +493,8 @@ typedef struct {
     int row0, row1;  /* the weight rows split into chunks among them */
     float *dequant;  /* set: dequantize the rows into it, (row - row0) x cols, instead */
     int per;         /* weight rows a chunk covers (run_job sets it: rows_per_chunk) */
+    void (*fn)(void *ctx, int i0, int i1); /* set: a vq_parallel_for job, items as rows */
+    void *ctx;
 } job_t;
 
 static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst);
@@ -522,6 +524,10 @@ static uint64_t claim_word(unsigned gen, int chunks) {
  * about eight chunks a thread, so a thread that starts late (the other core busy with the
  * Python thread) leaves its share to the others instead of making them wait for it. */
 static int rows_per_chunk(const job_t *j) {
+    if (j->fn) { /* items of vq_parallel_for: about four chunks a thread */
+        int per = (j->row1 - j->row0) / (4 * j->parts);
+        return per < 1 ? 1 : per;
+    }
     int rows = j->row1 - j->row0, per = (rows / (8 * j->parts) + 7) & ~7;
     if (per < 32) per = 32;
     while ((rows + per - 1) / per > MAX_CHUNKS) per *= 2;
@@ -530,6 +536,10 @@ static int rows_per_chunk(const job_t *j) {
 
 static void run_rows(const job_t *j, int n0, int n1) {
     if (n0 >= n1) return;
+    if (j->fn) {
+        j->fn(j->ctx, n0, n1);
+        return;
+    }
     if (j->dequant)
         dequantize_rows(j->w, n0, n1, j->dequant + (size_t)(n0 - j->row0) * j->w->cols);
     else if (j->w->bits == 4) block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
@@ -653,6 +663,22 @@ static int avx2_available(void) {
 }
 
 const char *vq_codes_path(void) { return avx2_available() ? "avx2" : "portable"; }
+
+void vq_parallel_for(int n, long work, void (*fn)(void *ctx, int i0, int i1), void *ctx) {
+    if (n < 1) return;
+#ifdef HAVE_AVX2_PATH
+    if (avx2_available()) { /* the helpers exist only where the AVX2 path does */
+        job_t j = {0};
+        j.parts = 1;
+        j.row1 = n;
+        j.fn = fn;
+        j.ctx = ctx;
+        run_job(&j, work);
+        return;
+    }
+#endif
+    fn(ctx, 0, n);
+}
 
 /* The BLAS MLX was handed (the project's forward, loaded globally before MLX), if any:
  * weak, so a process without one simply keeps every product on the codes. */

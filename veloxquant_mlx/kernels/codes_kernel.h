@@ -38,6 +38,11 @@ const char *vq_codes_check(const vq_codes *w);
 int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int path,
                     int precise);
 
+/* fn(ctx, i0, i1) over the items [0, n), in chunks taken by the product threads (the
+ * caller among them), as a product's weight rows are; on the caller alone when ``work``
+ * (about the multiply-adds) is small, or another product holds the threads. */
+void vq_parallel_for(int n, long work, void (*fn)(void *ctx, int i0, int i1), void *ctx);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,7 @@
 // Larger calls (many rows over long contexts) stay on MLX's BLAS-backed products: the
 // caller picks (paged_attention.NATIVE_MAX_SCORES).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
 #include <limits>
@@ -24,6 +25,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
+#include "codes_kernel.h"
 #include "extension.h"
 #include "strided.h"
 
@@ -177,6 +179,39 @@ GroupKernel group_kernel(int head_dim) {
   return attend_group_portable;
 }
 
+// A call's (batch row, KV head) pairs, for vq_parallel_for: each pair is independent.
+struct Groups {
+  const Shape* s;
+  GroupKernel attend;
+  int rows;
+  const float *q, *stored, *fresh;  // stored and fresh: keys' rows over values'
+  const uint8_t* masks[2];           // null: all seen
+  bool shared[2];                    // the mask is one row for every batch row
+  float* y;
+};
+
+void run_groups(void* ctx, int i0, int i1) {
+  const Groups& j = *static_cast<const Groups*>(ctx);
+  const Shape& s = *j.s;
+  int d = s.head_dim, rep = s.heads / s.kv_heads;
+  std::vector<float> scores(static_cast<size_t>(s.stored) + s.fresh);
+  for (int i = i0; i < i1; i++) {
+    int b = i / s.kv_heads, g = i % s.kv_heads;
+    auto part = [&](const float* base, int columns, int stack) {
+      return base + ((static_cast<size_t>(stack) * j.rows + b) * s.kv_heads + g) * columns * d;
+    };
+    const float* keys[2] = {part(j.stored, s.stored, 0), part(j.fresh, s.fresh, 0)};
+    const float* values[2] = {part(j.stored, s.stored, 1), part(j.fresh, s.fresh, 1)};
+    const int columns[2] = {s.stored, s.fresh};
+    const uint8_t* masks[2];
+    for (int p = 0; p < 2; p++)
+      masks[p] = j.masks[p] ? j.masks[p] + (j.shared[p] ? 0 : static_cast<size_t>(b)) * columns[p]
+                            : nullptr;
+    size_t first = (static_cast<size_t>(b) * s.heads + g * rep) * d;
+    j.attend(s, j.q + first, j.y + first, keys, values, masks, scores.data());
+  }
+}
+
 class DecodeAttention : public mx::Primitive {
  public:
   DecodeAttention(mx::Stream stream, Shape shape) : mx::Primitive(stream), s_(shape) {}
@@ -191,10 +226,11 @@ class DecodeAttention : public mx::Primitive {
     encoder.set_output_array(out);
     int rows = inputs[0].shape(0);
     std::vector<Strided> in(inputs.begin(), inputs.end());
-    std::vector<size_t> mask_rows;  // 1: one mask for every row
-    for (size_t i = 3; i < inputs.size(); i++)
-      mask_rows.push_back(inputs[i].size() == static_cast<size_t>(inputs[i].shape(-1)) ? 1 : rows);
-    encoder.dispatch([s = s_, in, mask_rows, rows, y = out.data<float>()]() {
+    std::array<bool, 2> shared{};  // a mask given as one row for every batch row
+    size_t next = 3;
+    if (s_.stored_mask) shared[0] = inputs[next++].size() == static_cast<size_t>(s_.stored);
+    if (s_.fresh_mask) shared[1] = inputs[next].size() == static_cast<size_t>(s_.fresh);
+    encoder.dispatch([s = s_, in, shared, rows, y = out.data<float>()]() {
       std::vector<std::vector<char>> copies(in.size());
       auto at = [&](size_t i) { return in[i].packed(copies[i]); };
       const float* q = static_cast<const float*>(at(0));
@@ -203,26 +239,10 @@ class DecodeAttention : public mx::Primitive {
       size_t next = 3;
       const uint8_t* stored_mask = s.stored_mask ? static_cast<const uint8_t*>(at(next++)) : nullptr;
       const uint8_t* fresh_mask = s.fresh_mask ? static_cast<const uint8_t*>(at(next)) : nullptr;
-      GroupKernel attend = group_kernel(s.head_dim);
-      int d = s.head_dim, rep = s.heads / s.kv_heads;
-      std::vector<float> scores(static_cast<size_t>(s.stored) + s.fresh + 8);
-      for (int b = 0; b < rows; b++)
-        for (int g = 0; g < s.kv_heads; g++) {
-          auto part = [&](const float* base, int columns, int stack) {
-            return base + ((static_cast<size_t>(stack) * rows + b) * s.kv_heads + g) * columns * d;
-          };
-          const float* keys[2] = {part(stored, s.stored, 0), part(fresh, s.fresh, 0)};
-          const float* values[2] = {part(stored, s.stored, 1), part(fresh, s.fresh, 1)};
-          size_t m = 0;
-          auto mask = [&](const uint8_t* base, int columns) -> const uint8_t* {
-            if (!base) return nullptr;
-            size_t r = mask_rows[m++] == 1 ? 0 : b;
-            return base + r * columns;
-          };
-          const uint8_t* masks[2] = {mask(stored_mask, s.stored), mask(fresh_mask, s.fresh)};
-          size_t first = (static_cast<size_t>(b) * s.heads + g * rep) * d;
-          attend(s, q + first, y + first, keys, values, masks, scores.data());
-        }
+      Groups job{&s, group_kernel(s.head_dim), rows, q, stored, fresh,
+                 {stored_mask, fresh_mask}, {shared[0], shared[1]}, y};
+      long work = 2L * rows * s.heads * (s.stored + s.fresh) * s.head_dim;
+      vq_parallel_for(rows * s.kv_heads, work, run_groups, &job);
     });
   }
 

@@ -47,9 +47,9 @@ tokens ~25 ms faster.
 Decode calls (one query column a row) with up to :data:`NATIVE_MAX_SCORES` scores go
 to neither: the extension's ``decode_attention`` (``veloxquant_mlx/kernels``) attends
 over the stored and new parts as one graph node, where MLX's ops are ~17 a layer
-(measured per layer call, SmolLM2's 9 heads: 1 row over 128 keys 137 vs 279 us, over
-2,048 keys 540 vs 801 us; 16 rows over 2,048 keys 11.8 vs 14.4 ms; a 1B model's 32
-heads, 8 rows over 2,048 keys: 22 vs 29 ms). Larger calls keep MLX's products.
+(measured per layer call, SmolLM2's 9 heads: 1 row over 2,048 keys 0.35 vs 1.29 ms; 16
+rows over 512 keys 0.71 vs 3.8 ms; a 1B model's 32 heads, 8 rows over 600 keys: 2.2 vs
+5.7 ms). Larger calls keep MLX's products.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ SCORES_PER_BLOCK = 1 << 19
 # before this path beats mlx-lm's on the op count it adds (module docstring).
 FAST_MIN_SCORES = 4096
 # Most scores a decode call (one query column a row) may have to go to the native
-# ``decode_attention`` operation: one node, one thread. It was faster than MLX's ops
-# up to the largest calls measured (64 rows x 9 heads x 1,024 keys: 17 vs 32 ms);
-# bigger ones use MLX's products, whose matmuls run on the BLAS's threads.
+# ``decode_attention`` operation: one node on the codes kernel's threads. It was faster
+# than MLX's ops up to the largest calls measured (64 rows x 9 heads x 1,024 keys: 6.9
+# vs 32.6 ms); bigger ones use MLX's products.
 NATIVE_MAX_SCORES = 1 << 20
 
 
