@@ -179,6 +179,10 @@ GroupKernel group_kernel(int head_dim) {
   return attend_group_portable;
 }
 
+// Below this many multiply-adds a call runs on the stream's thread alone: waking a helper
+// costs more than a one-row call over a short context takes (tens of microseconds).
+constexpr long kMinParallelWork = 1L << 20;
+
 // A call's (batch row, KV head) pairs, for vq_parallel_for: each pair is independent.
 struct Groups {
   const Shape* s;
@@ -242,7 +246,10 @@ class DecodeAttention : public mx::Primitive {
       Groups job{&s, group_kernel(s.head_dim), rows, q, stored, fresh,
                  {stored_mask, fresh_mask}, {shared[0], shared[1]}, y};
       long work = 2L * rows * s.heads * (s.stored + s.fresh) * s.head_dim;
-      vq_parallel_for(rows * s.kv_heads, work, run_groups, &job);
+      if (work < kMinParallelWork)
+        run_groups(&job, 0, rows * s.kv_heads);
+      else
+        vq_parallel_for(rows * s.kv_heads, work, run_groups, &job);
     });
   }
 
