@@ -28,6 +28,7 @@
 #include "mlx/primitives.h"
 
 #include "codes_kernel.h"
+#include "cpu_primitive.h"
 #include "extension.h"
 #include "strided.h"
 
@@ -129,9 +130,9 @@ struct QkvShape {
   bool operator==(const QkvShape&) const = default;
 };
 
-class BlockQkv : public mx::Primitive {
+class BlockQkv : public CpuPrimitive<QkvShape> {
  public:
-  BlockQkv(mx::Stream stream, QkvShape shape) : mx::Primitive(stream), s_(shape) {}
+  BlockQkv(mx::Stream stream, QkvShape shape) : CpuPrimitive(stream, shape, "BlockQkv") {}
 
   // inputs: x, norm, codes, scales, biases, cos, sin, [bias], [q_norm, k_norm]
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -186,23 +187,12 @@ class BlockQkv : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("block_qkv runs on the CPU");
-  }
-
-  const char* name() const override { return "BlockQkv"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return s_ == static_cast<const BlockQkv&>(other).s_;
-  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     int rows = static_cast<int>(inputs[0].size() / inputs[0].shape(-1));
     return {{rows, s_.heads, 1, s_.head_dim}, {2 * rows, s_.kv_heads, 1, s_.head_dim}};
   }
 
- private:
-  QkvShape s_;
 };
 
 std::tuple<mx::array, mx::array> block_qkv(
@@ -265,9 +255,9 @@ struct MlpShape {
   bool operator==(const MlpShape&) const = default;
 };
 
-class BlockMlp : public mx::Primitive {
+class BlockMlp : public CpuPrimitive<MlpShape> {
  public:
-  BlockMlp(mx::Stream stream, MlpShape shape) : mx::Primitive(stream), s_(shape) {}
+  BlockMlp(mx::Stream stream, MlpShape shape) : CpuPrimitive(stream, shape, "BlockMlp") {}
 
   // inputs: x, attention, o (3), norm, gate_up (3), down (3)
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -309,22 +299,11 @@ class BlockMlp : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("block_mlp runs on the CPU");
-  }
-
-  const char* name() const override { return "BlockMlp"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return s_ == static_cast<const BlockMlp&>(other).s_;
-  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
 
- private:
-  MlpShape s_;
 };
 
 mx::array block_mlp(const mx::array& x, const mx::array& attended, const CodesArg& o,

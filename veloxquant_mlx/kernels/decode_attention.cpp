@@ -26,6 +26,7 @@
 #include "mlx/primitives.h"
 
 #include "codes_kernel.h"
+#include "cpu_primitive.h"
 #include "extension.h"
 #include "strided.h"
 
@@ -216,9 +217,10 @@ void run_groups(void* ctx, int i0, int i1) {
   }
 }
 
-class DecodeAttention : public mx::Primitive {
+class DecodeAttention : public CpuPrimitive<Shape> {
  public:
-  DecodeAttention(mx::Stream stream, Shape shape) : mx::Primitive(stream), s_(shape) {}
+  DecodeAttention(mx::Stream stream, Shape shape)
+      : CpuPrimitive(stream, shape, "DecodeAttention") {}
 
   // inputs: queries, stored, fresh, [stored mask], [fresh mask]
   void eval_cpu(const std::vector<mx::array>& inputs,
@@ -253,22 +255,11 @@ class DecodeAttention : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("decode_attention runs on the CPU");
-  }
-
-  const char* name() const override { return "DecodeAttention"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return s_ == static_cast<const DecodeAttention&>(other).s_;
-  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
 
- private:
-  Shape s_;
 };
 
 void require(bool ok, const std::string& why) {
