@@ -137,12 +137,7 @@ class BlockQkv : public CpuPrimitive<QkvShape> {
   // inputs: x, norm, codes, scales, biases, cos, sin, [bias], [q_norm, k_norm]
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
-    }
+    auto& encoder = encoder_for(inputs, outputs);
     int hidden = inputs[0].shape(-1), rows = static_cast<int>(inputs[0].size() / hidden);
     int half = s_.rope_dims / 2, table_rows = static_cast<int>(inputs[5].size() / half);
     std::vector<Strided> in(inputs.begin(), inputs.end());
@@ -262,11 +257,8 @@ class BlockMlp : public CpuPrimitive<MlpShape> {
   // inputs: x, attention, o (3), norm, gate_up (3), down (3)
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
+    auto& encoder = encoder_for(inputs, outputs);
     mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    encoder.set_output_array(out);
     int hidden = inputs[0].shape(-1), rows = static_cast<int>(inputs[0].size() / hidden);
     Weight o(inputs[2], inputs[3], inputs[4], s_.o);
     Weight gate_up(inputs[6], inputs[7], inputs[8], s_.gate_up);

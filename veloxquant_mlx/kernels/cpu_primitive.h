@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 namespace veloxquant {
@@ -31,6 +33,19 @@ class CpuPrimitive : public mlx::core::Primitive {
   }
 
  protected:
+  // The stream's encoder with every input and output registered, the outputs allocated:
+  // what eval_cpu does before it dispatches its work.
+  mlx::core::cpu::CommandEncoder& encoder_for(const std::vector<mlx::core::array>& inputs,
+                                              std::vector<mlx::core::array>& outputs) {
+    auto& encoder = mlx::core::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (auto& out : outputs) {
+      out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+    }
+    return encoder;
+  }
+
   Attributes s_;
 
  private:

@@ -225,11 +225,8 @@ class DecodeAttention : public CpuPrimitive<Shape> {
   // inputs: queries, stored, fresh, [stored mask], [fresh mask]
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
+    auto& encoder = encoder_for(inputs, outputs);
     mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    encoder.set_output_array(out);
     int rows = inputs[0].shape(0);
     std::vector<Strided> in(inputs.begin(), inputs.end());
     std::array<bool, 2> shared{};  // a mask given as one row for every batch row
