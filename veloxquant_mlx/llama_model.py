@@ -147,7 +147,7 @@ class Model(nn.Module):
 
     Attributes:
         reads_paged_parts: Its attention takes a paged batch's stored and new parts
-            (:meth:`PagedLayerCache.attention_parts`), so a batch may offer them.
+            (:meth:`PagedLayerCache.stacked_parts`), so a batch may offer them.
     """
 
     reads_paged_parts = True

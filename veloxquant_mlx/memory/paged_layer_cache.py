@@ -67,7 +67,7 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         rows = new.shape[0] // 2
         if b.maskless:  # a view: only the columns every row stored (no mask needed)
             stored = stored[:, :, :b.same_past]
-        # Lazy: never computed when attention takes the parts (attention_parts).
+        # Lazy: never computed when attention takes the parts (stacked_parts).
         both = mx.concatenate([stored, new], axis=2)
         return both[:rows], both[rows:]
 
@@ -92,11 +92,6 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         if not b.any_past:  # the gather is never run
             return None, new, None, new_mask
         return stored, new, stored_mask, new_mask
-
-    def attention_parts(self, mask: mx.array | None) -> tuple[list, list, list] | None:
-        """:meth:`stacked_parts` as lists of keys, values and masks, one entry a part."""
-        stacked = self.stacked_parts(mask)
-        return None if stacked is None else split_parts(*stacked)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Boolean mask hiding other rows' padding and future columns.
