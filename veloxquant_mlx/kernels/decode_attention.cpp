@@ -4,10 +4,10 @@
 // Why: as MLX ops the same attention is ~17 graph nodes a layer (scale, reshapes, two
 // score products, masks, concatenation, softmax, two value products), each run by the
 // stream at a few microseconds whatever its size: on a one-row SmolLM2 step ~500 nodes,
-// several milliseconds. For the few thousand scores of a decode row this is one pass: each
-// key row is read once for every query head of its group, the softmax is one scan.
-// Larger calls (many rows over long contexts) stay on MLX's BLAS-backed products: the
-// caller picks (paged_attention.NATIVE_MAX_SCORES).
+// several milliseconds. Here a query head's row stays in registers while it reads its
+// group's keys, its softmax is one vectorised pass, and larger calls share their (row, KV
+// head) pairs out to the codes kernel's threads. Calls beyond
+// paged_attention.NATIVE_MAX_SCORES stay on MLX's products: the caller picks.
 #include <algorithm>
 #include <array>
 #include <cmath>
