@@ -63,9 +63,7 @@ struct Weight {
     vq_codes w{rows, cols, format.bits, format.group,
                static_cast<const uint8_t*>(codes.packed(c)), scales.packed(s),
                biases.packed(b), half};
-    int path = float32_above > 0 && m > float32_above && vq_codes_float32_available()
-                   ? VQ_PATH_FLOAT32 : VQ_PATH_AUTO;
-    if (vq_codes_matmul(&w, m, x, out, path, 0) != 0)
+    if (vq_codes_matmul(&w, m, x, out, codes_path(m, float32_above, false), 0) != 0)
       throw std::runtime_error("codes_block: out of memory for the quantized rows");
   }
 };
@@ -93,13 +91,6 @@ void rotate(float* v, int dims, bool traditional, const float* cos, const float*
     v[a] = x1 * cos[i] - x2 * sin[i];
     v[b] = x1 * sin[i] + x2 * cos[i];
   }
-}
-
-mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op) {
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument(std::string(op) + " runs on the CPU stream only");
-  return stream;
 }
 
 // The weight's three arrays checked for ``cols`` input columns, scales and biases cast to
@@ -182,12 +173,10 @@ class BlockQkv : public CpuPrimitive<QkvShape> {
     });
   }
 
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     int rows = static_cast<int>(inputs[0].size() / inputs[0].shape(-1));
     return {{rows, s_.heads, 1, s_.head_dim}, {2 * rows, s_.kv_heads, 1, s_.head_dim}};
   }
-
 };
 
 std::tuple<mx::array, mx::array> block_qkv(
@@ -291,11 +280,9 @@ class BlockMlp : public CpuPrimitive<MlpShape> {
     });
   }
 
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
-
 };
 
 mx::array block_mlp(const mx::array& x, const mx::array& attended, const CodesArg& o,

@@ -58,6 +58,19 @@ mx::Dtype params_dtype(const mx::array& scales, const mx::array& biases) {
                                                                         : mx::float32;
 }
 
+int codes_path(int m, int float32_above, bool portable) {
+  if (float32_above > 0 && m > float32_above && vq_codes_float32_available())
+    return VQ_PATH_FLOAT32;
+  return portable ? VQ_PATH_PORTABLE : VQ_PATH_AUTO;
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s, const char* op) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument(std::string(op) + " runs on the CPU stream only");
+  return stream;
+}
+
 }  // namespace veloxquant
 
 namespace {
@@ -88,9 +101,7 @@ class CodesMatmul : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    int path = portable_ ? VQ_PATH_PORTABLE : VQ_PATH_AUTO;
-    if (float32_above_ > 0 && m > float32_above_ && vq_codes_float32_available())
-      path = VQ_PATH_FLOAT32;
+    int path = veloxquant::codes_path(m, float32_above_, portable_);
     encoder.dispatch([w, m, path, precise = precise_, xs = Strided(x), cs = Strided(codes),
                       ss = Strided(scales), bs = Strided(biases),
                       out_ptr = out.data<float>()]() mutable {
@@ -144,9 +155,7 @@ mx::array codes_matmul(const mx::array& x, const mx::array& codes, const mx::arr
                        const mx::array& biases, int bits, int group, bool portable,
                        int float32_above, bool precise, mx::StreamOrDevice s) {
   check_inputs(x, codes, scales, biases, bits, group);
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (stream.device != mx::Device::cpu)
-    throw std::invalid_argument("codes_matmul runs on the CPU stream only");
+  auto stream = veloxquant::cpu_stream(s, "codes_matmul");
   // Scales and biases stay float16 when both are (GGUF's Q4_0, Q4_1, Q8_0 hold them so);
   // anything else is computed with in float32.
   auto params = veloxquant::params_dtype(scales, biases);

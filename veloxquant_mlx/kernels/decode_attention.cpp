@@ -252,11 +252,9 @@ class DecodeAttention : public CpuPrimitive<Shape> {
     });
   }
 
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
-
 };
 
 void require(bool ok, const std::string& why) {
@@ -267,8 +265,7 @@ mx::array decode_attention(const mx::array& queries, const mx::array& stored,
                            const mx::array& fresh, std::optional<mx::array> stored_mask,
                            std::optional<mx::array> fresh_mask, float scale,
                            mx::StreamOrDevice s) {
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  require(stream.device == mx::Device::cpu, "it runs on the CPU stream only");
+  auto stream = cpu_stream(s, "decode_attention");
   require(queries.ndim() == 4 && queries.shape(2) == 1,
           "queries must be (rows, heads, 1, head_dim): one column a row");
   int rows = queries.shape(0), heads = queries.shape(1), d = queries.shape(3);

@@ -1,5 +1,6 @@
-// What the files of the one extension module share: the checks of a weight's codes, and
-// the functions that add codes_block.cpp's and decode_attention.cpp's operations to it.
+// What the files of the one extension module share: the checks of a weight's codes, the
+// choice of a product's path, the CPU stream, and the functions that add codes_block.cpp's
+// and decode_attention.cpp's operations to it.
 #ifndef VELOXQUANT_EXTENSION_H
 #define VELOXQUANT_EXTENSION_H
 
@@ -8,6 +9,7 @@
 #include <nanobind/nanobind.h>
 
 #include "mlx/array.h"
+#include "mlx/utils.h"
 
 namespace veloxquant {
 
@@ -20,6 +22,14 @@ std::string codes_problem(int cols, const mlx::core::array& codes,
 // float16 when both scales and biases are (GGUF's Q4_0, Q4_1, Q8_0 hold them so), else
 // float32: the type an operation reads them in.
 mlx::core::Dtype params_dtype(const mlx::core::array& scales, const mlx::core::array& biases);
+
+// The codes kernel's path (codes_kernel.h's VQ_PATH_*) for a product of ``m`` rows: float32
+// on the BLAS above ``float32_above`` rows (0: never) where one is loaded, else int8 (the
+// plain C loop when ``portable``).
+int codes_path(int m, int float32_above, bool portable);
+
+// The CPU stream ``s`` names; an invalid_argument saying ``op`` runs there only otherwise.
+mlx::core::Stream cpu_stream(mlx::core::StreamOrDevice s, const char* op);
 
 // Adds codes_block.cpp's operations (block_qkv, block_mlp) to the module.
 void add_block_ops(nanobind::module_& m);
