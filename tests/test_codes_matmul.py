@@ -611,11 +611,13 @@ def test_products_over_float32_above_rows_are_float32_exact():
 
 
 @pytest.mark.parametrize("portable", [False, True])
-def test_precise_adds_a_pass_over_the_rounding_error(portable):
-    """``precise`` multiplies x's int8 rounding and then what it missed: the error against
-    the product of x and the dequantized weights falls from int8's ~0.5% to ~16-bit
-    activations' (< 1e-4), and a row still does not depend on its neighbours."""
-    w = mx.random.normal((200, 512), key=mx.random.key(3))
+def test_precise_recomputes_each_rows_largest_results_exactly(portable):
+    """``precise`` (an LM head): after the int8 product each row's ``exact_top`` largest
+    results are recomputed in float32 (the product of x and the dequantized weights to
+    float32 rounding); the rest keep int8's error, and a row still does not depend on its
+    neighbours."""
+    top = load().exact_top
+    w = mx.random.normal((600, 512), key=mx.random.key(3))
     wq, s, b = mx.quantize(w, group_size=32, bits=4)
     parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 32, 4)
     codes = mx.array(kernel_codes(parts.packed, 4))
@@ -627,10 +629,28 @@ def test_precise_adds_a_pass_over_the_rounding_error(portable):
         return np.array(load().codes_matmul(rows, codes, ks, kb, bits=4, group=32,
                                             portable=portable, precise=precise))
 
-    assert rel_err(product(x, False), exact) > 1e-3
-    precise = product(x, True)
-    assert rel_err(precise, exact) < 1e-4
+    plain, precise = product(x, False), product(x, True)
+    assert rel_err(plain, exact) > 1e-3
+    for r in range(6):
+        chosen = np.argsort(-plain[r], kind="stable")[:top]
+        rest = np.setdiff1d(np.arange(600), chosen)
+        assert np.allclose(precise[r, chosen], exact[r, chosen], rtol=1e-5, atol=1e-4), r
+        assert np.array_equal(precise[r, rest], plain[r, rest]), r
+        # the largest exact result is among those recomputed, so greedy picks are exact
+        assert np.argmax(precise[r]) == np.argmax(exact[r]), r
     assert np.array_equal(precise[2], product(x[2:3], True)[0])
+
+
+def test_precise_with_fewer_rows_than_exact_top_is_exact_everywhere():
+    """A weight with at most ``exact_top`` rows is recomputed whole: float32's product."""
+    w = mx.random.normal((40, 256), key=mx.random.key(5))
+    wq, s, b = mx.quantize(w, group_size=32, bits=8)
+    parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 32, 8)
+    codes = mx.array(kernel_codes(parts.packed, 8))
+    ks, kb = (mx.array(a) for a in kernel_groups(parts))
+    x = mx.random.normal((3, 256), key=mx.random.key(6))
+    got = np.array(load().codes_matmul(x, codes, ks, kb, bits=8, group=32, precise=True))
+    assert rel_err(got, np.array(x) @ kernel_weight(parts).T) < 1e-5
 
 
 def test_float16_scales_are_read_as_float16_and_codes_linear_keeps_them_when_exact():

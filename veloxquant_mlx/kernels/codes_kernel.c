@@ -497,7 +497,6 @@ typedef struct {
     void *ctx;
 } job_t;
 
-static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst);
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -541,7 +540,7 @@ static void run_rows(const job_t *j, int n0, int n1) {
         return;
     }
     if (j->dequant)
-        dequantize_rows(j->w, n0, n1, j->dequant + (size_t)(n0 - j->row0) * j->w->cols);
+        vq_codes_dequantize(j->w, n0, n1, j->dequant + (size_t)(n0 - j->row0) * j->w->cols);
     else if (j->w->bits == 4) block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
     else if (j->w->group == GROUP)
         block_rows_8bit(j->w, n0, n1, j->x, j->c, j->ldc);
@@ -705,7 +704,7 @@ static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *
 }
 
 /* Weight rows [n0, n1) as float32, (n1 - n0) x cols, from their codes. */
-static void dequantize_rows(const vq_codes *w, int n0, int n1, float *dst) {
+void vq_codes_dequantize(const vq_codes *w, int n0, int n1, float *dst) {
     int cols = w->cols, groups = cols / GROUP;
     int avx2 = avx2_available();
     float sn[MAX_COLS / 16], bn[MAX_COLS / 16];
@@ -731,7 +730,7 @@ static void dequantize_tile(const vq_codes *w, int n0, int n1, float *dst) {
         return;
     }
 #endif
-    dequantize_rows(w, n0, n1, dst);
+    vq_codes_dequantize(w, n0, n1, dst);
 }
 
 static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) {
@@ -749,28 +748,16 @@ static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) 
     return 0;
 }
 
-/* Rows [r0, r0 + m) of q from x (m x cols), on the AVX2 or the portable path. */
-static void quantize_into(const float *x, int m, int cols, const quantized_rows *q, int r0,
-                          int avx2) {
-    quantized_rows at = *q;
-    at.xq += (size_t)r0 * cols;
-    at.xd += (size_t)r0 * q->groups;
-    at.xs += (size_t)r0 * q->groups;
-    at.xs16 += 2 * (size_t)r0 * q->groups;
+/* q from x (m x cols), on the AVX2 or the portable path. */
+static void quantize_into(const float *x, int m, int cols, quantized_rows *q, int avx2) {
 #ifdef HAVE_AVX2_PATH
     if (avx2) {
-        quantize_rows(x, cols, m, cols, at.xq, at.xd, at.xs, at.xs16);
+        quantize_rows(x, cols, m, cols, q->xq, q->xd, q->xs, q->xs16);
         return;
     }
 #endif
     (void)avx2;
-    quantize_rows_portable(x, m, cols, &at);
-}
-
-/* x - its int8 rounding (rows [0, m) of q): what a second int8 pass quantizes. */
-static void residual(const float *x, int m, int cols, const quantized_rows *q, float *r) {
-    for (size_t i = 0; i < (size_t)m * cols; i++)
-        r[i] = x[i] - (float)q->xq[i] * q->xd[i / GROUP];
+    quantize_rows_portable(x, m, cols, q);
 }
 
 static int multiply(const vq_codes *w, const quantized_rows *q, float *out, int avx2) {
@@ -793,30 +780,11 @@ int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int pa
                     int precise) {
     if (m < 1) return 0;
     if (path == VQ_PATH_FLOAT32 && cblas_sgemm) return matmul_float32(w, m, x, out);
-    int avx2 = path != VQ_PATH_PORTABLE && avx2_available(), passes = precise ? 2 : 1;
+    int avx2 = path != VQ_PATH_PORTABLE && avx2_available();
     quantized_rows q;
-    if (rows_buffer(&q, passes * m, w->cols) != 0) return -1;
-    quantize_into(x, m, w->cols, &q, 0, avx2);
-    if (!precise) {
-        int rc = multiply(w, &q, out, avx2);
-        free(q.xd);
-        return rc;
-    }
-    /* Two int8 passes, x's rounding then what that rounding missed: ~16-bit activations,
-     * the codes read once (the rows of both passes share each loaded group). */
-    float *scratch = malloc((size_t)m * (w->cols > w->rows ? w->cols : w->rows) * 2 *
-                            sizeof(float));
-    if (!scratch) {
-        free(q.xd);
-        return -1;
-    }
-    residual(x, m, w->cols, &q, scratch);
-    quantize_into(scratch, m, w->cols, &q, m, avx2);
-    int rc = multiply(w, &q, scratch, avx2);
-    if (rc == 0)
-        for (size_t i = 0; i < (size_t)m * w->rows; i++)
-            out[i] = scratch[i] + scratch[(size_t)m * w->rows + i];
-    free(scratch);
+    if (rows_buffer(&q, m, w->cols) != 0) return -1;
+    quantize_into(x, m, w->cols, &q, avx2);
+    int rc = multiply(w, &q, out, avx2);
     free(q.xd);
-    return rc;
+    return rc == 0 && precise ? vq_codes_exact_top(w, m, x, out) : rc;
 }

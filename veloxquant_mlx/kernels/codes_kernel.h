@@ -32,11 +32,21 @@ const char *vq_codes_path(void);
 /* 0 when w's shape is one the kernel serves, else a message saying what is wrong. */
 const char *vq_codes_check(const vq_codes *w);
 
-/* out (m x w->rows) = x (m x w->cols, row-major) times w transposed. precise: int8 paths
- * add a second pass over what x's int8 rounding missed (~16-bit activations, the codes
- * read once, twice the arithmetic). 0, or -1 when out of memory (out is then untouched). */
+/* out (m x w->rows) = x (m x w->cols, row-major) times w transposed. precise: on the int8
+ * paths each row's VQ_EXACT_TOP largest results are then recomputed in float32
+ * (vq_codes_exact_top). 0, or -1 when out of memory. */
 int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int path,
                     int precise);
+
+/* How many of a row's largest results the precise pass recomputes. */
+#define VQ_EXACT_TOP 64
+
+/* Rows [n0, n1) of w as float32 ((n1 - n0) x w->cols into dst): scale * code + bias. */
+void vq_codes_dequantize(const vq_codes *w, int n0, int n1, float *dst);
+
+/* After an int8 product out = x w^T: each row's VQ_EXACT_TOP largest results recomputed
+ * from float32 x and the dequantized weight rows (exact_top.c). 0, or -1 out of memory. */
+int vq_codes_exact_top(const vq_codes *w, int m, const float *x, float *out);
 
 /* fn(ctx, i0, i1) over the items [0, n), in chunks taken by the product threads (the
  * caller among them), as a product's weight rows are; on the caller alone when ``work``

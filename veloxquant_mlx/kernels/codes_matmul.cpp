@@ -180,10 +180,11 @@ NB_MODULE(_codes_matmul, m) {
         "(..., rows) float32, with int8 activations; scales and biases float16 when both "
         "are, else float32. portable=True forces the plain C path; "
         "products of more than float32_above rows (0: none) multiply float32 x by the "
-        "dequantized weights instead, where a BLAS is loaded; precise=True adds a second "
-        "int8 pass over x's rounding error (~16-bit activations).");
+        "dequantized weights instead, where a BLAS is loaded; precise=True then "
+        "recomputes each row's exact_top largest results in float32 (an LM head's).");
   veloxquant::add_block_ops(m);
   veloxquant::add_attention_op(m);
+  m.attr("exact_top") = VQ_EXACT_TOP;
   m.def("float32_available", []() { return vq_codes_float32_available() != 0; },
         "Whether a BLAS is loaded for float32_above.");
   m.def("kernel_path", []() { return std::string(vq_codes_path()); },
