@@ -9,7 +9,7 @@ long as its products. When every projection of a block computes from codes
 one operation of the extension (``veloxquant_mlx/kernels/codes_block.cpp``)::
 
     block_qkv  rms_norm, q/k/v from codes (+ bias), head norms, RoPE     one node, two outputs
-               cache.update_and_fetch_stacked(...), the attention        as before
+               the attention (llama_model.attend_stacked)               as before
     block_mlp  o from codes, residual, rms_norm, gate/up, silu * up,     one node
                down, residual
 
@@ -76,8 +76,7 @@ class CodesDecode:
             eps=block.input_layernorm.eps, rope_dims=self.rope.dims,
             traditional=self.rope.traditional, bias=self.bias, float32_above=INT8_MAX_ROWS,
             **self.heads)
-        k, v = cache.update_and_fetch_stacked(new)
-        out = llama_model.scaled_dot_product_attention(q, k, v, cache, attn.scale, mask)
+        out = llama_model.attend_stacked(q, new, cache, attn.scale, mask)
         return self._op.block_mlp(x, out, self.o, block.post_attention_layernorm.weight,
                                   self.gate_up, self.down,
                                   eps=block.post_attention_layernorm.eps,

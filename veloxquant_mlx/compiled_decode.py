@@ -8,7 +8,7 @@ cache comes in, and each side becomes one ``mx.compile`` call::
 
     pre   (x, position)   rms_norm, q/k/v projections, heads, RoPE,       compiled
                           keys and values stacked
-          cache.update_and_fetch_stacked(...), the attention              as before
+          the attention (llama_model.attend_stacked)                       as before
     post  (x, attention)  o_proj, residual, rms_norm, MLP, residual       compiled
 
 The blocks are the project's own (:class:`veloxquant_mlx.llama_model.Block`), which
@@ -134,10 +134,7 @@ class _Halves:
         position = (cache.offset if self.rope is None
                     else self.rope.tables(cache.offset, x.shape[1]))
         q, new = self.pre(x, position, *weights)
-        k, v = cache.update_and_fetch_stacked(new)
-        # The model file's attention, looked up at each call like the plain block's.
-        out = llama_model.scaled_dot_product_attention(q, k, v, cache, block.self_attn.scale,
-                                                       mask)
+        out = llama_model.attend_stacked(q, new, cache, block.self_attn.scale, mask)
         return self.post(x, out, *weights)
 
 

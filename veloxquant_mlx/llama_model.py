@@ -30,7 +30,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant_mlx.fused_projections import FusedProjection
-from veloxquant_mlx.memory.paged_attention import scaled_dot_product_attention
+from veloxquant_mlx.memory.paged_attention import paged_decode, scaled_dot_product_attention
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 from veloxquant_mlx.native_swiglu import swiglu
 
@@ -75,6 +75,19 @@ class Attention(nn.Module):
             q, k = self.rope(q), self.rope(k)
         out = scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def attend_stacked(queries: mx.array, new: mx.array, cache: PagedLayerCache, scale: float,
+                   mask: Any) -> mx.array:
+    """A decode block's attention (compiled halves, codes blocks): hand the call's ``new``
+    keys over values to ``cache`` and attend over the layer's KV. The stored part is read
+    where it lies in the arena when :func:`paged_decode` applies; else it is gathered and
+    this module's attention runs (looked up at each call, like the plain block's)."""
+    out = paged_decode(queries, new, cache, scale, mask)
+    if out is not None:
+        return out
+    k, v = cache.update_and_fetch_stacked(new)
+    return scaled_dot_product_attention(queries, k, v, cache, scale, mask)
 
 
 class MLP(nn.Module):

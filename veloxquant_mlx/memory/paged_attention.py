@@ -84,15 +84,49 @@ NATIVE_MAX_SCORES = 1 << 20
 
 
 @functools.cache
-def native_decode_attention() -> Any | None:
-    """The extension's ``decode_attention`` (veloxquant_mlx/kernels), or None where it
-    cannot be built (MLX's ops serve then)."""
+def native_ops() -> Any | None:
+    """The extension (veloxquant_mlx/kernels) with ``decode_attention`` and
+    ``paged_decode_attention``, or None where it cannot be built (MLX's ops serve then)."""
     from veloxquant_mlx.kernels.build import KernelBuildError, load
 
     try:
-        return load().decode_attention
+        return load()
     except (KernelBuildError, OSError, ImportError):
         return None
+
+
+def native_decode_attention() -> Any | None:
+    """The extension's ``decode_attention``, or None where it cannot be built."""
+    ops = native_ops()
+    return None if ops is None else ops.decode_attention
+
+
+def paged_decode(queries: mx.array, new: mx.array, cache: Any, scale: float,
+                 mask: Any) -> mx.array | None:
+    """A decode call's attention that reads the stored keys and values in the arena's
+    blocks (``paged_decode_attention``), after handing ``new`` (keys over values) to
+    ``cache``; None, with nothing handed over, where it does not apply.
+
+    It applies where the gathered path's native call would (float32, one query column,
+    the batch's own mask or none, the CPU, up to :data:`NATIVE_MAX_SCORES`), on a float
+    arena. What it saves is the per-layer gather: a copy of every row's stored KV each
+    step (16 SmolLM2 rows over ~140 tokens: ~3.5 MB a layer, ~0.4 ms).
+    """
+    if not (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
+            and queries.shape[2] == 1 and queries.dtype == mx.float32
+            and new.dtype == mx.float32 and (mask is None or isinstance(mask, mx.array))
+            and mx.default_device().type == mx.DeviceType.cpu):
+        return None
+    ops = native_ops()
+    if ops is None:
+        return None
+    rows, heads = queries.shape[:2]
+    parts = cache.paged_parts(new, mask, NATIVE_MAX_SCORES // (rows * heads))
+    if parts is None:
+        return None
+    arena, table, columns, fresh, stored_mask, fresh_mask = parts
+    return ops.paged_decode_attention(queries, arena, table, columns, fresh, stored_mask,
+                                      fresh_mask, scale=scale, block_size=cache.batch.bs)
 
 
 def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:

@@ -88,7 +88,8 @@ class PagedKVBatch:
         # begun last (offset_pre) and after it (offset_next).
         self.offset_pre = self._offsets()
         self.offset_next = self.offset_pre
-        # Per layer: the gather index of the (2 x rows, blocks) ids each call reads.
+        # Per layer: the (2 x rows, blocks) ids each call reads, and their gather index.
+        self._tables: list[mx.array] = []
         self._gather_index: list[tuple[mx.array, mx.array]] = []
         self._slots: mx.array | None = None
         self._mask: mx.array | None = None
@@ -214,8 +215,8 @@ class PagedKVBatch:
         table = table[..., :stored].reshape(layers, 2 * len(rows), stored)
         # Split into views once (indexing one array by layer would add a gather
         # per layer to every step's graph: a kernel launch each on a GPU).
-        self._gather_index = [self.arena.gather_index(self._heads_g, t.squeeze(0))
-                              for t in mx.split(mx.array(table), layers)]
+        self._tables = [t.squeeze(0) for t in mx.split(mx.array(table), layers)]
+        self._gather_index = [self.arena.gather_index(self._heads_g, t) for t in self._tables]
         self._width, self._mask, self._mask_parts = stored * bs, None, None
         self._past = mx.array(past.astype(np.int32))
         self.same_past = int(past[0]) if len(past) and (past == past[0]).all() else None
@@ -280,12 +281,35 @@ class PagedKVBatch:
         # A quantized arena decodes here; the call's own columns stay exact
         # until they are stored.
         stored = self.arena.gather(self._gather_index[layer], new.shape[0], self._width)
+        return stored, self._write(layer, new)
+
+    def write_paged(self, layer: int, new: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """:meth:`write_and_gather` without the gather: the arena's data as the call
+        reads it, ``(H_kv, slots, D)``, the layer's ``(2 x rows, blocks)`` block table
+        (keys' rows, then values'), and the new (or held) columns. For attention that
+        reads the blocks where they lie (a float arena: a quantized one must decode)."""
+        data = self.arena.data  # before this call's scatter, which replaces it
+        return data, self._tables[layer], self._write(layer, new)
+
+    def _write(self, layer: int, new: mx.array) -> mx.array:
+        """Hold or queue the call's columns of ``layer``; the columns attention sees."""
         if self._holding:
-            return stored, self.held.append(layer, new)
+            return self.held.append(layer, new)
         self._pending.append(new)
         if layer == len(self.caches) - 1:
             self._store_pending(new.shape[1], new.shape[3])
-        return stored, new
+        return new
+
+    @property
+    def holding(self) -> bool:
+        """Whether the call begun last holds its column (see ``write_back``)."""
+        return self._holding
+
+    @property
+    def width(self) -> int:
+        """Stored columns a row's attention reads in the call begun last (whole blocks:
+        the longest row's, the rest masked)."""
+        return self._width
 
     def mask_parts(self, n: int) -> tuple[mx.array | None, mx.array]:
         """:meth:`mask` in two parts: stored ``(rows, 1, 1, keys)``, new ``(rows, 1, n, n)``.

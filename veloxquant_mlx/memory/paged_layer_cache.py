@@ -19,6 +19,9 @@ from mlx_lm.models import cache as _mlx_cache
 # A call's stored and new keys and values (each stacked: keys' rows, then values') and
 # their masks; the stored part None when nothing was stored yet.
 StackedParts = tuple[mx.array | None, mx.array, mx.array | None, mx.array | None]
+# The same with the stored part where it lies: the arena's data, the layer's block table
+# and how many columns along it each row's stored part has (paged_decode_attention's).
+PagedParts = tuple[mx.array, mx.array, int, mx.array, mx.array | None, mx.array | None]
 
 
 class PagedLayerCache(_mlx_cache._BaseCache):
@@ -58,8 +61,7 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         stacks them, so the step's graph has one op less per layer here.
         """
         b = self.batch
-        if self.written == b.columns:
-            b.begin(new.shape[2])
+        self._begin(new.shape[2])
         self.written = b.columns
         stored, new = b.write_and_gather(self.layer, new)
         if b.fast_attention:  # taken (and dropped) by this call's attention
@@ -70,6 +72,38 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         # Lazy: never computed when attention takes the parts (stacked_parts).
         both = mx.concatenate([stored, new], axis=2)
         return both[:rows], both[rows:]
+
+    def _begin(self, n: int) -> None:
+        """Begin a call of ``n`` columns unless it is begun: a layer that already wrote
+        its columns of the batch's current call is the first of the next one."""
+        if self.written == self.batch.columns:
+            self.batch.begin(n)
+
+    def paged_parts(self, new: mx.array, mask: mx.array | None,
+                    max_keys: int) -> PagedParts | None:
+        """Store ``new`` (keys over values) and return the layer's KV with the stored
+        part where it lies in the arena, for attention that reads the blocks there.
+
+        None, with nothing stored, where that does not apply: a quantized arena (its
+        blocks decode in the gather), no stored tokens yet, a mask other than the
+        batch's own, or more than ``max_keys`` keys a row; the caller then goes through
+        :meth:`update_and_fetch_stacked`.
+        """
+        b = self.batch
+        self._begin(new.shape[2])
+        self.parts = None
+        maskless = mask is None and b.maskless
+        if b.arena.quantized or not b.any_past or not (maskless or b.owns_mask(mask)):
+            return None
+        fresh_columns = b.held.count if b.holding else new.shape[2]
+        if b.width + fresh_columns > max_keys:
+            return None
+        self.written = b.columns
+        arena, table, fresh = b.write_paged(self.layer, new)
+        # The stored part as stacked_parts gives it (whole blocks, masked), so both paths
+        # sum the same scores in the same order: the same logits, bit for bit.
+        stored_mask, fresh_mask = b.mask_parts(new.shape[2])
+        return arena, table, b.width, fresh, stored_mask, None if maskless else fresh_mask
 
     def stacked_parts(self, mask: mx.array | None) -> StackedParts | None:
         """The last call's stored and new keys and values, each stacked (keys' rows over
