@@ -54,33 +54,39 @@ class CodesDecode:
         qkv = attn.qkv.module
         self.qkv, self.o = _weight(qkv), _weight(attn.o_proj)
         self.gate_up, self.down = _weight(mlp.gate_up.module), _weight(mlp.down_proj)
-        self.bias = qkv.bias if "bias" in qkv else None
-        self.heads = {"heads": attn.n_heads, "kv_heads": attn.n_kv_heads,
-                      "head_dim": qkv.weight.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)}
+        # Everything a call passes, looked up once: a step makes these calls for every
+        # layer, and each attribute of an MLX module is a dictionary lookup in Python.
+        # (The weights are bound here like the codes above: a model's weights do not
+        # change once its blocks are compiled.)
+        pre, post = block.input_layernorm, block.post_attention_layernorm
+        self.pre_norm, self.post_norm = pre.weight, post.weight
+        self.qkv_options = {"eps": pre.eps, "rope_dims": rope.dims,
+                            "traditional": rope.traditional,
+                            "bias": qkv.bias if "bias" in qkv else None,
+                            "float32_above": INT8_MAX_ROWS, "heads": attn.n_heads,
+                            "kv_heads": attn.n_kv_heads,
+                            "head_dim": qkv.weight.shape[0] // (attn.n_heads
+                                                                + 2 * attn.n_kv_heads)}
         if attn.head_norms:
-            self.heads.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
-                              head_eps=attn.q_norm.eps)
+            self.qkv_options.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                                    head_eps=attn.q_norm.eps)
+        self.mlp_options = {"eps": post.eps, "float32_above": INT8_MAX_ROWS}
+        self.scale = attn.scale
         self.rope = rope
         self.fallback = fallback
         from veloxquant_mlx.kernels.build import load  # built by codes_linear already
 
-        self._op = load()
+        ops = load()
+        self._block_qkv, self._block_mlp = ops.block_qkv, ops.block_mlp
 
     def __call__(self, block: Any, x: mx.array, mask: Any, cache: PagedLayerCache) -> mx.array:
         if x.dtype != mx.float32:
             return self.fallback(block, x, mask, cache)
-        attn = block.self_attn
         cos, sin = self.rope.tables(cache.offset, 1)
-        q, new = self._op.block_qkv(
-            x, block.input_layernorm.weight, self.qkv, cos, sin,
-            eps=block.input_layernorm.eps, rope_dims=self.rope.dims,
-            traditional=self.rope.traditional, bias=self.bias, float32_above=INT8_MAX_ROWS,
-            **self.heads)
-        out = llama_model.attend_stacked(q, new, cache, attn.scale, mask)
-        return self._op.block_mlp(x, out, self.o, block.post_attention_layernorm.weight,
-                                  self.gate_up, self.down,
-                                  eps=block.post_attention_layernorm.eps,
-                                  float32_above=INT8_MAX_ROWS)
+        q, new = self._block_qkv(x, self.pre_norm, self.qkv, cos, sin, **self.qkv_options)
+        out = llama_model.attend_stacked(q, new, cache, self.scale, mask)
+        return self._block_mlp(x, out, self.o, self.post_norm, self.gate_up, self.down,
+                               **self.mlp_options)
 
 
 def codes_decode(block: Any, rope: SharedRope | None, fallback: Any) -> CodesDecode | None:
