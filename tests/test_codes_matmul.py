@@ -617,16 +617,13 @@ def test_precise_recomputes_each_rows_largest_results_exactly(portable):
     float32 rounding); the rest keep int8's error, and a row still does not depend on its
     neighbours."""
     top = load().exact_top
-    w = mx.random.normal((600, 512), key=mx.random.key(3))
-    wq, s, b = mx.quantize(w, group_size=32, bits=4)
-    parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 32, 4)
-    codes = mx.array(kernel_codes(parts.packed, 4))
-    ks, kb = (mx.array(a) for a in kernel_groups(parts))
-    x = mx.random.normal((6, 512), key=mx.random.key(4))
-    exact = np.array(x) @ kernel_weight(parts).T
+    parts, weight = quantized(600, 512, 32, 4, seed=3)
+    codes, scales, biases, group = operands(parts)
+    x = mx.array(activations(6, 512, seed=4))
+    exact = np.array(x) @ weight.T
 
     def product(rows, precise):
-        return np.array(load().codes_matmul(rows, codes, ks, kb, bits=4, group=32,
+        return np.array(load().codes_matmul(rows, codes, scales, biases, bits=4, group=group,
                                             portable=portable, precise=precise))
 
     plain, precise = product(x, False), product(x, True)
@@ -643,14 +640,12 @@ def test_precise_recomputes_each_rows_largest_results_exactly(portable):
 
 def test_precise_with_fewer_rows_than_exact_top_is_exact_everywhere():
     """A weight with at most ``exact_top`` rows is recomputed whole: float32's product."""
-    w = mx.random.normal((40, 256), key=mx.random.key(5))
-    wq, s, b = mx.quantize(w, group_size=32, bits=8)
-    parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 32, 8)
-    codes = mx.array(kernel_codes(parts.packed, 8))
-    ks, kb = (mx.array(a) for a in kernel_groups(parts))
-    x = mx.random.normal((3, 256), key=mx.random.key(6))
-    got = np.array(load().codes_matmul(x, codes, ks, kb, bits=8, group=32, precise=True))
-    assert rel_err(got, np.array(x) @ kernel_weight(parts).T) < 1e-5
+    parts, weight = quantized(40, 256, 32, 8, seed=5)
+    codes, scales, biases, group = operands(parts)
+    x = mx.array(activations(3, 256, seed=6))
+    got = np.array(load().codes_matmul(x, codes, scales, biases, bits=8, group=group,
+                                       precise=True))
+    assert rel_err(got, np.array(x) @ weight.T) < 1e-5
 
 
 def test_float16_scales_are_read_as_float16_and_codes_linear_keeps_them_when_exact():

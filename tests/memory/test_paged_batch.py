@@ -128,6 +128,19 @@ def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model, monk
     assert arena.pool.stats.blocks_in_use() == 0
 
 
+def _same_runs(want_run, got_run, same) -> int:
+    """Check two :func:`_joins_and_leaves` runs step by step: the same rows (or none)
+    every step and ``same(got_logits, want_logits)``. Returns the steps with rows."""
+    steps = 0
+    for want, got in zip(want_run, got_run, strict=True):
+        assert (want is None) == (got is None)
+        if want is not None:
+            steps += 1
+            assert want[0] == got[0]
+            assert same(got[1], want[1])
+    return steps
+
+
 def _joins_and_leaves(model, arena, rng, steps, join_p, leave_p=0.0, fast=False,
                       write_back=1):
     """Decode ``steps`` times while groups of random prompts join (and rows leave).
