@@ -21,7 +21,7 @@ typedef struct {
     float *xd;    /* m x groups: each group's scale */
     float *xs;    /* m x groups: each group's sum as rounded, for the bias term */
     float *xs16;  /* m x 2 groups: the sums of each half, for 16-column biases */
-    int8_t *xp;   /* set for 4-bit products on the AVX2 path: xq in pair order (pair_order) */
+    int8_t *xp;   /* 4-bit products on the AVX2 path: xq in pair order (vq_pair_order) */
     float *xd8;   /* with xp: per row and pair of groups, each group's scale four times */
 } quantized_rows;
 

@@ -20,7 +20,8 @@ from mlx_lm.models import cache as _mlx_cache
 # their masks; the stored part None when nothing was stored yet.
 StackedParts = tuple[mx.array | None, mx.array, mx.array | None, mx.array | None]
 # The same with the stored part where it lies: the arena's data, the layer's block table
-# and how many columns along it each row's stored part has (paged_decode_attention's).
+# and the stored columns read along it (whole blocks, masked), as paged_decode_attention
+# takes them.
 PagedParts = tuple[mx.array, mx.array, int, mx.array, mx.array | None, mx.array | None]
 
 
@@ -84,10 +85,10 @@ class PagedLayerCache(_mlx_cache._BaseCache):
         """Store ``new`` (keys over values) and return the layer's KV with the stored
         part where it lies in the arena, for attention that reads the blocks there.
 
-        None, with nothing stored, where that does not apply: a quantized arena (its
-        blocks decode in the gather), no stored tokens yet, a mask other than the
-        batch's own, or more than ``max_keys`` keys a row; the caller then goes through
-        :meth:`update_and_fetch_stacked`.
+        None, with nothing stored (the call may have begun), where that does not apply:
+        a quantized arena (its blocks decode in the gather), no stored tokens yet, a
+        mask other than the batch's own, or more than ``max_keys`` keys a row; the
+        caller then goes through :meth:`update_and_fetch_stacked`.
         """
         b = self.batch
         self._begin(new.shape[2])
