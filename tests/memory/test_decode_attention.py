@@ -17,9 +17,8 @@ import pytest
 
 from tests.memory.test_paged_batch import (
     _arena,
+    _decode_step_nodes,
     _joins_and_leaves,
-    _paged,
-    _prompt,
     _same_runs,
 )
 from veloxquant_mlx.memory import paged_attention
@@ -92,16 +91,9 @@ def test_bad_shapes_raise_value_error_saying_what(change, words):
 
 
 def test_small_decode_calls_take_one_node_a_layer(model):
-    from benchmark_scripts.benchmark_write_back import count_nodes
-
-    arena = _arena(model)
-    batch, out = _paged(model, arena, [_prompt(1, 20), _prompt(2, 9)], 1, fast=True)
-    mx.eval(out, arena.data)
-    logits = model(mx.argmax(mx.concatenate(out[0] + out[1]), -1)[:, None], cache=batch.caches)
-    nodes = count_nodes([logits])
+    nodes = _decode_step_nodes(model, _arena(model))
     assert nodes["DecodeAttention"] == len(model.layers)
     assert "Softmax" not in nodes
-    batch.release()
 
 
 @pytest.mark.parametrize("write_back", [1, 8])

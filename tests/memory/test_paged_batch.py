@@ -37,9 +37,10 @@ def model(served_model):
     return served_model
 
 
-def _arena(model, n_blocks=2048, **config):
+def _arena(model, n_blocks=2048, kv_format=None, **config):
     pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=n_blocks, **config))
-    return KVArena(pool, probe_kv_layout(model))
+    layout = probe_kv_layout(model) if kv_format is None else probe_kv_layout(model, kv_format)
+    return KVArena(pool, layout)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -126,6 +127,19 @@ def test_fast_attention_tracks_the_stock_logits_alone_and_in_a_batch(model, monk
             worst = max(worst, mx.abs(a - b).max().item(), mx.abs(a - c).max().item())
     assert 0.0 < worst < 1e-5  # really another computation, and a close one
     assert arena.pool.stats.blocks_in_use() == 0
+
+
+def _decode_step_nodes(model, arena) -> dict[str, int]:
+    """Graph nodes, by primitive, of one decode call of two rows (over 20 and 9 prompt
+    tokens) on ``arena``'s paged batch, fast attention on."""
+    from benchmark_scripts.benchmark_write_back import count_nodes
+
+    batch, out = _paged(model, arena, [_prompt(1, 20), _prompt(2, 9)], 1, fast=True)
+    mx.eval(out, arena.data)
+    logits = model(mx.argmax(mx.concatenate(out[0] + out[1]), -1)[:, None], cache=batch.caches)
+    nodes = count_nodes([logits])
+    batch.release()
+    return nodes
 
 
 def _same_runs(want_run, got_run, same) -> int:

@@ -19,16 +19,14 @@ import numpy as np
 import pytest
 
 from tests.memory.test_paged_batch import (
-    BS,
+    _arena,
+    _decode_step_nodes,
     _joins_and_leaves,
-    _paged,
-    _prompt,
     _same_runs,
 )
 from veloxquant_mlx import llama_model
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
-from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, paged_attention
-from veloxquant_mlx.memory.kv_arena import KVArena, probe_kv_layout
+from veloxquant_mlx.memory import paged_attention
 from veloxquant_mlx.memory.kv_format import KVFormat
 
 OPS = paged_attention.native_ops()
@@ -126,32 +124,15 @@ def compiled(tiny_model):
     return model
 
 
-def _arena(model, kv_format=None):
-    pool = BlockPoolAllocator(PoolConfig(block_size=BS, n_blocks=4096))
-    layout = probe_kv_layout(model) if kv_format is None else probe_kv_layout(model, kv_format)
-    return KVArena(pool, layout)
-
-
-def _step_nodes(model, arena):
-    from benchmark_scripts.benchmark_write_back import count_nodes
-
-    batch, out = _paged(model, arena, [_prompt(1, 20), _prompt(2, 9)], 1, fast=True)
-    mx.eval(out, arena.data)
-    logits = model(mx.argmax(mx.concatenate(out[0] + out[1]), -1)[:, None], cache=batch.caches)
-    nodes = count_nodes([logits])
-    batch.release()
-    return nodes
-
-
 def test_a_float_arena_is_read_in_place_and_a_quantized_one_gathered(compiled, monkeypatch):
     layers = len(compiled.layers)
-    paged = _step_nodes(compiled, _arena(compiled))
+    paged = _decode_step_nodes(compiled, _arena(compiled, n_blocks=4096))
     monkeypatch.setattr(llama_model, "paged_decode", lambda *args: None)
-    gathered = _step_nodes(compiled, _arena(compiled))
+    gathered = _decode_step_nodes(compiled, _arena(compiled, n_blocks=4096))
     assert paged["DecodeAttention"] == gathered["DecodeAttention"] == layers
     assert gathered.get("Gather", 0) - paged.get("Gather", 0) == layers
     monkeypatch.undo()
-    quantized = _step_nodes(compiled, _arena(compiled, KVFormat("q8", 32)))
+    quantized = _decode_step_nodes(compiled, _arena(compiled, 4096, KVFormat("q8", 32)))
     assert quantized.get("Gather", 0) >= gathered.get("Gather", 0)
 
 
@@ -162,7 +143,7 @@ def test_logits_equal_the_gathered_path_while_rows_join_and_leave(compiled, writ
     for paged in (True, False):
         if not paged:
             monkeypatch.setattr(llama_model, "paged_decode", lambda *args: None)
-        runs.append(_joins_and_leaves(compiled, _arena(compiled), random.Random(13), 24,
-                                      join_p=0.4, leave_p=0.25, fast=True,
-                                      write_back=write_back))
+        runs.append(_joins_and_leaves(compiled, _arena(compiled, n_blocks=4096),
+                                      random.Random(13), 24, join_p=0.4, leave_p=0.25,
+                                      fast=True, write_back=write_back))
     assert _same_runs(*runs, np.array_equal) > 15

@@ -112,10 +112,7 @@ def paged_decode(queries: mx.array, new: mx.array, cache: Any, scale: float,
     arena. What it saves is the per-layer gather: a copy of every row's stored KV each
     step (16 SmolLM2 rows over ~140 tokens: ~3.5 MB a layer, ~0.4 ms).
     """
-    if not (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
-            and queries.shape[2] == 1 and queries.dtype == mx.float32
-            and new.dtype == mx.float32 and (mask is None or isinstance(mask, mx.array))
-            and mx.default_device().type == mx.DeviceType.cpu):
+    if queries.shape[2] != 1 or not _on_cpu_paths(queries, new, cache, mask):
         return None
     ops = native_ops()
     if ops is None:
@@ -127,6 +124,16 @@ def paged_decode(queries: mx.array, new: mx.array, cache: Any, scale: float,
     arena, table, columns, fresh, stored_mask, fresh_mask = parts
     return ops.paged_decode_attention(queries, arena, table, columns, fresh, stored_mask,
                                       fresh_mask, scale=scale, block_size=cache.batch.bs)
+
+
+def _on_cpu_paths(queries: mx.array, keys: mx.array, cache: Any, mask: Any) -> bool:
+    """Whether a call may take this module's CPU paths: float32 queries and keys on a
+    :class:`PagedLayerCache` whose batch has ``fast_attention``, a boolean mask or none,
+    on the CPU."""
+    return (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
+            and queries.dtype == mx.float32 and keys.dtype == mx.float32
+            and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
+            and mx.default_device().type == mx.DeviceType.cpu)
 
 
 def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -258,10 +265,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     call (other caches, other dtypes, the GPU) goes to mlx-lm's own function unchanged.
     :mod:`veloxquant_mlx.llama_model` calls it explicitly.
     """
-    if (isinstance(cache, PagedLayerCache) and cache.batch.fast_attention
-            and queries.dtype == mx.float32 and keys.dtype == mx.float32
-            and (mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_))
-            and mx.default_device().type == mx.DeviceType.cpu):
+    if _on_cpu_paths(queries, keys, cache, mask):
         stacked = cache.stacked_parts(mask)  # taken either way: held no longer than the call
         scores = math.prod(queries.shape[:3]) * keys.shape[2]
         if (stacked is not None and stacked[0] is not None and queries.shape[2] == 1
