@@ -590,13 +590,11 @@ def test_load_is_cached_and_built_against_installed_mlx():
 
 
 def test_products_over_float32_above_rows_are_float32_exact():
-    """Past ``float32_above`` rows the product is float32 x times the dequantized weights
-    (the BLAS, tiles of rows): no int8 rounding, so it matches the float product to float
-    rounding; at or under the bound it keeps int8 activations."""
-    from veloxquant_mlx.blas_status import active_blas
-
+    """Past ``float32_above`` rows the product is float32 x times the dequantized weights:
+    no int8 rounding, so it matches the float product to float rounding; at or under the
+    bound it keeps int8 activations."""
     if not load().float32_available():
-        pytest.skip(f"no cblas_sgemm loaded in this process ({active_blas()})")
+        pytest.skip("no float32 path here (neither AVX2 nor a loaded cblas_sgemm)")
     w = mx.random.normal((300, 256), key=mx.random.key(7))
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 64, 4)
@@ -608,6 +606,50 @@ def test_products_over_float32_above_rows_are_float32_exact():
         got = load().codes_matmul(x, codes, ks, kb, bits=4, group=32, float32_above=16)
         err = rel_err(np.array(got), np.array(x) @ ref_w.T)
         assert (err < 1e-5) if exact else (1e-4 < err < 2e-2), (m, err)
+
+
+FLOAT32_SHAPES = [
+    # (x rows, weight rows, columns): rows of x past one 16-row tile, an 8-row last tile,
+    # more than one 128-row block; weight rows that are no multiple of the 6-row tile or
+    # the 48-row block; columns with a short last 256-column block, and many blocks.
+    pytest.param(17, 50, 32, id="smallest"),
+    pytest.param(24, 97, 288, id="short-last-block"),
+    pytest.param(136, 61, 512, id="two-row-blocks"),
+    pytest.param(40, 300, 2080, id="many-blocks"),
+]
+
+
+@pytest.mark.skipif(not AVX2, reason="the AVX2 float32 path")
+@pytest.mark.parametrize("m, rows, cols", FLOAT32_SHAPES)
+@pytest.mark.parametrize("kind", ["q4-half", "q4-float", "q8-16"])
+def test_float32_path_tiles_every_shape(m, rows, cols, kind):
+    """The AVX2 float32 path (codes_gemm.c) tiles x and the weights in blocks: every shape,
+    whole or cut short at any of its block edges, gives x times the dequantized weights to
+    float32 rounding, with float16 or float32 scales and 16-column groups; and a row's
+    results are the same bits whichever rows share its product."""
+    if kind == "q8-16":
+        parts, weight = group16(rows, cols, seed=m)
+    else:
+        parts, weight = quantized(rows, cols, 32, 4, seed=m)
+    codes, scales, biases, group = operands(parts)
+    if kind == "q4-half":  # float16 scales: the layout of GGUF's Q4_0 and Q4_1
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+        weight = kernel_weight(QuantizedParts(
+            parts.packed, np.array(scales.astype(mx.float32)),
+            np.array(biases.astype(mx.float32)), parts.group_size, parts.bits))
+    x = activations(m, cols, seed=rows)
+
+    def product(rows_of_x):
+        return np.array(EXT.codes_matmul(mx.array(rows_of_x), codes, scales, biases,
+                                         bits=parts.bits, group=group, float32_above=16))
+
+    got = product(x)
+    assert got.shape == (m, rows)
+    assert rel_err(got, x.astype(np.float64) @ weight.T) < 1e-5  # int8 x: ~1e-3
+    # the same rows in a product of 17 rows, and placed last in a larger one
+    assert np.array_equal(product(x[:17]), got[:17])
+    wider = product(np.concatenate([activations(30, cols, seed=5), x[-17:]]))
+    assert np.array_equal(wider[30:], got[-17:])
 
 
 @pytest.mark.parametrize("portable", [False, True])

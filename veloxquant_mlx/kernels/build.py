@@ -23,7 +23,8 @@ from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["codes_matmul.cpp", "codes_block.cpp", "decode_attention.cpp", "codes_kernel.c",
-           "codes_portable.c", "codes_avx2.c", "exact_top.c", "codes_kernel.h", "codes_rows.h",
+           "codes_portable.c", "codes_avx2.c", "codes_gemm.c",
+           "exact_top.c", "codes_kernel.h", "codes_rows.h",
            "cpu_primitive.h", "extension.h", "strided.h", "vq_exp.h"]
 MODULE = "_codes_matmul"
 CACHE_ENV = "VELOXQUANT_KERNEL_CACHE"

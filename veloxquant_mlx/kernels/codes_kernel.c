@@ -259,7 +259,8 @@ extern void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k
                         const float *a, int lda, const float *b, int ldb, float beta, float *c,
                         int ldc) __attribute__((weak));
 
-int vq_codes_float32_available(void) { return cblas_sgemm != 0; }
+/* The AVX2 path computes float32 products itself (codes_gemm.c); elsewhere the BLAS does. */
+int vq_codes_float32_available(void) { return avx2_available() || cblas_sgemm != 0; }
 
 /* Group g of a weight row as 32 floats: scale * code + bias (one scale a half for 16). */
 static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *sn,
@@ -308,6 +309,9 @@ static void dequantize_tile(const vq_codes *w, int n0, int n1, float *dst) {
 }
 
 static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) {
+#ifdef HAVE_AVX2_PATH
+    if (avx2_available()) return vq_gemm_float32_avx2(w, m, x, out);
+#endif
     int tile = (TILE_FLOATS / w->cols) & ~7;
     if (tile < 8) tile = 8;
     float *buffer = malloc((size_t)tile * w->cols * sizeof(float));
@@ -353,7 +357,8 @@ static int multiply(const vq_codes *w, const quantized_rows *q, float *out, int 
 int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int path,
                     int precise) {
     if (m < 1) return 0;
-    if (path == VQ_PATH_FLOAT32 && cblas_sgemm) return matmul_float32(w, m, x, out);
+    if (path == VQ_PATH_FLOAT32 && vq_codes_float32_available())
+        return matmul_float32(w, m, x, out);
     int avx2 = path != VQ_PATH_PORTABLE && avx2_available();
     quantized_rows q;
     if (rows_buffer(&q, m, w->cols) != 0) return -1;

@@ -52,6 +52,9 @@ void vq_block_rows_8bit_16(const vq_codes *w, int n0, int n1, const quantized_ro
 int vq_pair_order(quantized_rows *x);
 void vq_dequantize_group_avx2(const uint8_t *qn, const float *sn, const float *bn, int g,
                               int bits, int group, float *dst);
+/* codes_gemm.c: out = x w^T in float32 from the codes (VQ_PATH_FLOAT32). 0, or -1 when out
+ * of memory. */
+int vq_gemm_float32_avx2(const vq_codes *w, int m, const float *x, float *out);
 #endif
 
 #endif
