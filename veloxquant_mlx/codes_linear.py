@@ -5,7 +5,7 @@ several times slower than float32 on an optimized BLAS; dequantizing to float32 
 but holds 4 bytes a weight. :class:`CodesLinear` keeps the codes (0.625 bytes a weight
 at 4 bits with float16 scales and biases, 1.125 at 8) and multiplies through the project's
 ``codes_matmul`` operation (``veloxquant_mlx/kernels``): int8 activations and integer dot
-products for decode-sized products, float32 on the BLAS for prompts (see INT8_MAX_ROWS).
+products for decode-sized products, float32 for prompts (see INT8_MAX_ROWS).
 :func:`use_codes` swaps a loaded model's quantized layers for these; the numbers are the
 checkpoint's own codes, scales and biases.
 """
@@ -28,7 +28,7 @@ from veloxquant_mlx.quant_weights import (
 )
 
 # Products of more rows than this (prompts, large batches) multiply float32 activations by
-# the dequantized weights, a few rows at a time on the BLAS; smaller ones (decode) use int8
+# the dequantized weights (kernels/codes_gemm.c); smaller ones (decode) use int8
 # activations. A prompt's logits are then those of the float32 model: int8 activations
 # flipped SmolLM2's near-tie first answer to "What is the capital of France?".
 INT8_MAX_ROWS = 16
