@@ -589,12 +589,16 @@ def test_load_is_cached_and_built_against_installed_mlx():
     assert mx.__version__ in build_tag()
 
 
-def test_products_over_float32_above_rows_are_float32_exact():
-    """Past ``float32_above`` rows the product is float32 x times the dequantized weights:
-    no int8 rounding, so it matches the float product to float rounding; at or under the
-    bound it keeps int8 activations."""
-    if not load().float32_available():
-        pytest.skip("no float32 path here (neither AVX2 nor a loaded cblas_sgemm)")
+@pytest.mark.parametrize("portable", PATHS)
+def test_products_over_float32_above_rows_are_float32_exact(portable):
+    """Past ``float32_above`` rows the product is float32 x times the dequantized weights
+    (the kernel's own with AVX2; the BLAS's where a CPU lacks it, which ``portable``
+    forces): no int8 rounding, so it matches the float product to float rounding; at or
+    under the bound it keeps int8 activations."""
+    from veloxquant_mlx.blas_status import active_blas
+
+    if not load().float32_available(portable=portable):
+        pytest.skip(f"no float32 path here (AVX2, or a BLAS: {active_blas()})")
     w = mx.random.normal((300, 256), key=mx.random.key(7))
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     parts = QuantizedParts(np.array(wq), np.array(s), np.array(b), 64, 4)
@@ -603,7 +607,8 @@ def test_products_over_float32_above_rows_are_float32_exact():
     ref_w = kernel_weight(parts)
     for m, exact in ((17, True), (16, False)):
         x = mx.random.normal((m, 256), key=mx.random.key(m))
-        got = load().codes_matmul(x, codes, ks, kb, bits=4, group=32, float32_above=16)
+        got = load().codes_matmul(x, codes, ks, kb, bits=4, group=32, float32_above=16,
+                                  portable=portable)
         err = rel_err(np.array(got), np.array(x) @ ref_w.T)
         assert (err < 1e-5) if exact else (1e-4 < err < 2e-2), (m, err)
 

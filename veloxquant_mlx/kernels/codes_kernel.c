@@ -19,11 +19,13 @@
  *
  * Where AVX2 and FMA are missing (or VQ_PATH_PORTABLE asks for it) a plain C loop computes
  * the same integer sums on one thread. VQ_PATH_FLOAT32 instead multiplies float32 x by the
- * dequantized weights (a few rows at a time, on the BLAS): exact, for prompts.
+ * dequantized weights: exact, for prompts (codes_gemm.c; without AVX2, a few rows at a
+ * time on the BLAS).
  *
- * This file: the shape check, the threads that share a product's weight rows, the float32
- * path and vq_codes_matmul. The AVX2 loops are codes_avx2.c's, the plain C ones
- * codes_portable.c's, the LM head's exact pass exact_top.c's (shared types: codes_rows.h).
+ * This file: the shape check, the threads that share a product's weight rows, the BLAS
+ * float32 path and vq_codes_matmul. The AVX2 loops are codes_avx2.c's, the AVX2 float32
+ * product codes_gemm.c's, the plain C ones codes_portable.c's, the LM head's exact pass
+ * exact_top.c's (shared types: codes_rows.h).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -43,7 +45,7 @@
  * against 13-16 at 200 us, the same requests). */
 #define SPIN_NS 20000
 #define MIN_PARALLEL_MACS 65536  /* below this a product runs on the calling thread alone */
-#define TILE_FLOATS (1 << 20)    /* float32 path: 4 MiB of dequantized weight rows at a time:
+#define TILE_FLOATS (1 << 20)    /* BLAS float32 path: 4 MiB of dequantized weight rows at a time:
                                     * few BLAS calls, each packing x once, inside L3 */
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
 
@@ -84,7 +86,6 @@ typedef struct {
     float *c;
     int ldc, parts;  /* parts: the threads that share the product */
     int row0, row1;  /* the weight rows split into chunks among them */
-    float *dequant;  /* set: dequantize the rows into it, (row - row0) x cols, instead */
     int per;         /* weight rows a chunk covers (run_job sets it: rows_per_chunk) */
     void (*fn)(void *ctx, int i0, int i1); /* set: a vq_parallel_for job, items as rows */
     void *ctx;
@@ -131,9 +132,7 @@ static void run_rows(const job_t *j, int n0, int n1) {
         j->fn(j->ctx, n0, n1);
         return;
     }
-    if (j->dequant)
-        vq_codes_dequantize(j->w, n0, n1, j->dequant + (size_t)(n0 - j->row0) * j->w->cols);
-    else if (j->w->bits == 4) vq_block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
+    if (j->w->bits == 4) vq_block_rows_4bit(j->w, n0, n1, j->x, j->c, j->ldc);
     else if (j->w->group == GROUP)
         vq_block_rows_8bit(j->w, n0, n1, j->x, j->c, j->ldc);
     else vq_block_rows_8bit_16(j->w, n0, n1, j->x, j->c, j->ldc);
@@ -262,6 +261,8 @@ extern void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k
 /* The AVX2 path computes float32 products itself (codes_gemm.c); elsewhere the BLAS does. */
 int vq_codes_float32_available(void) { return avx2_available() || cblas_sgemm != 0; }
 
+int vq_codes_blas_available(void) { return cblas_sgemm != 0; }
+
 /* Group g of a weight row as 32 floats: scale * code + bias (one scale a half for 16). */
 static void dequantize_group(const vq_codes *w, const uint8_t *qn, const float *sn,
                              const float *bn, int g, float *dst, int avx2) {
@@ -295,22 +296,11 @@ void vq_codes_dequantize(const vq_codes *w, int n0, int n1, float *dst) {
     }
 }
 
-/* x times the weights in float32: a few weight rows at a time are dequantized (by every
- * thread) into a buffer that stays in cache and multiplied there by the BLAS. */
-static void dequantize_tile(const vq_codes *w, int n0, int n1, float *dst) {
+/* x times the weights in float32: codes_gemm.c on AVX2; elsewhere a few weight rows at a
+ * time are dequantized into a buffer that stays in cache and multiplied there by the BLAS. */
+static int matmul_float32(const vq_codes *w, int m, const float *x, float *out, int blas) {
 #ifdef HAVE_AVX2_PATH
-    if (avx2_available()) { /* the helpers exist only where the AVX2 path does */
-        job_t j = {w, NULL, NULL, 0, 1, n0, n1, dst};
-        run_job(&j, (long)(n1 - n0) * w->cols * 16); /* ~ a 16-row product's work */
-        return;
-    }
-#endif
-    vq_codes_dequantize(w, n0, n1, dst);
-}
-
-static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) {
-#ifdef HAVE_AVX2_PATH
-    if (avx2_available()) return vq_gemm_float32_avx2(w, m, x, out);
+    if (!blas && avx2_available()) return vq_gemm_float32_avx2(w, m, x, out);
 #endif
     int tile = (TILE_FLOATS / w->cols) & ~7;
     if (tile < 8) tile = 8;
@@ -318,7 +308,7 @@ static int matmul_float32(const vq_codes *w, int m, const float *x, float *out) 
     if (!buffer) return -1;
     for (int n0 = 0; n0 < w->rows; n0 += tile) {
         int n1 = n0 + tile < w->rows ? n0 + tile : w->rows;
-        dequantize_tile(w, n0, n1, buffer);
+        vq_codes_dequantize(w, n0, n1, buffer);
         cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, m, n1 - n0, w->cols, 1.0f, x,
                     w->cols, buffer, w->cols, 0.0f, out + n0, w->rows);
     }
@@ -343,7 +333,7 @@ static int multiply(const vq_codes *w, const quantized_rows *q, float *out, int 
     if (avx2) {
         quantized_rows x = *q;
         if (w->bits == 4 && vq_pair_order(&x) != 0) return -1;
-        job_t j = {w, &x, out, w->rows, 1, 0, w->rows, NULL};
+        job_t j = {w, &x, out, w->rows, 1, 0, w->rows};
         run_job(&j, (long)q->m * w->rows * w->cols);
         free(x.xd8); /* NULL unless vq_pair_order ran */
         return 0;
@@ -358,8 +348,9 @@ int vq_codes_matmul(const vq_codes *w, int m, const float *x, float *out, int pa
                     int precise) {
     if (m < 1) return 0;
     if (path == VQ_PATH_FLOAT32 && vq_codes_float32_available())
-        return matmul_float32(w, m, x, out);
-    int avx2 = path != VQ_PATH_PORTABLE && avx2_available();
+        return matmul_float32(w, m, x, out, !avx2_available());
+    if (path == VQ_PATH_FLOAT32_BLAS && cblas_sgemm) return matmul_float32(w, m, x, out, 1);
+    int avx2 = path != VQ_PATH_PORTABLE && path != VQ_PATH_FLOAT32_BLAS && avx2_available();
     quantized_rows q;
     if (rows_buffer(&q, m, w->cols) != 0) return -1;
     quantize_into(x, m, w->cols, &q, avx2);

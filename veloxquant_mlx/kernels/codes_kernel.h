@@ -19,12 +19,16 @@ typedef struct {
 } vq_codes;
 
 /* AUTO: int8 activations, AVX2 where the CPU has it; PORTABLE: int8 activations, plain C;
- * FLOAT32: float32 activations times the dequantized weights, on the BLAS loaded before
- * MLX (AUTO where there is none, see vq_codes_float32_available). */
-enum { VQ_PATH_AUTO = 0, VQ_PATH_PORTABLE = 1, VQ_PATH_FLOAT32 = 2 };
+ * FLOAT32: float32 activations times the dequantized weights (codes_gemm.c with AVX2, else
+ * the BLAS loaded before MLX; AUTO where neither is, see vq_codes_float32_available);
+ * FLOAT32_BLAS: the same on the BLAS, what a CPU without AVX2 runs (PORTABLE where none). */
+enum { VQ_PATH_AUTO = 0, VQ_PATH_PORTABLE = 1, VQ_PATH_FLOAT32 = 2, VQ_PATH_FLOAT32_BLAS = 3 };
 
-/* 1 when a cblas_sgemm is loaded for VQ_PATH_FLOAT32. */
+/* 1 when VQ_PATH_FLOAT32 can run: AVX2, or a loaded cblas_sgemm. */
 int vq_codes_float32_available(void);
+
+/* 1 when VQ_PATH_FLOAT32_BLAS can run: a cblas_sgemm is loaded. */
+int vq_codes_blas_available(void);
 
 /* Which path VQ_PATH_AUTO takes on this CPU: "avx2" or "portable". */
 const char *vq_codes_path(void);

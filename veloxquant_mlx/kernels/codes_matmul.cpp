@@ -59,8 +59,10 @@ mx::Dtype params_dtype(const mx::array& scales, const mx::array& biases) {
 }
 
 int codes_path(int m, int float32_above, bool portable) {
-  if (float32_above > 0 && m > float32_above && vq_codes_float32_available())
-    return VQ_PATH_FLOAT32;
+  if (float32_above > 0 && m > float32_above) {
+    if (portable && vq_codes_blas_available()) return VQ_PATH_FLOAT32_BLAS;
+    if (!portable && vq_codes_float32_available()) return VQ_PATH_FLOAT32;
+  }
   return portable ? VQ_PATH_PORTABLE : VQ_PATH_AUTO;
 }
 
@@ -178,15 +180,21 @@ NB_MODULE(_codes_matmul, m) {
         nb::arg("stream") = nb::none(),
         "x (..., cols) times the weight (rows x cols) the codes stand for, transposed: "
         "(..., rows) float32, with int8 activations; scales and biases float16 when both "
-        "are, else float32. portable=True forces the plain C path; "
+        "are, else float32. portable=True forces what a CPU without AVX2 runs (plain C); "
         "products of more than float32_above rows (0: none) multiply float32 x by the "
-        "dequantized weights instead, where a BLAS is loaded; precise=True then "
+        "dequantized weights instead (with AVX2 in the kernel, else where a BLAS is "
+        "loaded); precise=True then "
         "recomputes each row's exact_top largest results in float32 (an LM head's).");
   veloxquant::add_block_ops(m);
   veloxquant::add_attention_op(m);
   m.attr("exact_top") = VQ_EXACT_TOP;
-  m.def("float32_available", []() { return vq_codes_float32_available() != 0; },
-        "Whether a BLAS is loaded for float32_above.");
+  m.def("float32_available",
+        [](bool portable) {
+          return (portable ? vq_codes_blas_available() : vq_codes_float32_available()) != 0;
+        },
+        nb::arg("portable") = false,
+        "Whether products past float32_above rows run in float32 here (AVX2, or a loaded "
+        "BLAS; with portable=True, the BLAS).");
   m.def("kernel_path", []() { return std::string(vq_codes_path()); },
         "The path this CPU takes: 'avx2' or 'portable'.");
   // The MLX headers this was compiled against: its Primitive must match the loaded libmlx.

@@ -24,8 +24,8 @@ std::string codes_problem(int cols, const mlx::core::array& codes,
 mlx::core::Dtype params_dtype(const mlx::core::array& scales, const mlx::core::array& biases);
 
 // The codes kernel's path (codes_kernel.h's VQ_PATH_*) for a product of ``m`` rows: float32
-// on the BLAS above ``float32_above`` rows (0: never) where one is loaded, else int8 (the
-// plain C loop when ``portable``).
+// above ``float32_above`` rows (0: never) where it can run, else int8; ``portable`` picks
+// what a CPU without AVX2 runs (the BLAS for float32, the plain C loop for int8).
 int codes_path(int m, int float32_above, bool portable);
 
 // The CPU stream ``s`` names; an invalid_argument saying ``op`` runs there only otherwise.
