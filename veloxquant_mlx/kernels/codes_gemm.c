@@ -1,18 +1,17 @@
 /* Prompt-sized products in float32, from the codes (the codes kernel's VQ_PATH_FLOAT32 on
- * AVX2): out = x w^T with float32 x and the dequantized weights, the same numbers as a BLAS
- * sgemm on a float32 copy, without the copy and about twice as fast at prompt sizes.
+ * AVX2): out = x w^T with float32 x and the dequantized weights, what a BLAS sgemm on a
+ * float32 copy computes (to float rounding), without the copy.
  *
  * Why not the BLAS: it was handed a few dequantized weight rows at a time, and at 64 rows of
  * x OpenBLAS ran at ~100 GFLOP/s of the 228 these two cores peak at (~70 with 8192 columns,
- * where each call packs x again). Here x is packed once, transposed, and each tile of
- * MR weight rows x NR rows of x keeps its 12 sums in registers: per column, two loads of x,
- * MR broadcasts of dequantized weights and 2 x MR FMAs.
+ * where each call packs x again); this runs at ~130-150. Here x is packed once, transposed,
+ * and each tile of MR weight rows x NR rows of x keeps its 12 sums in registers: per
+ * column, two loads of x, MR broadcasts of dequantized weights and 2 x MR FMAs.
  *
- * Blocking: columns in blocks of KC, so a block of packed x (NR x KC per tile) stays in L2
- * while every weight row of a thread's chunk passes over it; rows of x in blocks of MC. Each
- * weight row is dequantized one KC block at a time (MR rows: 6 KiB, in L1), once per block
- * of x rows. The sums of a chunk's NB weight rows live in a small transposed buffer until
- * the last column block, then go to out.
+ * Blocking, per thread's chunk of weight rows: NB weight rows and MC rows of x at a time;
+ * for each block of KC columns the NB rows are dequantized (48 KiB, in L2), then each tile
+ * of x (NR x KC, 16 KiB) stays in L1 while the NB rows pass over it, MR at a time. The sums
+ * wait in a small transposed buffer (NB x MC) until the last column block, then go to out.
  *
  * Every result is one FMA chain over the columns in order, whatever tile or thread computes
  * it: a row of x gets the same results whichever rows share its product.
@@ -22,7 +21,6 @@
 #ifdef HAVE_AVX2_PATH
 #include <immintrin.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define MR 6   /* weight rows a tile (broadcast) */
 #define NR 16  /* rows of x a tile (two vectors); a last tile may be 8 */
@@ -46,10 +44,12 @@ static inline int tile_rows(int r0, int end) { return r0 + NR <= end ? NR : 8; }
 __attribute__((target("avx2,fma,f16c")))
 static void dequantize_span_q4(const vq_codes *w, int n, int k0, int kc, float *dst) {
     const size_t at = ((size_t)n * w->cols + k0) / GROUP;
-    const uint16_t *sh = (const uint16_t *)w->scales + at, *bh = (const uint16_t *)w->biases + at;
+    const uint16_t *sh = (const uint16_t *)w->scales + at;
+    const uint16_t *bh = (const uint16_t *)w->biases + at;
     const uint8_t *qn = w->codes + ((size_t)n * w->cols + k0) / 2;
     const __m128i nibble = _mm_set1_epi8(0x0F);
-    float s[KC / GROUP] __attribute__((aligned(32))), b[KC / GROUP] __attribute__((aligned(32)));
+    float s[KC / GROUP] __attribute__((aligned(32)));
+    float b[KC / GROUP] __attribute__((aligned(32)));
     int groups = kc / GROUP, g = 0;
     for (; g + 8 <= groups; g += 8) {
         _mm256_store_ps(s + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sh + g))));
@@ -61,13 +61,15 @@ static void dequantize_span_q4(const vq_codes *w, int n, int k0, int kc, float *
     }
     for (g = 0; g < groups; g++) {
         __m128i v = _mm_loadu_si128((const __m128i *)(qn + g * (GROUP / 2)));
-        __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+        /* columns 0-15 in the low nibbles, 16-31 in the high ones; eight at a time */
+        __m128i half[2] = {_mm_and_si128(v, nibble),
+                           _mm_and_si128(_mm_srli_epi16(v, 4), nibble)};
         __m256 scale = _mm256_set1_ps(s[g]), bias = _mm256_set1_ps(b[g]);
-        float *d = dst + g * GROUP;
-        _mm256_storeu_ps(d, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), bias));
-        _mm256_storeu_ps(d + 8, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), bias));
-        _mm256_storeu_ps(d + 16, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), bias));
-        _mm256_storeu_ps(d + 24, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), bias));
+        for (int e = 0; e < 4; e++) {
+            __m128i eight = e & 1 ? _mm_srli_si128(half[e / 2], 8) : half[e / 2];
+            __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+            _mm256_storeu_ps(dst + g * GROUP + 8 * e, _mm256_fmadd_ps(scale, q, bias));
+        }
     }
 }
 
@@ -154,7 +156,7 @@ static void gemm_rows(void *ctx, int n0, int n1) {
     const gemm_job *job = ctx;
     const vq_codes *w = job->w;
     const int cols = w->cols, q4 = w->bits == 4 && w->group == GROUP && w->half;
-    /* 72 KiB of stack: the dequantized rows and the sums (the helpers' stacks are 8 MiB). */
+    /* 72 KiB of stack: the dequantized rows and the sums (Linux threads get 8 MiB). */
     float wd[NB * KC] __attribute__((aligned(64))), ct[NB * MC] __attribute__((aligned(64)));
     for (int nb0 = n0; nb0 < n1; nb0 += NB) {
         int nb1 = nb0 + NB < n1 ? nb0 + NB : n1;
