@@ -73,45 +73,22 @@ static void dequantize_span_q4(const vq_codes *w, int n, int k0, int kc, float *
     }
 }
 
-/* Columns [k0, k0 + kc) of weight row n as float32 into dst: scale * code + bias. */
+/* Columns [k0, k0 + kc) of weight row n as float32 into dst: scale * code + bias, group by
+ * group through codes_avx2.c's dequantization. */
 __attribute__((target("avx2,fma,f16c")))
 static void dequantize_span(const vq_codes *w, int n, int k0, int kc, float *dst) {
-    const int per_group = GROUP / w->group; /* scales a group of 32: 1, or 2 at 16 */
     const size_t at = (size_t)n * (w->cols / w->group) + (size_t)k0 / w->group;
     const uint8_t *qn = w->codes + ((size_t)n * w->cols + k0) * w->bits / 8;
     const float shift = w->bits == 8 ? 128.0f : 0.0f; /* 8-bit codes are stored minus 128 */
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    for (int g = 0; g < kc / GROUP; g++) {
-        float s[2], b[2];
-        for (int h = 0; h < per_group; h++) {
-            size_t i = at + (size_t)g * per_group + h;
-            s[h] = w->half ? _cvtsh_ss(((const uint16_t *)w->scales)[i])
-                           : ((const float *)w->scales)[i];
-            b[h] = (w->half ? _cvtsh_ss(((const uint16_t *)w->biases)[i])
-                            : ((const float *)w->biases)[i]) + shift * s[h];
-        }
-        __m128i q16[2]; /* columns 0-15 and 16-31 as bytes */
-        if (w->bits == 4) {
-            __m128i v = _mm_loadu_si128((const __m128i *)(qn + g * (GROUP / 2)));
-            q16[0] = _mm_and_si128(v, nibble);
-            q16[1] = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
-        } else {
-            q16[0] = _mm_loadu_si128((const __m128i *)(qn + g * GROUP));
-            q16[1] = _mm_loadu_si128((const __m128i *)(qn + g * GROUP + 16));
-        }
-        float *d = dst + g * GROUP;
-        for (int h = 0; h < 2; h++) {
-            __m256 scale = _mm256_set1_ps(s[per_group == 2 ? h : 0]);
-            __m256 bias = _mm256_set1_ps(b[per_group == 2 ? h : 0]);
-            for (int e = 0; e < 2; e++) {
-                __m128i eight = e ? _mm_srli_si128(q16[h], 8) : q16[h];
-                __m256i wide = w->bits == 8 ? _mm256_cvtepi8_epi32(eight)
-                                            : _mm256_cvtepu8_epi32(eight);
-                _mm256_storeu_ps(d + 16 * h + 8 * e,
-                                 _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide), bias));
-            }
-        }
+    float sn[KC / 16], bn[KC / 16]; /* the span's scales and biases (one a 16 at most) */
+    for (int i = 0; i < kc / w->group; i++) {
+        sn[i] = w->half ? _cvtsh_ss(((const uint16_t *)w->scales)[at + i])
+                        : ((const float *)w->scales)[at + i];
+        bn[i] = (w->half ? _cvtsh_ss(((const uint16_t *)w->biases)[at + i])
+                         : ((const float *)w->biases)[at + i]) + shift * sn[i];
     }
+    for (int g = 0; g < kc / GROUP; g++)
+        vq_dequantize_group_avx2(qn, sn, bn, g, w->bits, w->group, dst + g * GROUP);
 }
 
 /* ct[i][0..nr) (+)= sum over k < kc of wd[i][k] * xt[k][0..nr), for i < mr: one tile. mr and
