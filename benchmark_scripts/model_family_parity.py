@@ -143,15 +143,20 @@ def _run_rows(harness: Any, prompt_ids: list[list[int]], n: int,
 
     owners = range(len(prompt_ids))
     harness.start(dict(zip(owners, prompt_ids, strict=True)), params)
-    _check(harness.prefill())  # one group: the budget holds both prompts
     got: dict[int, list] = {owner: [] for owner in owners}
-    for _ in range(n):  # the first decode hands back the first tokens too
-        out = _check(harness.decode())
+    # One group (the budget holds both prompts); nothing else decodes, so the prefill
+    # hands back the first tokens, then each decode the token of the one before.
+    out = _check(harness.prefill())
+    for _ in range(n + 1):
         for sampled in out.tokens:
             got[sampled.owner].append((sampled.token, np.array(sampled.logprobs)))
+        if all(len(got[o]) >= n for o in owners):
+            break
+        out = _check(harness.decode())
     harness.finish(owners)
     if any(len(got[o]) != n for o in owners):
-        raise RuntimeError(f"{n} decode calls gave {[len(got[o]) for o in owners]} tokens")
+        raise RuntimeError(f"a prefill and up to {n + 1} decode calls gave "
+                           f"{[len(got[o]) for o in owners]} tokens")
     return [Generated([t for t, _ in got[o]], np.stack([lp for _, lp in got[o]]))
             for o in owners]
 

@@ -8,7 +8,7 @@ request goes through them::
 
     harness = RunnerHarness.for_model(model, n_blocks=4096)   # or .served(settings)
     harness.start({1: prompt_a, 2: prompt_b}, params)        # rows; no model work yet
-    harness.prefill()                                         # every prompt in
+    first = harness.prefill()                                 # every prompt in
     out = harness.decode()                                    # one batched step
     harness.finish([1, 2])                                    # their blocks go back
     harness.close()
@@ -110,7 +110,8 @@ class RunnerHarness:
 
     def prefill(self, budget: int = 1 << 20) -> RunOutput:
         """Run prefill calls, ``budget`` prompt tokens each at most, until every started
-        prompt is in. The first tokens come with the next :meth:`decode`.
+        prompt is in. The first tokens come with it when no row was decoding before
+        (else with the next :meth:`decode`, which hides the wait behind its call).
 
         Returns:
             Every call's output, together (rows that failed, finished tasks).

@@ -151,9 +151,9 @@ def _runner_tokens(model, compile_decode: bool) -> dict[int, list[int]]:
     for step in range(16):
         if step == 5:  # a third request joins mid-way
             runner.add(3, _prompt(3, 11), SamplingParams(max_tokens=40, temperature=0.0))
-        runner.prefill(1 << 12)
-        for sampled in runner.decode().tokens:
-            got[sampled.owner].append(sampled.token)
+        for out in (runner.prefill(1 << 12), runner.decode()):
+            for sampled in out.tokens:
+                got[sampled.owner].append(sampled.token)
     runner.remove([1, 2, 3])
     assert arena.pool.stats.blocks_in_use() == 0
     return got

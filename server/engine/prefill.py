@@ -104,6 +104,8 @@ class Row:
         first: The first token (``(1,)``), sampled at the end of the prefill.
         logprobs: Distribution the pending token was drawn from (if asked for).
         pending: The row's current input token was not sent to the client yet.
+        left: Tokens still to hand to its client before its ``max_tokens`` (a read of its
+            pending token when ``left`` is 1 is its last: no model call need follow it).
         matcher: Its grammar's state (structured outputs), None for free text.
         prefix_keys: Keys of the prompt's full blocks (prefix caching; else empty).
         cached_blocks: Cached blocks its prompt starts on, ``[position][stream]``.
@@ -129,6 +131,7 @@ class Row:
     first: mx.array | None = None
     logprobs: mx.array | None = None
     pending: bool = False
+    left: int = 0
     matcher: Matcher | None = None
     prefix_keys: list[bytes] = field(default_factory=list)
     cached_blocks: list[list[Block]] = field(default_factory=list)
@@ -145,7 +148,7 @@ class Row:
         processors = build_logits_processors(params, len(prompt_ids))
         row = cls(owner, prompt_ids, params.logprobs, build_sampler(params), processors,
                   greedy=params.temperature == 0.0 and not processors, params=params,
-                  shared=batchable(params), task=task, kv=kv)
+                  shared=batchable(params), task=task, kv=kv, left=params.max_tokens)
         if prefix is not None:
             row.prefix_keys, row.cached_blocks = prefix.keys, prefix.blocks()
             row.prefix_root = prefix.root

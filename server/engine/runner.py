@@ -11,10 +11,14 @@ request's own owner; keys and values in the pool's KV arena). Each row's
 first token is sampled (lazily) as soon as its group's prompts are in; the
 group then *joins* the decode batch at the step boundary, the first token is
 its rows' first decode input, and it is read with that decode's tokens, so
-prefill never makes the host wait for the device.
+prefill never makes the host wait for the device while rows decode. With no
+row decoding there is nothing to overlap: the first tokens are read as the
+prefill ends, so they reach the clients a step sooner (and a request whose
+first token is its last runs no decode at all).
 Each :meth:`ModelRunner.decode` decodes every joined row in ONE model call,
 reading the tokens of step ``k`` while step ``k+1`` computes, as mlx-lm's
-``generate_step`` does for one stream; rows with a grammar (``response_format``)
+``generate_step`` does for one stream (when every row's token read now is its
+``max_tokens``-th, no model call follows it); rows with a grammar (``response_format``)
 decode in the same call, their logits masked first. Each row samples with its
 own settings (:mod:`server.engine.sampling`). The step's order, with and without
 constrained rows, is drawn in docs/design/batching.md ("Decode").
@@ -229,7 +233,23 @@ class ModelRunner:
                 self.group = None
                 self.joining.append(group)
                 self._publish(group)
+        if self.joining and not self.rows:
+            self._read_first_tokens(out)
         return out
+
+    def _read_first_tokens(self, out: RunOutput) -> None:
+        """Hand back the joining rows' first tokens now (nothing decodes: no step to hide
+        the wait behind). They stay the rows' first decode inputs, no longer pending.
+        A row with a grammar keeps its own pending: its grammar checks each token
+        before the client gets it, in the decode that feeds it."""
+        rows = [row for group in self.joining for row in group.rows
+                if row.pending and row.matcher is None]
+        if not rows:
+            return
+        tokens = mx.concatenate([row.first for row in rows]).tolist()
+        for row, token in zip(rows, tokens, strict=True):
+            out.tokens.append(Sampled(row.owner, token, row.logprobs))
+            row.pending, row.left = False, row.left - 1
 
     def _task_done(self, group: PrefillGroup, out: RunOutput) -> None:
         """A row's whole-prompt task is done: it leaves now, its blocks back in the pool."""
@@ -311,8 +331,10 @@ class ModelRunner:
         self._run_hooks(self.rows + [r for g in self.joining for r in g.rows], hook, out)
         out.rows = len(self.rows) + sum(len(g.rows) for g in self.joining)
         try:
-            out.tokens = self._decode_step()
-            out.calls_ran = int(bool(self.rows))
+            out.tokens, called = self._decode_step()
+            out.calls_ran = int(called)
+            if not called:  # a read without a model call is no decode step
+                out.rows = 0
         except Exception as exc:
             self._refused = []  # failing with every row of the call
             out.call_error = exc
@@ -332,8 +354,9 @@ class ModelRunner:
             self._plan = None
             self.joining = []
 
-    def _decode_step(self) -> list[Sampled]:
-        """One batched model call; returns the tokens that became ready, one per row at most.
+    def _decode_step(self) -> tuple[list[Sampled], bool]:
+        """One batched model call; returns the tokens that became ready, one per row at
+        most, and whether the model was called.
 
         A batch with constrained rows reads its current tokens before sampling
         (each row's next mask needs its token), after the model call was handed
@@ -342,7 +365,9 @@ class ModelRunner:
         """
         self._join()
         if not self.rows:
-            return []
+            return [], False
+        if all(row.pending and row.left == 1 and row.matcher is None for row in self.rows):
+            return self._read_last_tokens(), False
         clock = self.clock
         current = self.inputs
         logits = self.model(current[:, None], cache=self.batch.caches)[:, -1, :]
@@ -383,13 +408,27 @@ class ModelRunner:
         for i, row in enumerate(self.rows):
             if row.pending:
                 out.append(Sampled(row.owner, tokens[i], row.logprobs))
+                row.left -= 1
             row.pending = True
             if row.fed is not None:  # this call stored it: its output blocks hold it
                 row.fed.append(tokens[i])
             if row.want_logprobs:
                 row.logprobs = logprobs[i]
         self.inputs = self.share_tokens(nxt)
-        return out
+        return out, True
+
+
+    def _read_last_tokens(self) -> list[Sampled]:
+        """Every row's pending token is its last: read them without a model call (its
+        next token would be thrown away). Only rows without a grammar: the decode
+        call is where a grammar checks its row's token. A row that goes on all the
+        same feeds that token next step, so nothing is lost."""
+        tokens = self.inputs.tolist()
+        self.clock.lap("read")
+        for row in self.rows:
+            row.pending, row.left = False, row.left - 1
+        return [Sampled(row.owner, token, row.logprobs)
+                for row, token in zip(self.rows, tokens, strict=True)]
 
 
 def _same(tokens: mx.array) -> mx.array:

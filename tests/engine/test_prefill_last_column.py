@@ -77,12 +77,12 @@ def _first_tokens(model, prompts) -> tuple[dict[int, int], int]:
         return backbone(self, *args, **kwargs)
 
     type(model.model).__call__ = counted
+    first = {}
     try:
-        while runner.prompts_pending:
-            runner.prefill(1 << 20)
+        while runner.prompts_pending:  # nothing decodes: the prefill hands them back
+            first.update((s.owner, s.token) for s in runner.prefill(1 << 20).tokens)
     finally:
         type(model.model).__call__ = backbone
-    first = {s.owner: s.token for s in runner.decode().tokens}
     runner.remove(range(1, len(prompts) + 1))
     assert pool.stats.blocks_in_use() == 0
     return first, len(calls)

@@ -1,0 +1,92 @@
+"""When the runner reads a row's first and last tokens, and the model calls that saves.
+
+A decode reads the tokens of the call before it while its own call runs. With no
+row decoding there is nothing to hide the read behind, so a prefill that ends
+hands its rows' first tokens back itself; and a step whose every row reads its
+``max_tokens``-th token makes no model call (its next token would be dropped).
+"""
+
+from __future__ import annotations
+
+from server.engine.run_output import RunOutput
+from server.harness import RunnerHarness
+from server.protocol import SamplingParams
+from tests.engine.test_harness import _prompts, _stock_greedy
+
+
+def _tokens(out: RunOutput) -> dict[int, int]:
+    assert not out.failed
+    return {s.owner: s.token for s in out.tokens}
+
+
+def test_a_prefill_with_nothing_decoding_hands_back_the_first_tokens(tiny_model):
+    model, _ = tiny_model
+    prompts = _prompts(2, 20)
+    with RunnerHarness.for_model(model, n_blocks=256) as harness:
+        harness.start(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+        first = _tokens(harness.prefill())
+        assert first == {o: _stock_greedy(model, p, 1)[0] for o, p in prompts.items()}
+        # The first decode feeds those tokens; it reads them, but they were handed back.
+        assert harness.decode().tokens == []
+        second = _tokens(harness.decode())
+        assert second == {o: _stock_greedy(model, p, 2)[1] for o, p in prompts.items()}
+
+
+def test_a_row_that_joins_a_decoding_batch_gets_its_first_token_from_the_decode(tiny_model):
+    model, _ = tiny_model
+    prompts = _prompts(2, 20)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with RunnerHarness.for_model(model, n_blocks=256) as harness:
+        harness.start({1: prompts[1]}, params)
+        assert _tokens(harness.prefill()).keys() == {1}
+        harness.decode()
+        harness.start({2: prompts[2]}, params)
+        assert harness.prefill().tokens == []  # row 1 decodes: its read waits for a call
+        out = harness.decode()
+        assert out.calls_ran == 1
+        assert _tokens(out)[2] == _stock_greedy(model, prompts[2], 1)[0]
+
+
+def test_max_tokens_cost_one_prefill_and_one_model_call_less_than_decodes(tiny_model):
+    model, _ = tiny_model
+    prompts = _prompts(2, 20)
+    n = 5
+    with RunnerHarness.for_model(model, n_blocks=256) as harness:
+        harness.start(prompts, SamplingParams(max_tokens=n, temperature=0.0))
+        got = {o: [t] for o, t in _tokens(harness.prefill()).items()}
+        calls, steps = 0, 0
+        while any(len(tokens) < n for tokens in got.values()) and steps < 2 * n:
+            out = harness.decode()
+            calls, steps = calls + out.calls_ran, steps + 1
+            for owner, token in _tokens(out).items():
+                got[owner].append(token)
+        assert got == {o: _stock_greedy(model, p, n) for o, p in prompts.items()}
+        assert calls == n - 1  # tokens 2..n; the step reading token n called nothing
+        assert steps == n
+        assert out.rows == 0  # that read was no batched decode step
+        harness.finish(prompts)
+        assert harness.pool.stats.blocks_in_use() == 0
+
+
+def test_a_one_token_request_runs_no_decode_call(tiny_model):
+    model, _ = tiny_model
+    prompt = _prompts(1, 30)
+    with RunnerHarness.for_model(model, n_blocks=256) as harness:
+        harness.start(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        assert _tokens(harness.prefill()) == {1: _stock_greedy(model, prompt[1], 1)[0]}
+        harness.finish([1])  # the engine ends it on that token
+        out = harness.decode()
+        assert out.calls_ran == 0 and out.tokens == []
+        assert harness.pool.stats.blocks_in_use() == 0
+
+
+def test_a_row_past_its_last_token_still_decodes_what_it_was_handed(tiny_model):
+    """Skipping the call is safe even when a row goes on (its token is fed next step)."""
+    model, _ = tiny_model
+    prompts = _prompts(1, 20)
+    with RunnerHarness.for_model(model, n_blocks=256) as harness:
+        harness.start(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+        got = [_tokens(harness.prefill())[1]]
+        for _ in range(6):  # nobody ends the row: it keeps generating, tokens unchanged
+            got += _tokens(harness.decode()).values()
+        assert got[:4] == _stock_greedy(model, prompts[1], 4)
