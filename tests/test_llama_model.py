@@ -21,6 +21,7 @@ from tests.memory.test_paged_batch import _arena, _paged
 from veloxquant_mlx.compiled_decode import compile_decode_blocks
 from veloxquant_mlx.family_models import build_family_model
 from veloxquant_mlx.llama_model import Model, own_model, owns
+from veloxquant_mlx.memory.request_blocks import make_batch_caches
 
 OWNED_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_layer_types"]
 PROMPT = [5, 17, 301, 9, 44, 2048, 7, 7, 63, 120, 3, 999] * 3  # 36 tokens: past the window
@@ -97,3 +98,59 @@ def test_a_paged_batch_offers_its_parts_only_to_the_owned_model(family_folders):
     stock = mlx_lm.load(str(family_folders["llama"]))[0]
     owned = own_model(stock)
     assert owned.reads_paged_parts and not getattr(stock, "reads_paged_parts", False)
+
+
+def _head(model):
+    return model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
+
+
+def _after_last_column(model, caches, last_column: bool, steps: int = 3) -> list[np.ndarray]:
+    """The prompt's last logits (the last block on the last column alone, or on every
+    column), then greedy steps' over the KV that call stored."""
+    hidden = model.model(mx.array([PROMPT]), caches, last_column=last_column)
+    logits = _head(model)(hidden[:, -1:])[:, -1, :]
+    out = [np.array(logits)]
+    for _ in range(steps):
+        logits = model(mx.argmax(logits, axis=-1)[:, None], cache=caches)[:, -1, :]
+        out.append(np.array(logits))
+    return out
+
+
+@pytest.mark.parametrize("family", OWNED_FAMILIES)
+def test_the_last_block_on_the_last_column_alone_gives_the_same_logits_and_kv(
+        family_folders, family, monkeypatch):
+    owned = own_model(mlx_lm.load(str(family_folders[family]))[0])
+    every = _after_last_column(owned, make_prompt_cache(owned), False)
+    alone = _after_last_column(owned, make_prompt_cache(owned), True)
+    for a, b in zip(every, alone, strict=True):  # the steps after read the stored KV
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+        assert np.argmax(a) == np.argmax(b)
+    shapes = []
+    original = type(owned.layers[-1].mlp).__call__
+    monkeypatch.setattr(type(owned.layers[-1].mlp), "__call__",
+                        lambda self, x: shapes.append(x.shape) or original(self, x))
+    owned.model(mx.array([PROMPT]), make_prompt_cache(owned), last_column=True)
+    assert shapes[-1] == (1, 1, owned.args.hidden_size)  # the last block's MLP: one column
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_last_column_alone_on_a_left_padded_paged_batch(family_folders, fast):
+    """Rows of a prefill group are left-padded; a chunk before the last one is stored."""
+    owned = own_model(mlx_lm.load(str(family_folders["llama"]))[0])
+    prompts = [PROMPT, PROMPT[5:], PROMPT[11:30]]
+    width = max(map(len, prompts))
+    padded = mx.array([[0] * (width - len(p)) + p for p in prompts])
+    got = []
+    for last_column in (False, True):
+        arena = _arena(owned)
+        batch = make_batch_caches(owned, arena, [1, 2, 3], [width - len(p) for p in prompts],
+                                  fast_attention=fast)
+        owned(padded[:, :20], cache=batch.caches)  # the first chunk, stored
+        hidden = owned.model(padded[:, 20:], batch.caches, last_column=last_column)
+        got.append(np.array(_head(owned)(hidden[:, -1:])[:, -1, :]))
+        batch.close()
+        assert arena.pool.stats.blocks_in_use() == 0
+    np.testing.assert_allclose(got[1], got[0], atol=2e-5, rtol=0)
+    for i, prompt in enumerate(prompts):
+        want = owned(mx.array([prompt]), cache=make_prompt_cache(owned))[:, -1, :]
+        np.testing.assert_allclose(got[1][i], np.array(want)[0], atol=2e-4, rtol=0)

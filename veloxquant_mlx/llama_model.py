@@ -55,10 +55,11 @@ class Attention(nn.Module):
         # q/k/v as one matmul in compiled decode calls (see compile_decode_blocks).
         self.qkv: FusedProjection | None = None
 
-    def heads(self, q: mx.array, k: mx.array, v: mx.array,
-              rows: int, columns: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Projections to ``(rows, heads, columns, head_dim)``, head norms applied (not RoPE)."""
-        q = q.reshape(rows, columns, self.n_heads, -1)
+    def heads(self, q: mx.array, k: mx.array, v: mx.array, rows: int, columns: int,
+              query_columns: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """Projections to ``(rows, heads, columns, head_dim)``, head norms applied (not RoPE);
+        the queries may cover fewer columns (``query_columns``)."""
+        q = q.reshape(rows, query_columns or columns, self.n_heads, -1)
         k = k.reshape(rows, columns, self.n_kv_heads, -1)
         if self.head_norms:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -75,6 +76,20 @@ class Attention(nn.Module):
             q, k = self.rope(q), self.rope(k)
         out = scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+    def last_query(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        """The attention's output at ``x``'s last column, ``(b, 1, hidden)``: keys and values
+        of every column (``cache`` stores them all), the query of the last one only."""
+        b, n, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x[:, -1:]), self.k_proj(x), self.v_proj(x), b, n, 1)
+        offset = 0 if cache is None else cache.offset
+        q, k = self.rope(q, offset=offset + n - 1), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        # The last query's row of a causal mask sees every key: no mask.
+        last = None if mask is None or isinstance(mask, str) else mask[..., -1:, :]
+        out = scaled_dot_product_attention(q, k, v, cache, self.scale, last)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, 1, -1))
 
 
 def attend_stacked(queries: mx.array, new: mx.array, cache: PagedLayerCache, scale: float,
@@ -130,6 +145,12 @@ class Block(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def last_column(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        """The block's output at ``x``'s last column only, every column's keys and values
+        stored: a prompt's last block, whose other columns nothing reads."""
+        h = x[:, -1:] + self.self_attn.last_query(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class Backbone(nn.Module):
     """Embedding, blocks, final norm: mlx-lm's ``model.model``."""
@@ -142,17 +163,24 @@ class Backbone(nn.Module):
         self.sliding_window = getattr(stock, "sliding_window", None)
 
     def __call__(self, inputs: mx.array, cache: Any = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
+                 input_embeddings: mx.array | None = None,
+                 last_column: bool = False) -> mx.array:
+        """The final norm's output, ``(rows, columns, hidden)``; with ``last_column``, of
+        the last column only, ``(rows, 1, hidden)``: the last block then computes its
+        queries, attention output and MLP for that column alone (a prompt's first token
+        needs nothing else; ~6% of a 16-layer model's prompt work saved)."""
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         if cache is None:
             cache = [None] * len(self.layers)
         masks: dict[bool, Any] = {}  # one per kind of layer, from its first layer's cache
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
+        last = len(self.layers) - 1 if last_column and h.shape[1] > 1 else -1
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             if layer.use_sliding not in masks:
                 window = self.sliding_window if layer.use_sliding else None
                 masks[layer.use_sliding] = create_attention_mask(h, layer_cache, window)
-            h = layer(h, masks[layer.use_sliding], layer_cache)
-        return self.norm(h)
+            run = layer.last_column if i == last else layer
+            h = run(h, masks[layer.use_sliding], layer_cache)
+        return self.norm(h[:, -1:] if last_column else h)
 
 
 class Model(nn.Module):

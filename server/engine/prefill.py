@@ -35,6 +35,7 @@ from server.engine.sampling import (
     sample_one,
 )
 from server.protocol import SamplingParams
+from veloxquant_mlx.llama_model import Model as OwnedModel
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.kv_arena import KVArena
 from veloxquant_mlx.memory.paged_batch import PagedKVBatch
@@ -77,7 +78,10 @@ def last_column_logits(model: Any, x: mx.array, cache: list) -> mx.array:
     """
     if not projects_last_column(model):
         return model(x, cache=cache)[:, -1, :]
-    hidden = model.model(x, cache)[:, -1:, :]
+    if isinstance(model, OwnedModel):  # its last block computes the last column alone
+        hidden = model.model(x, cache, last_column=True)
+    else:
+        hidden = model.model(x, cache)[:, -1:, :]
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(hidden)[:, -1, :]
     return model.lm_head(hidden)[:, -1, :]
