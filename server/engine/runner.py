@@ -417,7 +417,6 @@ class ModelRunner:
         self.inputs = self.share_tokens(nxt)
         return out, True
 
-
     def _read_last_tokens(self) -> list[Sampled]:
         """Every row's pending token is its last: read them without a model call (its
         next token would be thrown away). Only rows without a grammar: the decode
