@@ -8,9 +8,12 @@ hands its rows' first tokens back itself; and a step whose every row reads its
 
 from __future__ import annotations
 
+import pytest
+
 from server.engine.run_output import RunOutput
 from server.harness import RunnerHarness
-from server.protocol import SamplingParams
+from server.protocol import Finished, SamplingParams, TokenEvent
+from tests.engine.test_event_timing import SteppedEngine
 from tests.engine.test_harness import _prompts, _stock_greedy
 
 
@@ -68,16 +71,25 @@ def test_max_tokens_cost_one_prefill_and_one_model_call_less_than_decodes(tiny_m
         assert harness.pool.stats.blocks_in_use() == 0
 
 
-def test_a_one_token_request_runs_no_decode_call(tiny_model):
-    model, _ = tiny_model
-    prompt = _prompts(1, 30)
-    with RunnerHarness.for_model(model, n_blocks=256) as harness:
-        harness.start(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-        assert _tokens(harness.prefill()) == {1: _stock_greedy(model, prompt[1], 1)[0]}
-        harness.finish([1])  # the engine ends it on that token
-        out = harness.decode()
-        assert out.calls_ran == 0 and out.tokens == []
-        assert harness.pool.stats.blocks_in_use() == 0
+@pytest.mark.parametrize("max_tokens", [1, 2, 6])
+def test_a_lone_request_of_n_tokens_takes_n_steps_and_n_minus_1_decode_calls(
+        tiny_model_path, max_tokens):
+    """In the engine: the first step prefills and hands the first token over; a
+    one-token request ends there, before any decode call."""
+    stepped = SteppedEngine(tiny_model_path, events_at_submit=False)
+    try:
+        stepped.submit("a", max_tokens)
+        steps = 0
+        while not any(isinstance(e, Finished) for e in stepped.received["a"]) and steps < 20:
+            stepped.step()
+            steps += 1
+            if steps == 1:  # the first token went out with the prefill's step
+                assert any(isinstance(e, TokenEvent) for e in stepped.received["a"])
+        assert steps == max_tokens
+        assert stepped.engine.clock.steps == max_tokens - 1
+        assert stepped.received["a"][-1].usage.completion_tokens == max_tokens
+    finally:
+        stepped.close()
 
 
 def test_a_row_past_its_last_token_still_decodes_what_it_was_handed(tiny_model):
