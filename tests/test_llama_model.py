@@ -134,17 +134,18 @@ def test_the_last_block_on_the_last_column_alone_gives_the_same_logits_and_kv(
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_the_last_column_alone_on_a_left_padded_paged_batch(family_folders, fast):
-    """Rows of a prefill group are left-padded; a chunk before the last one is stored."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_last_column_alone_on_a_paged_batch(family_folders, fast, rows):
+    """A chunk before the last one is stored; three rows are left-padded, one is not."""
     owned = own_model(mlx_lm.load(str(family_folders["llama"]))[0])
-    prompts = [PROMPT, PROMPT[5:], PROMPT[11:30]]
+    prompts = [PROMPT, PROMPT[5:], PROMPT[11:30]][:rows]
     width = max(map(len, prompts))
     padded = mx.array([[0] * (width - len(p)) + p for p in prompts])
     got = []
     for last_column in (False, True):
         arena = _arena(owned)
-        batch = make_batch_caches(owned, arena, [1, 2, 3], [width - len(p) for p in prompts],
-                                  fast_attention=fast)
+        batch = make_batch_caches(owned, arena, list(range(1, rows + 1)),
+                                  [width - len(p) for p in prompts], fast_attention=fast)
         owned(padded[:, :20], cache=batch.caches)  # the first chunk, stored
         hidden = owned.model(padded[:, 20:], batch.caches, last_column=last_column)
         got.append(np.array(_head(owned)(hidden[:, -1:])[:, -1, :]))

@@ -50,7 +50,7 @@ def test_a_row_that_joins_a_decoding_batch_gets_its_first_token_from_the_decode(
         assert _tokens(out)[2] == _stock_greedy(model, prompts[2], 1)[0]
 
 
-def test_max_tokens_cost_one_prefill_and_one_model_call_less_than_decodes(tiny_model):
+def test_n_tokens_cost_a_prefill_and_n_minus_1_model_calls(tiny_model):
     model, _ = tiny_model
     prompts = _prompts(2, 20)
     n = 5
