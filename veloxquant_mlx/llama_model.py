@@ -66,30 +66,24 @@ class Attention(nn.Module):
         v = v.reshape(rows, columns, self.n_kv_heads, -1)
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
+                 last_only: bool = False) -> mx.array:
+        """The attention's output, ``(b, n, hidden)``; with ``last_only`` at ``x``'s last
+        column alone, ``(b, 1, hidden)``: keys and values of every column (``cache``
+        stores them all), the query of the last one only."""
         b, n, _ = x.shape
-        q, k, v = self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), b, n)
-        if cache is not None:
-            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-        else:
-            q, k = self.rope(q), self.rope(k)
-        out = scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
-
-    def last_query(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
-        """The attention's output at ``x``'s last column, ``(b, 1, hidden)``: keys and values
-        of every column (``cache`` stores them all), the query of the last one only."""
-        b, n, _ = x.shape
-        q, k, v = self.heads(self.q_proj(x[:, -1:]), self.k_proj(x), self.v_proj(x), b, n, 1)
+        m = 1 if last_only else n  # query columns
+        q, k, v = self.heads(self.q_proj(x[:, -1:] if last_only else x), self.k_proj(x),
+                             self.v_proj(x), b, n, m)
         offset = 0 if cache is None else cache.offset
-        q, k = self.rope(q, offset=offset + n - 1), self.rope(k, offset=offset)
+        q_offset = offset + n - 1 if last_only else offset  # no extra node on the usual path
+        q, k = self.rope(q, offset=q_offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        # The last query's row of a causal mask sees every key: no mask.
-        last = None if mask is None or isinstance(mask, str) else mask[..., -1:, :]
-        out = scaled_dot_product_attention(q, k, v, cache, self.scale, last)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, 1, -1))
+        if last_only and mask is not None:  # a causal mask's last row sees every key
+            mask = None if isinstance(mask, str) else mask[..., -1:, :]
+        out = scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, m, -1))
 
 
 def attend_stacked(queries: mx.array, new: mx.array, cache: PagedLayerCache, scale: float,
@@ -148,7 +142,7 @@ class Block(nn.Module):
     def last_column(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         """The block's output at ``x``'s last column only, every column's keys and values
         stored: a prompt's last block, whose other columns nothing reads."""
-        h = x[:, -1:] + self.self_attn.last_query(self.input_layernorm(x), mask, cache)
+        h = x[:, -1:] + self.self_attn(self.input_layernorm(x), mask, cache, last_only=True)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -246,10 +246,7 @@ class ModelRunner:
                 if row.pending and row.matcher is None]
         if not rows:
             return
-        tokens = mx.concatenate([row.first for row in rows]).tolist()
-        for row, token in zip(rows, tokens, strict=True):
-            out.tokens.append(Sampled(row.owner, token, row.logprobs))
-            row.pending, row.left = False, row.left - 1
+        out.tokens += _handed_back(rows, mx.concatenate([row.first for row in rows]).tolist())
 
     def _task_done(self, group: PrefillGroup, out: RunOutput) -> None:
         """A row's whole-prompt task is done: it leaves now, its blocks back in the pool."""
@@ -424,10 +421,16 @@ class ModelRunner:
         same feeds that token next step, so nothing is lost."""
         tokens = self.inputs.tolist()
         self.clock.lap("read")
-        for row in self.rows:
-            row.pending, row.left = False, row.left - 1
-        return [Sampled(row.owner, token, row.logprobs)
-                for row, token in zip(self.rows, tokens, strict=True)]
+        return _handed_back(self.rows, tokens)
+
+
+def _handed_back(rows: list[Row], tokens: list[int]) -> list[Sampled]:
+    """``rows``' pending tokens, read outside a decode call: no longer pending, one fewer
+    owed to each."""
+    for row in rows:
+        row.pending, row.left = False, row.left - 1
+    return [Sampled(row.owner, token, row.logprobs)
+            for row, token in zip(rows, tokens, strict=True)]
 
 
 def _same(tokens: mx.array) -> mx.array:
