@@ -53,13 +53,15 @@ class RunnerHarness:
     def for_model(cls, model: Any, n_blocks: int, *, block_size: int = 16,
                   prefill_chunk: int = 512, kv_write_back: int = 1,
                   compile_decode: bool = False, loaded: LoadedModel | None = None,
-                  clock: StepClock | None = None) -> RunnerHarness:
+                  clock: StepClock | None = None,
+                  first_tokens_at_once: bool = False) -> RunnerHarness:
         """A runner on ``model`` (an mlx-lm model) over a fresh pool of ``n_blocks`` blocks,
         its KV in the model's native dtype."""
         pool = BlockPoolAllocator(PoolConfig(block_size=block_size, n_blocks=n_blocks))
         runner = ModelRunner(model, pool, prefill_chunk, KVArena(pool, probe_kv_layout(model)),
                              clock or StepClock(), kv_write_back=kv_write_back,
-                             compile_decode=compile_decode)
+                             compile_decode=compile_decode,
+                             first_tokens_at_once=first_tokens_at_once)
         return cls(runner, loaded)
 
     @classmethod

@@ -69,13 +69,18 @@ class ModelRunner:
             (:mod:`veloxquant_mlx.compiled_decode`).
         fuse_projections: With ``compile_decode``, run each block's q/k/v and
             gate/up projections as one matmul each.
+        first_tokens_at_once: A prefill reads its rows' first tokens itself even
+            while other rows decode (see :meth:`prefill`): right on a CPU, where
+            nothing overlaps the wait; on a GPU it would leave the device idle.
     """
 
     def __init__(self, model: Any, pool: BlockPoolAllocator, prefill_chunk_size: int,
                  arena: KVArena, clock: StepClock | None = None,
                  prefixes: PromptPrefixes | None = None, kv_write_back: int = 1,
-                 compile_decode: bool = False, fuse_projections: bool = True) -> None:
+                 compile_decode: bool = False, fuse_projections: bool = True,
+                 first_tokens_at_once: bool = False) -> None:
         self.model = model
+        self.first_tokens_at_once = first_tokens_at_once
         # Blocks whose decode calls run compiled (0: off, or no Llama-shaped block).
         self.compiled_blocks = (compile_decode_blocks(model, fuse_projections)
                                 if compile_decode else 0)
@@ -233,13 +238,15 @@ class ModelRunner:
                 self.group = None
                 self.joining.append(group)
                 self._publish(group)
-        if self.joining and not self.rows:
+        if self.joining and (self.first_tokens_at_once or not self.rows):
             self._read_first_tokens(out)
         return out
 
     def _read_first_tokens(self, out: RunOutput) -> None:
-        """Hand back the joining rows' first tokens now (nothing decodes: no step to hide
-        the wait behind). They stay the rows' first decode inputs, no longer pending.
+        """Hand back the joining rows' first tokens now: nothing decodes (no step to hide
+        the wait behind), or the runner reads them at once (a CPU, where the next decode
+        would only make the clients wait its whole call for them). They stay the rows'
+        first decode inputs, no longer pending.
         A row with a grammar keeps its own pending: its grammar checks each token
         before the client gets it, in the decode that feeds it."""
         rows = [row for group in self.joining for row in group.rows

@@ -72,9 +72,7 @@ def events_at_submit(settings: Settings) -> bool:
     """
     choice = settings.batch.events_at_submit
     if choice == "auto":
-        import mlx.core as mx
-
-        return mx.default_device().type == mx.DeviceType.gpu
+        return on_gpu()
     return bool(choice)
 
 
@@ -87,11 +85,17 @@ def prefill_time_slice(settings: Settings) -> float:
     host's, and a queue that blocks would cut chunks for nothing), so the token
     bound alone holds there.
     """
+    return 0.0 if on_gpu() else settings.batch.max_prefill_s_per_step
+
+
+def on_gpu() -> bool:
+    """The model runs on a GPU: model calls queue there while the host goes on. On the
+    CPU backend a call runs on the cores the host would use, so the engine waits
+    for it rather than overlapping (first tokens read at once, events at once,
+    prefill cut by time)."""
     import mlx.core as mx
 
-    if mx.default_device().type == mx.DeviceType.gpu:
-        return 0.0
-    return settings.batch.max_prefill_s_per_step
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def _refuse_a_pool_that_holds_no_request(scheduler: Scheduler, pool: BlockPoolAllocator) -> None:
@@ -229,7 +233,8 @@ def assemble(settings: Settings, pool: BlockPoolAllocator,
     batch = settings.batch
     runner = ModelRunner(loaded.model, pool, batch.prefill_chunk_size, kv.arena, clock,
                          prefixes, batch.kv_write_back, batch.compile_decode,
-                         fuse_projections=batch.fuse_projections)
+                         fuse_projections=batch.fuse_projections,
+                         first_tokens_at_once=not on_gpu())
     compiled = runner.compiled_blocks
     if group is not None:  # the other ranks repeat this runner's calls
         from server.distributed import (
@@ -307,7 +312,8 @@ def serve_follower(settings: Any) -> int:
     runner = ModelRunner(loaded.model, pool, settings.batch.prefill_chunk_size, kv.arena,
                          kv_write_back=settings.batch.kv_write_back,
                          compile_decode=settings.batch.compile_decode,
-                         fuse_projections=settings.batch.fuse_projections)
+                         fuse_projections=settings.batch.fuse_projections,
+                         first_tokens_at_once=not on_gpu())
     log.info("rank %d of %d: following rank 0 (%s)", group.rank(), group.size(), loaded.name)
     follow(runner, RankLink(group), wait)
     wait.close()

@@ -56,6 +56,10 @@ class SteppedEngine:
 
     def step(self) -> None:
         self.engine.steps.step()
+        self.step_events()
+
+    def step_events(self) -> None:
+        """Receive what the engine has sent so far."""
         self.loop.run_until_complete(asyncio.sleep(0))  # run what the engine sent
         for name, channel in self.channels.items():
             while (event := channel.get_nowait()) is not None:

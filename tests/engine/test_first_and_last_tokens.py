@@ -50,6 +50,63 @@ def test_a_row_that_joins_a_decoding_batch_gets_its_first_token_from_the_decode(
         assert _tokens(out)[2] == _stock_greedy(model, prompts[2], 1)[0]
 
 
+def test_a_runner_that_reads_first_tokens_at_once_hands_them_back_from_the_prefill(
+        tiny_model):
+    """As the server runs on a CPU: a row that joins a decoding batch gets its first
+    token from its prefill, one decode earlier, and every later token is unchanged."""
+    model, _ = tiny_model
+    prompts = _prompts(2, 20)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with RunnerHarness.for_model(model, n_blocks=256, first_tokens_at_once=True) as harness:
+        harness.start({1: prompts[1]}, params)
+        got = {1: list(_tokens(harness.prefill()).values())}
+        got[1] += _tokens(harness.decode()).values()
+        harness.start({2: prompts[2]}, params)
+        got[2] = list(_tokens(harness.prefill()).values())  # row 1 decodes meanwhile
+        assert len(got[2]) == 1
+        for _ in range(4):
+            out = harness.decode()
+            assert out.calls_ran == 1
+            for owner, token in _tokens(out).items():
+                got[owner].append(token)
+        # the first decode after the prefill feeds row 2's first token and reads
+        # nothing new for it (not twice); each later one reads the call before it
+        assert got[2] == _stock_greedy(model, prompts[2], 4)
+        assert got[1] == _stock_greedy(model, prompts[1], 5)
+        harness.finish(prompts)
+        assert harness.pool.stats.blocks_in_use() == 0
+
+
+def test_on_the_cpu_a_joining_requests_first_token_is_sent_before_the_next_decode_call(
+        tiny_model_path):
+    """In the engine: the client has its first token before the decode call of the
+    step that prefilled it runs (on a GPU that read waits for that decode)."""
+    from server.engine.startup import on_gpu
+
+    stepped = SteppedEngine(tiny_model_path, events_at_submit=False)
+    runner = stepped.engine.runner
+    seen_at_decode: list[int] = []
+    decode = runner.decode
+
+    def watched_decode(*args, **kwargs):
+        stepped.step_events()
+        seen_at_decode.append(sum(isinstance(e, TokenEvent) for e in stepped.received["b"]))
+        return decode(*args, **kwargs)
+
+    try:
+        stepped.submit("a", 8)
+        stepped.step()
+        stepped.step()  # "a" decodes
+        stepped.submit("b", 8)
+        runner.decode = watched_decode
+        stepped.step()
+        assert seen_at_decode == [0 if on_gpu() else 1]
+        assert sum(isinstance(e, TokenEvent) for e in stepped.received["b"]) >= 1
+    finally:
+        runner.decode = decode
+        stepped.close()
+
+
 def test_n_tokens_cost_a_prefill_and_n_minus_1_model_calls(tiny_model):
     model, _ = tiny_model
     prompts = _prompts(2, 20)
