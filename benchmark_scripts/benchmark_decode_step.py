@@ -6,13 +6,13 @@ as a kernel (on this CPU several microseconds each, on a GPU a launch). This
 drives the server's runner (:class:`server.harness.RunnerHarness`) on the model as
 the server loads it (``server.model_loader``: the default SmolLM2 dequantized
 to float32 with its codes on the CPU) with the server's decode settings, for
-1 and 16 rows of 64-token prompts, greedy, and records per step:
+1 and 16 rows of 64-token prompts (``--prompt-tokens``), greedy, and records per step:
 
 - wall milliseconds and the step clock's phases (``timed_decode``);
 - the nodes of the graphs one step hands to ``async_eval``, in total and by
   primitive (``benchmark_write_back.counted_step``);
 - the tokens, so the two checkouts can be compared;
-- before the steps, how long the rows' 64-token prompts take to their first
+- before the steps, how long the rows' prompts take to their first
   tokens (prefill and the step that reads them; a first batch of other
   prompts runs before, untimed, so shapes are traced).
 
@@ -23,7 +23,7 @@ Usage::
 
     git worktree add /tmp/base <rev>   # copy veloxquant_mlx/memory/*.so into it
     .venv/bin/python benchmark_scripts/benchmark_decode_step.py --old-root /tmp/base \\
-        [--model smollm2] [--rows 1 16] [--steps 60] [--rounds 5]
+        [--model smollm2] [--rows 1 16] [--steps 60] [--rounds 5] [--prompt-tokens 64]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _first_of(modules: tuple[str, ...], name: str):
     raise ImportError(f"{name} is in none of {modules}")
 
 
-def child(model_name: str, rows: int, steps: int) -> dict:
+def child(model_name: str, rows: int, steps: int, prompt_tokens: int = 64) -> dict:
     """Measure in this process, on the checkout its ``PYTHONPATH`` (and cwd) names."""
     import server
     from server.settings import load_settings
@@ -73,8 +73,9 @@ def child(model_name: str, rows: int, steps: int) -> dict:
         harness = RunnerHarness.for_settings(settings, n_blocks)
     else:  # a revision from before the harness
         harness = _PreHarness(settings, n_blocks)
-    warm = {1000 + o: [5 + (o * 11 + j) % 200 for j in range(64)] for o in range(rows)}
-    prompts = {1 + o: [5 + (o * 7 + j) % 200 for j in range(64)] for o in range(rows)}
+    n = prompt_tokens
+    warm = {1000 + o: [5 + (o * 11 + j) % 200 for j in range(n)] for o in range(rows)}
+    prompts = {1 + o: [5 + (o * 7 + j) % 200 for j in range(n)] for o in range(rows)}
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0)
     prefill_ms = []
     for batch in (warm, prompts):  # the first batch traces the shapes
@@ -131,12 +132,13 @@ class _PreHarness:
         self.runner.remove(owners)
 
 
-def run_child(root: Path, model: str, rows: int, steps: int) -> dict:
+def run_child(root: Path, model: str, rows: int, steps: int, prompt_tokens: int) -> dict:
     from veloxquant_mlx.cpu_backend import child_env
 
     env = child_env(preload=True)
     env["PYTHONPATH"] = str(root)
-    out = subprocess.run([sys.executable, __file__, "--child", model, str(rows), str(steps)],
+    out = subprocess.run([sys.executable, __file__, "--child", model, str(rows), str(steps),
+                          str(prompt_tokens)],
                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{root}: child failed\n{out.stderr[-3000:]}")
@@ -150,6 +152,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     roots = {"new": ROOT, "old": args.old_root.resolve()}
@@ -158,7 +161,8 @@ def main() -> int:
         runs: dict[str, list[dict]] = {"new": [], "old": []}
         for r in range(args.rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                runs[name].append(run_child(roots[name], args.model, rows, args.steps))
+                runs[name].append(run_child(roots[name], args.model, rows, args.steps,
+                                            args.prompt_tokens))
         same = all(run["tokens"] == runs["old"][0]["tokens"] for rs in runs.values()
                    for run in rs)
         for run in runs["old"] + runs["new"]:
@@ -182,13 +186,15 @@ def main() -> int:
         print(f"rows {rows}: best {best['old']:.2f} -> {best['new']:.2f} ms a step "
               f"({best['old'] / best['new']:.3f}x; medians {median['old']:.2f} -> "
               f"{median['new']:.2f}), graph nodes {nodes['old']} -> {nodes['new']}, "
-              f"64-token prompts to first tokens {first['old']:.0f} -> {first['new']:.0f} ms, "
+              f"{args.prompt_tokens}-token prompts to first tokens {first['old']:.0f} -> "
+              f"{first['new']:.0f} ms, "
               f"same tokens: {same}")
     from benchmark_revisions import checkout_revision
     from benchmark_write_back import save_figures
 
     save_figures(args.out, "benchmark_decode_step.py", {
         "model": args.model, "steps": args.steps, "rounds": args.rounds,
+        "prompt_tokens": args.prompt_tokens,
         "revisions": {k: checkout_revision(v) for k, v in roots.items()},
         "note": "step_speedup = old / new ms a step, best round of each (medians beside)",
         "levels": levels})
@@ -206,8 +212,8 @@ def load_checkout_blas() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         load_checkout_blas()
-        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        print(json.dumps(child(sys.argv[2], *map(int, sys.argv[3:]))))
         sys.exit(0)
     sys.exit(main())

@@ -4,7 +4,8 @@
 the codes products, bias, head norms, RoPE; the residuals, silu * up) up to float32
 rounding, for one row or many, shared or per-row RoPE tables; refuse bad shapes with a
 ValueError that says what is wrong; and a model whose blocks take them must decode the
-same logits as its compiled halves while rows join and leave, with two nodes a layer.
+same logits as its compiled halves while rows join and leave, with two nodes a layer; and
+a prompt chunk through them must give the blocks' own logits, with two nodes a layer too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from veloxquant_mlx.codes_linear import INT8_MAX_ROWS, CodesLinear, layer_parts,
 from veloxquant_mlx.compiled_decode import DecodeHalves, compile_decode_blocks
 from veloxquant_mlx.kernels.build import KernelBuildError, load
 from veloxquant_mlx.llama_model import own_model
+from veloxquant_mlx.memory.request_blocks import make_batch_caches
 from veloxquant_mlx.shared_rope import shared_rope
 
 try:
@@ -267,3 +269,84 @@ def test_blocks_that_are_not_all_codes_keep_their_compiled_halves(tiny_model_pat
     model = own_model(mlx_lm.load(str(tiny_model_path))[0])  # float weights
     assert compile_decode_blocks(model) == len(model.layers)
     assert all(isinstance(b.decode, DecodeHalves) for b in model.layers)
+
+
+# ------------------------------------------------------------------ prompt chunks
+
+FAMILIES = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": HEAD_DIM, "max_position_embeddings": 512, "rope_theta": 10000.0,
+               "tie_word_embeddings": True}),
+]
+
+
+def _prompt_errors(model, prompts, fast):
+    """Per row, the relative errors of its logits after its prompt and after two decodes
+    over the KV it stored, prompt operations on against off."""
+    saved = [block.prompt for block in model.layers]
+    assert all(p is not None for p in saved)
+    runs = []
+    for on in (False, True):
+        for block, prompt in zip(model.layers, saved, strict=True):
+            block.prompt = prompt if on else None
+        batch, out = _paged(model, _arena(model, n_blocks=4096), prompts, 3, fast=fast)
+        runs.append([[np.array(logits) for logits in row] for row in out])
+        batch.release()
+    return [[rel_err(g, w) for g, w in zip(got, want, strict=True)]
+            for got, want in zip(runs[1], runs[0], strict=True)]
+
+
+@pytest.mark.parametrize(("family", "extra"), FAMILIES)
+@pytest.mark.parametrize(("widths", "fast"), [((3, 11, 18), False), ((3, 11, 18), True),
+                                              ((9,), True)])
+def test_a_prompt_runs_natively_with_the_blocks_logits(family, extra, widths, fast):
+    """A prompt of more columns than INT8_MAX_ROWS (left-padded rows, per-row RoPE
+    positions) takes float32 products both ways: its logits agree to rounding. One of
+    fewer takes int8 products both ways, as do the decodes after it: equal to rounding
+    unless a rounding difference moves one int8 activation a step (~1% of a row's
+    logits, see the decode test above)."""
+    _, native = _codes_pair(family, **extra)
+    errors = _prompt_errors(native, [_prompt(seed, n) for seed, n in enumerate(widths)], fast)
+    flat = [e for row in errors for e in row]
+    assert max(flat) < 0.03, errors  # a wrong position or head would be ~100%
+    if len(widths) * max(widths) > INT8_MAX_ROWS:
+        assert max(row[0] for row in errors) < 1e-4, errors
+        assert np.mean(np.array(flat) < 1e-4) > 0.5, errors
+
+
+def test_a_prompt_chunk_is_two_nodes_a_layer_and_its_last_block_one_column():
+    from benchmark_scripts.benchmark_write_back import count_nodes
+
+    _, native = _codes_pair()
+    arena = _arena(native)
+    batch = make_batch_caches(native, arena, [1, 2], [0, 4], fast_attention=True)
+    x = mx.array([_prompt(1, 12), [0] * 4 + _prompt(2, 8)])
+    every = native.model(x, batch.caches)
+    nodes = count_nodes([every])
+    assert nodes["BlockQkv"] == nodes["BlockMlp"] == 3
+    assert "CodesMatmul" not in nodes  # every product inside the two operations
+    mx.eval(every, arena.data)
+    batch.release()
+    batch = make_batch_caches(native, arena, [3, 4], [0, 4], fast_attention=True)
+    last = native.model(x, batch.caches, last_column=True)
+    assert count_nodes([last])["BlockMlp"] == 3
+    assert last.shape == (2, 1, HIDDEN)
+    # the last block's products of 2 columns are int8, the full chunk's 24 float32
+    assert rel_err(last, every[:, -1:]) < 0.03
+    batch.release()
+
+
+def test_a_prompt_chunk_of_more_positions_runs_the_blocks_own_ops():
+    from benchmark_scripts.benchmark_write_back import count_nodes
+    from veloxquant_mlx.codes_decode import PROMPT_MAX_POSITIONS
+
+    _, native = _codes_pair()
+    arena = _arena(native, n_blocks=4096)
+    n = PROMPT_MAX_POSITIONS // 2 + 1
+    batch = make_batch_caches(native, arena, [1, 2], [0, 0], fast_attention=True)
+    nodes = count_nodes([native.model(mx.array([_prompt(1, n), _prompt(2, n)]),
+                                      batch.caches)])
+    assert "BlockQkv" not in nodes and "BlockMlp" not in nodes
+    assert nodes["CodesMatmul"] >= 3 * 4  # q/k/v, o, gate/up, down a layer
+    batch.release()

@@ -172,7 +172,8 @@ def compile_decode_blocks(model: Any, fuse_projections: bool = True,
             (:mod:`~veloxquant_mlx.fused_projections`; the projections'
             weights become views of one buffer per group).
         codes_blocks: Where a fused block computes from codes, run each half as one
-            native operation instead (:mod:`~veloxquant_mlx.codes_decode`).
+            native operation instead, and its prompt chunks on a paged cache through
+            the same two (:mod:`~veloxquant_mlx.codes_decode`).
 
     Returns:
         Blocks now compiled (0 for a model without the project's blocks: those
@@ -188,6 +189,7 @@ def compile_decode_blocks(model: Any, fuse_projections: bool = True,
         decode = DecodeHalves(halves, tuple(w for _, w in tree_flatten(_decode_tree(block))))
         native = codes_decode(block, halves.rope, decode) if codes_blocks else None
         block.decode = native or decode
+        block.prompt = native.prompt if native else None
     if fuse_projections and blocks:  # the members' old buffers: ~270 MiB of a 1B model
         release_freed_memory()
     return len(blocks)
