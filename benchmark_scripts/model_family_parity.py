@@ -142,30 +142,13 @@ def _run_rows(harness: Any, prompt_ids: list[list[int]], n: int,
     import numpy as np
 
     owners = range(len(prompt_ids))
-    harness.start(dict(zip(owners, prompt_ids, strict=True)), params)
-    got: dict[int, list] = {owner: [] for owner in owners}
-    # One group (the budget holds both prompts); nothing else decodes, so the prefill
-    # hands back the first tokens, then each decode the token of the one before.
-    out = _check(harness.prefill())
-    for _ in range(n + 1):
-        for sampled in out.tokens:
-            got[sampled.owner].append((sampled.token, np.array(sampled.logprobs)))
-        if all(len(got[o]) >= n for o in owners):
-            break
-        out = _check(harness.decode())
+    got = harness.generate(dict(zip(owners, prompt_ids, strict=True)), params, n)
     harness.finish(owners)
     if any(len(got[o]) != n for o in owners):
-        raise RuntimeError(f"a prefill and up to {n + 1} decode calls gave "
-                           f"{[len(got[o]) for o in owners]} tokens")
-    return [Generated([t for t, _ in got[o]], np.stack([lp for _, lp in got[o]]))
+        raise RuntimeError(f"rows got {[len(got[o]) for o in owners]} tokens, not {n}")
+    return [Generated([s.token for s in got[o]], np.stack([np.array(s.logprobs)
+                                                           for s in got[o]]))
             for o in owners]
-
-
-def _check(out: Any) -> Any:
-    """``out`` (a runner's RunOutput), unless a row failed in it."""
-    if out.failed or out.call_error is not None:
-        raise RuntimeError(f"the runner failed: {out.call_error or out.failed}")
-    return out
 
 
 def compare(family: str, root: Path) -> FamilyResult:

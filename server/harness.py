@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from server.engine.run_output import RunOutput, StepClock
+from server.engine.run_output import RunOutput, Sampled, StepClock
 from server.engine.runner import ModelRunner
 from server.engine.startup import assemble, make_pool
 from server.metrics import ServerMetrics
@@ -112,8 +112,9 @@ class RunnerHarness:
 
     def prefill(self, budget: int = 1 << 20) -> RunOutput:
         """Run prefill calls, ``budget`` prompt tokens each at most, until every started
-        prompt is in. The first tokens come with it when no row was decoding before
-        (else with the next :meth:`decode`, which hides the wait behind its call).
+        prompt is in. The first tokens come with it when no row was decoding before or the
+        runner reads them at once (the served build on a CPU); else with the next
+        :meth:`decode`, which hides the wait behind its call.
 
         Returns:
             Every call's output, together (rows that failed, finished tasks).
@@ -129,6 +130,29 @@ class RunnerHarness:
     def decode(self) -> RunOutput:
         """One batched decode step over every prefilled row."""
         return self._runner.decode()
+
+    def generate(self, prompts: Mapping[int, Sequence[int]], params: SamplingParams, n: int,
+                 budget: int = 1 << 20) -> dict[int, list[Sampled]]:
+        """Start ``prompts``, prefill them and decode until every row has ``n`` tokens (at
+        most ``n + 1`` decodes after the prefill); each row's tokens in order. The rows
+        stay in the runner (:meth:`finish` them).
+
+        Raises:
+            RuntimeError: A row failed, or some row had fewer than ``n`` tokens by then.
+        """
+        self.start(prompts, params)
+        got: dict[int, list[Sampled]] = {owner: [] for owner in prompts}
+        out = self.prefill(budget)
+        for _ in range(n + 2):  # the prefill's output, then each decode's
+            if out.failed or out.call_error is not None:
+                raise RuntimeError(f"the runner failed: {out.call_error or out.failed}")
+            for sampled in out.tokens:
+                got[sampled.owner].append(sampled)
+            if all(len(tokens) >= n for tokens in got.values()):
+                return got
+            out = self.decode()
+        raise RuntimeError(f"a prefill and {n + 1} decodes gave "
+                           f"{[len(tokens) for tokens in got.values()]} tokens, not {n}")
 
     def finish(self, owners: Iterable[int]) -> dict[int, int]:
         """Rows leave; their blocks go back to the pool. Returns owner -> blocks it held."""

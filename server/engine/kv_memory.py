@@ -263,7 +263,7 @@ class PromptPrefixes:
         min_tail: Prompt tokens a hit always leaves to compute. 1 (the last token's
             logits give the first generated one), or more where the number of rows
             picks the arithmetic: with the CPU's products from quantized codes (calls
-            of at most ``model.quantized_matmul_rows`` rows), a tail of that many
+            of at most ``codes_linear.INT8_MAX_ROWS`` rows), a tail of that many
             rows or fewer would run with int8 activations where the cold prompt ran
             in float32, and a near-tie first token (SmolLM2 asked the capital of
             France: "The" 0.10 above "L") flipped on the second asking. One row more

@@ -32,19 +32,9 @@ def _stock_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def _run(harness: RunnerHarness, prompts: dict[int, list[int]], steps: int,
          budget: int = 1 << 20) -> dict[int, list[int]]:
-    """``steps`` tokens a row: the first from the prefill (nothing else decodes), then
-    from each decode the token of the one before."""
-    harness.start(prompts, GREEDY)
-    out = harness.prefill(budget)
-    got: dict[int, list[int]] = {owner: [] for owner in prompts}
-    for _ in range(steps + 1):
-        assert not out.failed
-        for sampled in out.tokens:
-            got[sampled.owner].append(sampled.token)
-        if all(len(tokens) >= steps for tokens in got.values()):
-            break
-        out = harness.decode()
-    return got
+    """``steps`` tokens a row, greedy (:meth:`RunnerHarness.generate`)."""
+    got = harness.generate(prompts, GREEDY, steps, budget)
+    return {owner: [s.token for s in sampled] for owner, sampled in got.items()}
 
 
 def test_a_model_harness_generates_what_mlx_lm_does_and_gives_every_block_back(tiny_model):
@@ -108,3 +98,12 @@ def test_decode_before_any_prompt_is_a_step_without_rows(tiny_model, steps):
         for _ in range(steps):
             out = harness.decode()
             assert out.tokens == [] and out.rows == 0
+
+
+def test_generate_says_so_when_a_row_fails(tiny_model):
+    """A prompt the pool cannot hold fails its row: generate raises, nothing is held."""
+    model, _ = tiny_model
+    with RunnerHarness.for_model(model, n_blocks=8) as harness:
+        with pytest.raises(RuntimeError, match="the runner failed"):
+            harness.generate({1: _prompts(1, 200)[1]}, GREEDY, 3)
+        assert harness.pool.stats.blocks_in_use() == 0
