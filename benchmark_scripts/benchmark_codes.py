@@ -266,9 +266,24 @@ def print_table(result: dict) -> None:
         print(f"ours: {result['servers'][NEW]['startup_line']}")
 
 
+def add_server_args(p: argparse.ArgumentParser, figures: str) -> None:
+    """The flags of every run on one GGUF: the file, the servers besides ours, where the
+    figures go (see :func:`gguf_run`)."""
+    p.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M's Q4_1")
+    p.add_argument("--old-root", type=Path, default=None,
+                   help="another checkout of ours to run too (PYTHONPATH and cwd = DIR)")
+    p.add_argument("--no-llama", action="store_true", help="ours (and old) only")
+    p.add_argument("--llama-server", help="llama-server binary (default: build/find it)")
+    p.add_argument("--llama-arg", action="append", default=[],
+                   help="extra llama-server flag (repeatable; e.g. --llama-arg=--log-disable)")
+    p.add_argument("--start-timeout", type=float, default=1200.0)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"default figures/cpu/{figures}_<gguf stem>.json")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M's Q4_1")
+    add_server_args(p, "codes")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--requests", type=int, default=16, help="per server, level and round")
     p.add_argument("--rounds", type=int, default=2)
@@ -278,16 +293,9 @@ def parse_args() -> argparse.Namespace:
                    help="tokens per warm-up request (max(2, c) of them at each level c)")
     p.add_argument("--time-limit", type=float, default=600.0,
                    help="stop launching requests in one server's round after this many s")
-    p.add_argument("--start-timeout", type=float, default=1200.0)
-    p.add_argument("--old-root", type=Path, default=None,
-                   help="another checkout of ours to run too (PYTHONPATH and cwd = DIR)")
-    p.add_argument("--no-llama", action="store_true", help="ours (and old) only")
     p.add_argument("--match-kv", action="store_true",
                    help="size our KV pool (pool.kv_memory) to llama-server's KV cache bytes, "
                         "so resident memory compares weights and runtime, not KV budgets")
-    p.add_argument("--llama-server", help="llama-server binary (default: build/find it)")
-    p.add_argument("--llama-arg", action="append", default=[],
-                   help="extra llama-server flag (repeatable; e.g. --llama-arg=--log-disable)")
     p.add_argument("--target", type=level_ratio, action="append", default=None,
                    help="LEVEL=RATIO: tok/s ours / llama-server at least this (repeatable; "
                         "default c1=0.8 c16=1.2, SmolLM2's)")
@@ -297,28 +305,34 @@ def parse_args() -> argparse.Namespace:
                    help="resident set after warm-up, ours / llama-server, at most (0: none)")
     p.add_argument("--target-old", type=float, default=1.0,
                    help="tok/s ours / old revision at least this at every level (0: none)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default figures/cpu/codes_<gguf stem>.json")
     args = p.parse_args()
     if args.target is None:
         args.target = list(DEFAULT_TARGETS.items())
+    return args
+
+
+def gguf_run(args: argparse.Namespace, figures: str) -> tuple[Path, Path, dict[str, str],
+                                                              list[str], str]:
+    """What a run on one GGUF starts from: the file (``--gguf``, else SmolLM2's), where its
+    figures go (``--out``, else ``figures/cpu/<figures>_<stem>.json``), the servers'
+    environment, the servers to run, and llama-server's binary ("" when it does not run)."""
+    from veloxquant_mlx.gguf import smollm2_gguf_path
+
     if args.old_root is not None:
         args.old_root = args.old_root.resolve()
-    return args
+    gguf = (args.gguf or smollm2_gguf_path()).resolve()
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", gguf.name.removesuffix(".gguf"))
+    out_path = args.out or ROOT / "figures" / "cpu" / f"{figures}_{stem}.json"
+    names = [NEW] + ([OLD] if args.old_root else []) + ([] if args.no_llama else [LLAMA])
+    llama_bin = llama_server_binary(args.llama_server) if LLAMA in names else ""
+    return gguf, out_path, child_env(preload=True), names, llama_bin
 
 
 def main() -> int:
     args = parse_args()
-    from veloxquant_mlx.gguf import smollm2_gguf_path
-
-    gguf = (args.gguf or smollm2_gguf_path()).resolve()
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", gguf.name.removesuffix(".gguf"))
-    out_path = args.out or ROOT / "figures" / "cpu" / f"codes_{stem}.json"
-    env = child_env(preload=True)
+    gguf, out_path, env, names, llama_bin = gguf_run(args, "codes")
     if args.match_kv:  # ours' KV pool holds as many bytes as llama-server's KV cache
         env["VELOXQUANT_POOL_KV_MEMORY"] = str(llama_kv_bytes(gguf, args))
-    names = [NEW] + ([OLD] if args.old_root else []) + ([] if args.no_llama else [LLAMA])
-    llama_bin = llama_server_binary(args.llama_server) if LLAMA in names else ""
     conversions = {NEW: convert_first(ROOT, gguf, env)}
     if args.old_root:
         conversions[OLD] = convert_first(args.old_root, gguf, env)

@@ -1,5 +1,6 @@
-"""Time to first token of a request that arrives while others decode: ours, our previous
-revision and llama-server on one GGUF.
+"""Time to first token of requests that arrive while others decode, ours against peers.
+
+Ours, our previous revision (``--old-root``) and llama-server, on one GGUF.
 
 A benchmark that starts every request at once measures prefill throughput: every
 TTFT there is mostly the prompts queued before it. This one measures what a user
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import sys
 import time
@@ -37,12 +37,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_codes import LLAMA, NEW, OLD, convert_first, start  # noqa: E402
-from benchmark_real_model import llama_server_binary  # noqa: E402
+from benchmark_codes import NEW, OLD, add_server_args, convert_first, gguf_run, start  # noqa: E402
 from benchmark_revisions import checkout_revision  # noqa: E402
 from benchmark_server import make_prompts, stop_server  # noqa: E402
-
-from veloxquant_mlx.cpu_backend import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_TOKENS = 4  # tokens every stream has streamed before the first newcomer is sent
@@ -113,12 +110,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M's Q4_1")
-    p.add_argument("--old-root", type=Path, default=None,
-                   help="another checkout of ours to run too (PYTHONPATH and cwd = DIR)")
-    p.add_argument("--no-llama", action="store_true", help="ours (and old) only")
-    p.add_argument("--llama-server", default=None, help="llama-server binary")
-    p.add_argument("--llama-arg", action="append", default=[])
+    add_server_args(p, "join_latency")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=4, help="requests decoding meanwhile")
     p.add_argument("--stream-tokens", type=int, default=400,
@@ -129,21 +121,12 @@ def parse_args() -> argparse.Namespace:
                    help="pause after a newcomer's first token before the next is sent")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="longest any one request or wait may take (s)")
-    p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
 
 def main() -> int:
     args = parse_args()
-    from veloxquant_mlx.gguf import smollm2_gguf_path
-
-    gguf = (args.gguf or smollm2_gguf_path()).resolve()
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", gguf.name.removesuffix(".gguf"))
-    out_path = args.out or ROOT / "figures" / "cpu" / f"join_latency_{stem}.json"
-    env = child_env(preload=True)
-    names = [NEW] + ([OLD] if args.old_root else []) + ([] if args.no_llama else [LLAMA])
-    llama_bin = llama_server_binary(args.llama_server) if LLAMA in names else ""
+    gguf, out_path, env, names, llama_bin = gguf_run(args, "join_latency")
     folder = convert_first(ROOT, gguf, env)["folder"]
     if folder is None:
         raise SystemExit(f"this checkout cannot convert {gguf}")

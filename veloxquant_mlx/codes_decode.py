@@ -13,10 +13,10 @@ one operation of the extension (``veloxquant_mlx/kernels/codes_block.cpp``)::
     block_mlp  o from codes, residual, rms_norm, gate/up, silu * up,     one node
                down, residual
 
-A prompt chunk on a paged cache (:meth:`CodesDecode.prompt`) runs through the same two
-operations, each of its columns one of their rows: its products were already these codes
-products, and the ~25 nodes of norms, RoPE and activation a layer cost a short prompt more
-than its products (SmolLM2, a 4-token prompt's prefill: ~70 -> ~32 ms).
+A short prompt chunk on a paged cache (:meth:`CodesDecode.prompt`) runs through the same
+two operations, each of its columns one of their rows: its products were already these
+codes products, and the ~25 nodes of norms, RoPE and activation a layer cost it more than
+its products (SmolLM2, an 8-token prompt to its first token: ~100 -> ~57 ms).
 
 The products are the same codes products; the norms, RoPE and activation are loops in C
 whose float32 results differ from MLX's ops by rounding only (sums in another order).
@@ -37,12 +37,14 @@ from veloxquant_mlx.codes_linear import INT8_MAX_ROWS, CodesLinear
 from veloxquant_mlx.memory.paged_layer_cache import PagedLayerCache
 from veloxquant_mlx.shared_rope import SharedRope
 
-# Prompt chunks of at most this many positions (rows x columns) take the two operations.
-# Above it the products and the attention outweigh the nodes saved, and the block's own
-# ops run the activation and prompt attention on both cores (their C kernels), where the
-# operations' norms, RoPE and silu * up loops run on one: served SmolLM2, 16 prompts of
-# 64 tokens prefilled together, reached their first tokens 1.09x later through them.
-PROMPT_MAX_POSITIONS = 128
+# Prompt chunks of at most this many positions (rows x columns) take the two operations:
+# those whose products are int8 too (INT8_MAX_ROWS), cheap next to the ~25 nodes a layer
+# saved. Above, the float32 products dominate, and the block's own ops run silu * up on
+# both cores with a vectorised exp (its C kernel) where block_mlp's loop runs on one:
+# served 1B Q4_1, 64-token prompts reached their first tokens 1.03-1.11x later through
+# them; in process 1,531 against 1,455 ms, medians of 4 rounds
+# (figures/cpu/codes_prompt_ops_128_positions_llama1b_64.json).
+PROMPT_MAX_POSITIONS = INT8_MAX_ROWS
 
 
 def _weight(layer: Any) -> tuple | None:
