@@ -124,9 +124,7 @@ class CodesDecode:
         k, v = cache.update_and_fetch_stacked(new)
         m = n
         if last_only:
-            q, x, m = q[:, :, -1:], x[:, -1:], 1
-            if mask is not None:  # a causal mask's last row sees every key
-                mask = None if isinstance(mask, str) else mask[..., -1:, :]
+            q, x, m, mask = q[:, :, -1:], x[:, -1:], 1, llama_model.last_row_mask(mask)
         out = llama_model.scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(b * m, heads * d)
         y = self._block_mlp(x.reshape(b * m, hidden), out, self.o, self.post_norm,

@@ -80,10 +80,16 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset=q_offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if last_only and mask is not None:  # a causal mask's last row sees every key
-            mask = None if isinstance(mask, str) else mask[..., -1:, :]
+        if last_only:
+            mask = last_row_mask(mask)
         out = scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, m, -1))
+
+
+def last_row_mask(mask: Any) -> Any:
+    """A prompt's attention mask for its last query column alone: a causal mask's last row
+    sees every key (None); an array mask keeps its last row."""
+    return None if mask is None or isinstance(mask, str) else mask[..., -1:, :]
 
 
 def attend_stacked(queries: mx.array, new: mx.array, cache: PagedLayerCache, scale: float,
