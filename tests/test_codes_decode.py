@@ -241,12 +241,16 @@ def test_decode_logits_match_the_compiled_halves_while_rows_join_and_leave(write
     assert np.mean(np.array(errors) < 1e-4) > 0.5, errors
 
 
-@pytest.mark.parametrize(("family", "extra"), [
+# The Llama-shaped families: plain, a q/k/v bias (qwen2), q_norm / k_norm per head (qwen3).
+FAMILIES = [
     ("llama", {}),
-    ("qwen2", {}),  # a q/k/v bias
+    ("qwen2", {}),
     ("qwen3", {"head_dim": HEAD_DIM, "max_position_embeddings": 512, "rope_theta": 10000.0,
-               "tie_word_embeddings": True}),  # q_norm / k_norm per head
-])
+               "tie_word_embeddings": True}),
+]
+
+
+@pytest.mark.parametrize(("family", "extra"), FAMILIES)
 def test_every_family_decodes_natively_with_the_same_logits(family, extra):
     """More rows than INT8_MAX_ROWS: the products are float32, so no int8 rounding
     boundary can amplify a rounding difference and every row must agree (left padding,
@@ -272,14 +276,6 @@ def test_blocks_that_are_not_all_codes_keep_their_compiled_halves(tiny_model_pat
 
 
 # ------------------------------------------------------------------ prompt chunks
-
-FAMILIES = [
-    ("llama", {}),
-    ("qwen2", {}),
-    ("qwen3", {"head_dim": HEAD_DIM, "max_position_embeddings": 512, "rope_theta": 10000.0,
-               "tie_word_embeddings": True}),
-]
-
 
 def _prompt_errors(model, prompts, fast):
     """Per row, the relative errors of its logits after its prompt and after two decodes

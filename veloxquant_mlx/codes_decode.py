@@ -102,16 +102,18 @@ class CodesDecode:
         return self._block_mlp(x, out, self.o, self.post_norm, self.gate_up, self.down,
                                **self.mlp_options)
 
-    def prompt(self, block: Any, x: mx.array, mask: Any, cache: PagedLayerCache,
+    def prompt(self, block: Any, x: mx.array, mask: Any, cache: Any,
                last_only: bool = False) -> mx.array | None:
         """A prompt chunk's call, ``x`` ``(rows, n, hidden)``: every column one row of the
         two operations, with its own RoPE position; the attention between them is the
         block's own (causal, over the stored columns too). With ``last_only`` the output
         is the last column's alone, ``(rows, 1, hidden)``
         (:meth:`~veloxquant_mlx.llama_model.Block.last_column`). None (the block runs
-        its own ops) for an ``x`` not float32 or of more than PROMPT_MAX_POSITIONS."""
+        its own ops) unless ``cache`` is paged and ``x`` float32 of at most
+        PROMPT_MAX_POSITIONS."""
         b, n, hidden = x.shape
-        if x.dtype != mx.float32 or b * n > PROMPT_MAX_POSITIONS:
+        if (not isinstance(cache, PagedLayerCache) or x.dtype != mx.float32
+                or b * n > PROMPT_MAX_POSITIONS):
             return None
         cos, sin = (mx.broadcast_to(t.reshape(-1, n, t.shape[-1]), (b, n, t.shape[-1]))
                     .reshape(b * n, -1) for t in self.rope.tables(cache.offset, n))

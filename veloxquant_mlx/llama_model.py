@@ -138,25 +138,24 @@ class Block(nn.Module):
         self.use_sliding = bool(getattr(stock, "use_sliding", False))
         # Compiled halves for one-column calls on a paged cache (compiled_decode), or None.
         self.decode: Any = None
-        # Native operations for prompt chunks on a paged cache (codes_decode), or None.
+        # Native operations for short prompt chunks on a paged cache (codes_decode), or
+        # None; they hand back None for a call they do not take.
         self.prompt: Any = None
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if self.decode is not None and isinstance(cache, PagedLayerCache):
-            if x.shape[1] == 1:
-                return self.decode(self, x, mask, cache)
-            if self.prompt is not None and (out := self.prompt(self, x, mask, cache)) is not None:
-                return out
+        if self.decode is not None and x.shape[1] == 1 and isinstance(cache, PagedLayerCache):
+            return self.decode(self, x, mask, cache)
+        if self.prompt is not None and (out := self.prompt(self, x, mask, cache)) is not None:
+            return out
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def last_column(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         """The block's output at ``x``'s last column only, every column's keys and values
         stored: a prompt's last block, whose other columns nothing reads."""
-        if self.prompt is not None and isinstance(cache, PagedLayerCache):
-            out = self.prompt(self, x, mask, cache, last_only=True)
-            if out is not None:
-                return out
+        if self.prompt is not None and (
+                out := self.prompt(self, x, mask, cache, last_only=True)) is not None:
+            return out
         h = x[:, -1:] + self.self_attn(self.input_layernorm(x), mask, cache, last_only=True)
         return h + self.mlp(self.post_attention_layernorm(h))
 
